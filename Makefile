@@ -1,0 +1,20 @@
+# `make demo`: the main job on the built-in tiny-bamba preset. `make test`: the whole test suite.
+# Both create .venv (CPU torch from this machine's disk; see shared/design/env.md) if it is missing.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+.PHONY: demo test bench
+demo: $(VENV)/.installed
+	$(PY) -m toolkit demo
+
+test: $(VENV)/.installed
+	TRITON_INTERPRET=1 $(PY) -m pytest tests
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/decode_throughput.py

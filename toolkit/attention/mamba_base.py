@@ -1,0 +1,76 @@
+"""What every Mamba-family builder shares (vLLM `BaseMambaAttentionMetadataBuilder`).
+
+Rows are decodes first. A row runs as a decode when it has one token on top of existing state:
+query_len == 1 and (not is_prefilling or seq_len > 1) -- so a one-token prefill chunk that
+continues a saved state is a decode too (vLLM #42430). That rule needs `is_prefilling` and
+`seq_lens_cpu_upper_bound`, which is why both are required on every build.
+State index of a row = column 0 of its block table (one state slot per request, "none" mode).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from toolkit.attention.builder import AttentionMetadataBuilder
+from toolkit.attention.common import CommonAttentionMetadata
+from toolkit.attention.contracts import FieldSpec
+from toolkit.errors import MetadataContractError
+
+MAMBA_REQUIRED_FIELDS = (
+    FieldSpec("query_start_loc", torch.int32, shape="[B+1]"),
+    FieldSpec("query_start_loc_cpu", torch.int32, on_cpu=True, shape="[B+1]"),
+    FieldSpec("seq_lens", torch.int32, shape="[B]"),
+    FieldSpec("block_table_tensor", torch.int32, shape="[B, *]"),
+    FieldSpec("seq_lens_cpu_upper_bound", torch.int32, on_cpu=True, shape="[B]"),
+    FieldSpec("is_prefilling", torch.bool, on_cpu=True, shape="[B]"),
+)
+
+
+@dataclass
+class MambaSplit:
+    """Host-side facts of one batch, shared by the Mamba builders."""
+    num_decodes: int
+    num_prefills: int
+    num_decode_tokens: int
+    num_prefill_tokens: int
+    query_lens: np.ndarray            # int32 [B]
+    num_computed_p: np.ndarray        # int32 [P]: tokens already in each prefill row's state
+
+
+class BaseMambaMetadataBuilder(AttentionMetadataBuilder):
+    required_fields = MAMBA_REQUIRED_FIELDS
+
+    def split(self, common: CommonAttentionMetadata, producer: str = "") -> MambaSplit:
+        qsl = common.query_start_loc_cpu.numpy()
+        query_lens = np.diff(qsl).astype(np.int32)
+        seq_lens = common.seq_lens_cpu_upper_bound.numpy()
+        prefilling = common.is_prefilling.numpy()
+        is_decode = (query_lens == 1) & (~prefilling | (seq_lens > 1))
+        num_decodes = int(is_decode.sum())
+        if not is_decode[:num_decodes].all():
+            row = int(np.argmin(is_decode[:num_decodes]))
+            raise MetadataContractError(
+                "query_start_loc_cpu", type(self).__name__, producer or "the runner",
+                f"breaks the decodes-first batch order: row {row} is a prefill but a decode row "
+                f"follows it (query lens {query_lens.tolist()})")
+        num_decode_tokens = int(qsl[num_decodes])
+        num_computed_p = (seq_lens[num_decodes:] - query_lens[num_decodes:]).astype(np.int32)
+        return MambaSplit(num_decodes, len(query_lens) - num_decodes, num_decode_tokens,
+                          int(qsl[-1]) - num_decode_tokens, query_lens, num_computed_p)
+
+    def common_fields(self, common: CommonAttentionMetadata, s: MambaSplit) -> dict:
+        device = common.query_start_loc.device
+        state_indices = common.block_table_tensor[:, 0]
+        fields = dict(num_prefills=s.num_prefills, num_prefill_tokens=s.num_prefill_tokens,
+                      num_decodes=s.num_decodes, num_decode_tokens=s.num_decode_tokens,
+                      num_reqs=common.num_reqs,
+                      state_indices_tensor_d=state_indices[:s.num_decodes] if s.num_decodes else None,
+                      state_indices_tensor_p=None, query_start_loc_p=None, has_initial_states_p=None)
+        if s.num_prefills:
+            fields.update(
+                state_indices_tensor_p=state_indices[s.num_decodes:],
+                query_start_loc_p=common.query_start_loc[s.num_decodes:] - s.num_decode_tokens,
+                has_initial_states_p=torch.from_numpy(s.num_computed_p > 0).to(device))
+        return fields

@@ -1,0 +1,54 @@
+"""RunnerConfig: the engine limits, validated once when the LLM is built."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RunnerConfig:
+    device: torch.device
+    dtype: torch.dtype
+    max_num_seqs: int               # rows in the persistent request table (vLLM max_num_reqs)
+    max_num_batched_tokens: int     # token budget of one step
+    block_size: int                 # tokens per KV block
+    max_model_len: int              # prompt + output tokens of one request
+    num_kv_blocks: int | None       # None: enough for max_num_seqs full-length requests
+    seed: int
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r}: must be an int >= 1")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int)
+                                               or self.num_kv_blocks < 2):
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks!r}: must be an int >= 2 "
+                             "(block 0 is the reserved null block)")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                             f"max_num_seqs={self.max_num_seqs} so every running request can decode")
+
+    @property
+    def max_blocks_per_req(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
+def resolve_device_dtype(device: str | torch.device, dtype: str | torch.dtype
+                         ) -> tuple[torch.device, torch.dtype]:
+    """"auto": CUDA + bfloat16 when a GPU is there, else CPU + float32."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but torch sees no CUDA GPU")
+    if dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+        if dtype not in names:
+            raise ValueError(f"dtype={dtype!r}: use 'auto' or one of {sorted(names)}")
+        dtype = names[dtype]
+    return device, dtype

@@ -1,0 +1,46 @@
+"""Every error the toolkit raises on purpose. All derive from `ToolkitError` (and from the builtin
+type a user would catch for the same mistake), so `except ValueError` keeps working."""
+from __future__ import annotations
+
+
+class ToolkitError(Exception):
+    """Base class of the toolkit's own errors."""
+
+
+class UnknownModelError(ToolkitError, ValueError):
+    """`LLM(model)` got neither a preset name nor an existing folder."""
+
+
+class UnsupportedArchitectureError(ToolkitError, ValueError):
+    """The config names an architecture the toolkit does not implement."""
+
+
+class CheckpointError(ToolkitError, ValueError):
+    """A model folder is malformed: no config.json, missing/unexpected/misshapen tensors, pickles."""
+
+
+class InvalidRequestError(ToolkitError, ValueError):
+    """A prompt or SamplingParams value that cannot be served. The LLM keeps serving other requests."""
+
+
+class NotSupportedYetError(ToolkitError, NotImplementedError):
+    """A model kind whose runner path (model state) this toolkit does not have yet."""
+
+
+class MetadataContractError(ToolkitError, ValueError):
+    """A metadata builder got a missing or malformed field.
+
+    Names the field, the builder that requires it and the model state that produced the metadata,
+    so a bookkeeping bug (vLLM #46759: a field computed but never forwarded) is found at warmup.
+    """
+
+    def __init__(self, field: str, builder: str, producer: str, problem: str):
+        self.field, self.builder, self.producer, self.problem = field, builder, producer, problem
+        super().__init__(
+            f"field '{field}' required by {builder} {problem} "
+            f"(metadata produced by {producer})"
+        )
+
+
+class ModelStateError(ToolkitError, RuntimeError):
+    """A model state was given caches it cannot manage (a routing bug, cf. vLLM #52374)."""

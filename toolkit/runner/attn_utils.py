@@ -1,0 +1,85 @@
+"""`build_attn_metadata`: one CommonAttentionMetadata per KV-cache group, one builder call per
+attention group, and a layer_name -> metadata map for the forward (vLLM §b.1).
+
+The result keeps the per-group common metadata beside the builder output, so a StepRecord can
+show exactly what each builder was given and what it produced.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from toolkit.attention.builder import AttentionMetadataBuilder
+from toolkit.attention.common import CommonAttentionMetadata
+from toolkit.attention.mamba2 import Mamba2MetadataBuilder
+from toolkit.attention.paged_attn import PagedAttentionMetadataBuilder
+from toolkit.runner.kv_cache import KVCacheGroup
+from toolkit.runner.kv_cache_spec import AttentionSpec, MambaSpec
+
+
+@dataclass
+class AttentionGroup:
+    kv_cache_group: KVCacheGroup
+    builder: AttentionMetadataBuilder
+
+    @property
+    def layer_names(self) -> list[str]:
+        return self.kv_cache_group.layer_names
+
+
+def make_builder(group: KVCacheGroup) -> AttentionMetadataBuilder:
+    spec = group.spec
+    if isinstance(spec, AttentionSpec):
+        return PagedAttentionMetadataBuilder(group.block_size)
+    if isinstance(spec, MambaSpec) and spec.mamba_type == "mamba2":
+        return Mamba2MetadataBuilder(spec.chunk_size)
+    raise ValueError(f"no metadata builder for cache spec {spec}")
+
+
+def init_attn_groups(kv_cache_groups: list[KVCacheGroup]) -> list[AttentionGroup]:
+    return [AttentionGroup(g, make_builder(g)) for g in kv_cache_groups]
+
+
+@dataclass
+class GroupMetadata:
+    group_id: int
+    kind: str                          # "attention" or "mamba"
+    builder: str                       # builder class name
+    layer_names: list[str]
+    common: CommonAttentionMetadata    # what the builder was given
+    metadata: Any                      # what it built (shared by every layer of the group)
+
+
+@dataclass
+class AttnMetadata:
+    groups: list[GroupMetadata]
+    by_layer: dict[str, Any]           # layer_name -> metadata, read by the model's layers
+
+
+def build_attn_metadata(*, attn_groups: list[AttentionGroup], num_reqs: int, num_tokens: int,
+                        query_start_loc_gpu: torch.Tensor, query_start_loc_cpu: torch.Tensor,
+                        max_query_len: int, seq_lens: torch.Tensor, max_seq_len: int,
+                        block_tables: tuple[torch.Tensor, ...], slot_mappings: torch.Tensor,
+                        producer: str, seq_lens_cpu_upper_bound: torch.Tensor | None = None,
+                        is_prefilling: torch.Tensor | None = None,
+                        positions: torch.Tensor | None = None) -> AttnMetadata:
+    """`producer` names the model state calling this; contract errors report it."""
+    groups, by_layer = [], {}
+    for i, attn_group in enumerate(attn_groups):
+        common = CommonAttentionMetadata(
+            query_start_loc=query_start_loc_gpu, query_start_loc_cpu=query_start_loc_cpu,
+            seq_lens=seq_lens[:num_reqs], num_reqs=num_reqs, num_actual_tokens=num_tokens,
+            max_query_len=max_query_len, max_seq_len=max_seq_len,
+            block_table_tensor=block_tables[i], slot_mapping=slot_mappings[i],
+            seq_lens_cpu_upper_bound=(seq_lens_cpu_upper_bound[:num_reqs]
+                                      if seq_lens_cpu_upper_bound is not None else None),
+            is_prefilling=is_prefilling, positions=positions)
+        metadata = attn_group.builder.build(common, producer=producer)
+        kv_group = attn_group.kv_cache_group
+        groups.append(GroupMetadata(kv_group.group_id, kv_group.kind, type(attn_group.builder).__name__,
+                                    list(kv_group.layer_names), common, metadata))
+        for name in kv_group.layer_names:
+            by_layer[name] = metadata
+    return AttnMetadata(groups, by_layer)

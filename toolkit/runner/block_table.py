@@ -1,0 +1,67 @@
+"""Block tables and slot mappings, one per KV-cache group (MRV2 `BlockTables`).
+
+The CPU table [R, W_g] is the authority (W_g = blocks per request in group g); each step gathers
+the batch's rows, in batch order, into a persistent device buffer `input_block_tables[g]`.
+Slot mapping: token at position p of a row -> block_table[row, p // block_size] * block_size
++ p % block_size, with PAD_SLOT_ID beyond the real tokens.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+PAD_SLOT_ID = -1
+
+
+class BlockTables:
+    def __init__(self, block_sizes: list[int], widths: list[int], max_num_reqs: int,
+                 max_num_tokens: int, device: torch.device):
+        self.block_sizes = block_sizes
+        self.tables = [np.zeros((max_num_reqs, w), dtype=np.int32) for w in widths]
+        self.num_blocks = [np.zeros(max_num_reqs, dtype=np.int32) for _ in widths]
+        self.input_block_tables = [torch.zeros(max_num_reqs, w, dtype=torch.int32, device=device)
+                                   for w in widths]
+        self.slot_mappings = torch.full((len(widths), max_num_tokens), PAD_SLOT_ID,
+                                        dtype=torch.int64, device=device)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.tables)
+
+    def append_block_ids(self, req_idx: int, block_ids: tuple[list[int], ...], overwrite: bool) -> None:
+        for g, ids in enumerate(block_ids):
+            start = 0 if overwrite else int(self.num_blocks[g][req_idx])
+            end = start + len(ids)
+            if end > self.tables[g].shape[1]:
+                raise RuntimeError(f"group {g}: row {req_idx} would hold {end} blocks, "
+                                   f"table width is {self.tables[g].shape[1]}")
+            self.tables[g][req_idx, start:end] = ids
+            self.num_blocks[g][req_idx] = end
+
+    def clear_row(self, req_idx: int) -> None:
+        for g in range(self.num_groups):
+            self.tables[g][req_idx] = 0
+            self.num_blocks[g][req_idx] = 0
+
+    def gather_block_tables(self, idx_mapping_np: np.ndarray) -> tuple[torch.Tensor, ...]:
+        """Rows of the batch, in batch order: tuple over groups of int32 [B, W_g] (device views)."""
+        b = len(idx_mapping_np)
+        out = []
+        for g, table in enumerate(self.tables):
+            dst = self.input_block_tables[g][:b]
+            dst.copy_(torch.from_numpy(table[idx_mapping_np]), non_blocking=True)
+            out.append(dst)
+        return tuple(out)
+
+    def compute_slot_mappings(self, block_tables: tuple[torch.Tensor, ...], query_start_loc: torch.Tensor,
+                              positions: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """int64 [G, num_tokens] view of the persistent slot-mapping buffer."""
+        num_reqs = block_tables[0].shape[0] if block_tables else 0
+        query_lens = (query_start_loc[1:num_reqs + 1] - query_start_loc[:num_reqs]).long()
+        token_rows = torch.repeat_interleave(torch.arange(num_reqs, device=positions.device), query_lens)
+        for g, table in enumerate(block_tables):
+            bs = self.block_sizes[g]
+            block_ids = table[token_rows, positions // bs].long()
+            self.slot_mappings[g, :num_tokens] = block_ids * bs + positions % bs
+            self.slot_mappings[g, num_tokens:] = PAD_SLOT_ID
+        return self.slot_mappings[:, :num_tokens]

@@ -1,0 +1,139 @@
+"""The per-step input batch (MRV2 `InputBuffers` + `InputBatch`).
+
+`InputBuffers` are allocated once at their maximum sizes; every step writes into them, and the
+`InputBatch` holds views of the written prefix, so a later CUDA-graph capture can reuse the same
+storage. B = num_reqs, T = num_tokens. Rows are in batch order: decodes first (see `sort_batch`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from toolkit.runner.request_states import RequestStates
+
+
+class InputBuffers:
+    def __init__(self, max_num_reqs: int, max_num_tokens: int, device: torch.device):
+        self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
+        self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
+        self.query_start_loc = torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
+        self.idx_mapping = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
+        self.logits_indices = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
+
+
+@dataclass
+class InputBatch:
+    req_ids: list[str]                     # [B] in batch order
+    num_reqs: int
+    num_tokens: int
+    max_query_len: int
+    idx_mapping: torch.Tensor              # device int64 [B]: batch row -> request row (req_idx)
+    idx_mapping_np: np.ndarray             # int64 [B]
+    num_scheduled_tokens: np.ndarray       # int32 [B]
+    num_computed_tokens_np: np.ndarray     # int32 [B]: tokens already in the cache/state
+    prefill_len_np: np.ndarray             # int32 [B]
+    is_prefilling_np: np.ndarray           # bool [B]: still consuming prompt tokens
+    query_start_loc: torch.Tensor          # device int32 [B+1]
+    query_start_loc_np: np.ndarray         # int32 [B+1]
+    seq_lens: torch.Tensor                 # device int32 [B]: computed + scheduled
+    seq_lens_cpu_upper_bound: torch.Tensor  # CPU int32 [B]: same values, no device sync needed
+    input_ids: torch.Tensor                # device int32 [T]
+    positions: torch.Tensor                # device int64 [T]
+    logits_indices: torch.Tensor           # device int64 [B]: last token of each row
+
+    @property
+    def has_prefill(self) -> bool:
+        return bool(self.is_prefilling_np.any())
+
+    @property
+    def num_decodes(self) -> int:
+        """Rows that run as decodes: one token on top of existing state."""
+        return int(((self.num_scheduled_tokens == 1) & (self.num_computed_tokens_np > 0)).sum())
+
+
+def sort_batch(req_ids: list[str], num_scheduled: dict[str, int], num_computed: dict[str, int]
+               ) -> list[str]:
+    """vLLM's batch order: single-token rows with prior state (decodes) first, then the rest by
+    ascending token count. Mamba kernels split tokens as [decode | prefill] and trust this."""
+    def key(rid: str) -> tuple[int, int]:
+        is_decode = num_scheduled[rid] == 1 and num_computed[rid] > 0
+        return (0 if is_decode else 1, num_scheduled[rid])
+    return sorted(req_ids, key=key)
+
+
+def prepare_inputs(buffers: InputBuffers, req_states: RequestStates, req_ids: list[str],
+                   num_scheduled: dict[str, int]) -> InputBatch:
+    """Write this step's inputs into the persistent buffers; `req_ids` are already sorted."""
+    b = len(req_ids)
+    idx_np = np.array([req_states.req_id_to_index[r] for r in req_ids], dtype=np.int64)
+    q = np.array([num_scheduled[r] for r in req_ids], dtype=np.int32)
+    computed = req_states.num_computed_tokens[idx_np].copy()
+    prefill_len = req_states.prefill_len[idx_np].copy()
+    qsl = np.zeros(b + 1, dtype=np.int32)
+    np.cumsum(q, out=qsl[1:])
+    t = int(qsl[-1])
+    seq_lens = computed + q
+
+    positions = np.concatenate([np.arange(c, c + n) for c, n in zip(computed, q)]) if b else \
+        np.zeros(0, dtype=np.int64)
+    token_rows = np.repeat(np.arange(b), q)
+    # prompt tokens come from the CPU history; positions past prefill_len are decode inputs and
+    # come from the device-side last sampled token (MRV2: combine_sampled_and_draft_tokens)
+    ids = req_states.all_token_ids[torch.from_numpy(idx_np[token_rows]),
+                                   torch.from_numpy(np.minimum(positions, prefill_len[token_rows] - 1))]
+    from_sampled = positions >= prefill_len[token_rows]
+
+    d = buffers
+    d.input_ids[:t].copy_(ids, non_blocking=True)
+    d.positions[:t].copy_(torch.from_numpy(positions.astype(np.int64)), non_blocking=True)
+    if from_sampled.any():
+        tok_idx = torch.from_numpy(np.nonzero(from_sampled)[0]).to(d.input_ids.device)
+        rows = torch.from_numpy(idx_np[token_rows[from_sampled]]).to(d.input_ids.device)
+        d.input_ids[tok_idx] = req_states.last_sampled_tokens[rows].to(torch.int32)
+    d.query_start_loc[:b + 1].copy_(torch.from_numpy(qsl), non_blocking=True)
+    d.query_start_loc[b + 1:] = t                      # padding repeats the total
+    d.seq_lens[:b].copy_(torch.from_numpy(seq_lens), non_blocking=True)
+    d.seq_lens[b:] = 0
+    d.idx_mapping[:b].copy_(torch.from_numpy(idx_np), non_blocking=True)
+    d.logits_indices[:b].copy_(torch.from_numpy(qsl[1:].astype(np.int64) - 1), non_blocking=True)
+
+    return InputBatch(
+        req_ids=list(req_ids), num_reqs=b, num_tokens=t, max_query_len=int(q.max()) if b else 0,
+        idx_mapping=d.idx_mapping[:b], idx_mapping_np=idx_np, num_scheduled_tokens=q,
+        num_computed_tokens_np=computed, prefill_len_np=prefill_len,
+        is_prefilling_np=computed < prefill_len,
+        query_start_loc=d.query_start_loc[:b + 1], query_start_loc_np=qsl,
+        seq_lens=d.seq_lens[:b], seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens.astype(np.int32)),
+        input_ids=d.input_ids[:t], positions=d.positions[:t], logits_indices=d.logits_indices[:b])
+
+
+def make_dummy(buffers: InputBuffers, num_reqs: int, num_tokens: int) -> InputBatch:
+    """A batch for warmup/profiling (MRV2 `InputBatch.make_dummy`): tokens split evenly, ids and
+    positions zero, seq_len == query_len, no row prefilling, and a non-None upper bound. Its
+    block tables point at the null block and its slot mappings are all PAD_SLOT_ID."""
+    q = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int32)
+    q[num_reqs - num_tokens % num_reqs:] += 1         # ascending, so the batch order holds
+    qsl = np.zeros(num_reqs + 1, dtype=np.int32)
+    np.cumsum(q, out=qsl[1:])
+    d = buffers
+    d.input_ids[:num_tokens] = 0
+    d.positions[:num_tokens] = 0
+    d.query_start_loc[:num_reqs + 1].copy_(torch.from_numpy(qsl))
+    d.query_start_loc[num_reqs + 1:] = num_tokens
+    d.seq_lens[:num_reqs].copy_(torch.from_numpy(q))
+    d.seq_lens[num_reqs:] = 0
+    d.idx_mapping[:num_reqs] = 0
+    d.logits_indices[:num_reqs].copy_(torch.from_numpy(qsl[1:].astype(np.int64) - 1))
+    zeros = np.zeros(num_reqs, dtype=np.int32)
+    return InputBatch(
+        req_ids=[f"dummy-{i}" for i in range(num_reqs)], num_reqs=num_reqs, num_tokens=num_tokens,
+        max_query_len=int(q.max()), idx_mapping=d.idx_mapping[:num_reqs],
+        idx_mapping_np=np.zeros(num_reqs, dtype=np.int64), num_scheduled_tokens=q,
+        num_computed_tokens_np=zeros, prefill_len_np=zeros, is_prefilling_np=zeros.astype(bool),
+        query_start_loc=d.query_start_loc[:num_reqs + 1], query_start_loc_np=qsl,
+        seq_lens=d.seq_lens[:num_reqs], seq_lens_cpu_upper_bound=torch.from_numpy(q.copy()),
+        input_ids=d.input_ids[:num_tokens], positions=d.positions[:num_tokens],
+        logits_indices=d.logits_indices[:num_reqs])

@@ -1,0 +1,71 @@
+"""KV-cache groups and their tensors (vLLM `KVCacheConfig` + `initialize_kv_cache`, simplified).
+
+Layers are grouped by spec kind: one group of attention layers (paged K/V, `block_size` tokens
+per block) and one group of Mamba layers (one state slot per request). Unlike vLLM we do not
+unify page sizes across groups: each group has its own tensors and its own id space, and id 0
+of each is the null block/slot. A Mamba group's block-table row has one column: the state slot.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from toolkit.config import RunnerConfig
+from toolkit.runner.kv_cache_spec import AttentionSpec, KVCacheSpec, MambaSpec
+
+
+@dataclass
+class KVCacheGroup:
+    group_id: int
+    kind: str                 # "attention" or "mamba"
+    spec: KVCacheSpec         # shared by every layer of the group
+    layer_names: list[str]
+    block_size: int           # tokens per block; a Mamba group uses max_model_len ("none" mode)
+    num_blocks: int           # ids in the group, including the null id 0
+    width: int                # block-table columns per request
+
+
+def make_kv_cache_groups(specs: dict[str, KVCacheSpec], cfg: RunnerConfig) -> list[KVCacheGroup]:
+    attn = {n: s for n, s in specs.items() if isinstance(s, AttentionSpec)}
+    mamba = {n: s for n, s in specs.items() if isinstance(s, MambaSpec)}
+    groups: list[KVCacheGroup] = []
+    for kind, members in (("attention", attn), ("mamba", mamba)):
+        if not members:
+            continue
+        distinct = set(members.values())
+        if len(distinct) != 1:
+            raise ValueError(f"{kind} layers must share one cache spec, got {distinct}")
+        spec = next(iter(distinct))
+        if kind == "attention":
+            num_blocks = cfg.num_kv_blocks or cfg.max_num_seqs * cfg.max_blocks_per_req + 1
+            groups.append(KVCacheGroup(len(groups), kind, spec, list(members), cfg.block_size,
+                                       num_blocks, cfg.max_blocks_per_req))
+        else:
+            groups.append(KVCacheGroup(len(groups), kind, spec, list(members), cfg.max_model_len,
+                                       cfg.max_num_seqs + 1, 1))
+    return groups
+
+
+def allocate_kv_caches(groups: list[KVCacheGroup], device: torch.device
+                       ) -> dict[str, torch.Tensor | tuple[torch.Tensor, ...]]:
+    """Zero-initialised cache tensors per layer: attention [N, 2, block_size, kv_heads, head_dim];
+    Mamba a tuple with one [num_slots, *shape] tensor per state (conv, ssm, ...)."""
+    caches: dict[str, torch.Tensor | tuple[torch.Tensor, ...]] = {}
+    for g in groups:
+        for name in g.layer_names:
+            if isinstance(g.spec, AttentionSpec):
+                caches[name] = torch.zeros(g.num_blocks, 2, g.block_size, g.spec.num_kv_heads,
+                                           g.spec.head_dim, dtype=g.spec.dtype, device=device)
+            else:
+                caches[name] = tuple(torch.zeros(g.num_blocks, *shape, dtype=dtype, device=device)
+                                     for shape, dtype in zip(g.spec.shapes, g.spec.dtypes))
+    return caches
+
+
+def cache_bytes(caches: dict[str, torch.Tensor | tuple[torch.Tensor, ...]]) -> int:
+    total = 0
+    for value in caches.values():
+        for t in (value if isinstance(value, tuple) else (value,)):
+            total += t.numel() * t.element_size()
+    return total

@@ -1,0 +1,44 @@
+"""What each cache-holding layer asks the runner to allocate (vLLM `AttentionSpec` / `MambaSpec`).
+
+Layers report a spec; the runner groups layers by spec kind into KV-cache groups, allocates, and
+binds the tensors back into the layers with `layer.bind_kv_cache(...)`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Paged K/V: the runner allocates [num_blocks, 2, block_size, num_kv_heads, head_dim]."""
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class MambaSpec:
+    """Per-request recurrent state: one tensor per entry of `shapes`, each [num_slots, *shape].
+
+    Slot 0 is the null slot (dummy and padded rows point there). `mamba_type` picks the metadata
+    builder ("mamba2"; "mamba1" and "short_conv" come with the model zoo).
+    Conv state layout is vLLM's "SD": (state_len = conv_kernel - 1, conv_dim).
+    """
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    mamba_type: str
+    chunk_size: int | None = None     # Mamba2 SSD chunk size (power of two)
+
+    def page_size_bytes(self) -> int:
+        total = 0
+        for shape, dtype in zip(self.shapes, self.dtypes):
+            n = 1
+            for s in shape:
+                n *= s
+            total += n * torch.tensor([], dtype=dtype).element_size()
+        return total
+
+
+KVCacheSpec = AttentionSpec | MambaSpec

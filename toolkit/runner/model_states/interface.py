@@ -1,0 +1,56 @@
+"""`ModelState`: the per-model-kind hooks of the runner (vLLM `model_states/interface.py`).
+
+The runner calls, per step: add_request / remove_request while updating request states,
+preprocess_state before metadata, prepare_attn to build metadata, prepare_inputs for extra model
+kwargs, and postprocess_state after sampling.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+from toolkit.config import RunnerConfig
+from toolkit.runner.attn_utils import AttentionGroup, AttnMetadata
+from toolkit.runner.input_batch import InputBatch
+from toolkit.runner.kv_cache import KVCacheGroup
+from toolkit.scheduler import NewRequestData
+
+
+class ModelState(ABC):
+    def __init__(self, model: nn.Module, cfg: RunnerConfig):
+        self.model = model
+        self.cfg = cfg
+        self.device = cfg.device
+        self.max_model_len = cfg.max_model_len
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def initialize_kv_cache(self, kv_cache_groups: list[KVCacheGroup],
+                            caches: dict[str, torch.Tensor | tuple[torch.Tensor, ...]]) -> None:
+        """Called once the caches exist."""
+
+    def add_request(self, req_idx: int, new_req: NewRequestData) -> None:
+        """A request took row `req_idx`."""
+
+    def remove_request(self, req_id: str) -> None:
+        """A request finished or was preempted."""
+
+    def preprocess_state(self, input_batch: InputBatch) -> None:
+        """Before metadata is built (vLLM: Mamba align-mode state copies)."""
+
+    def postprocess_state(self, input_batch: InputBatch, sampled: torch.Tensor) -> None:
+        """After sampling."""
+
+    def prepare_inputs(self, input_batch: InputBatch) -> dict:
+        """Extra model kwargs (vLLM: M-RoPE positions, embeddings); none for our models."""
+        return {}
+
+    @abstractmethod
+    def prepare_attn(self, input_batch: InputBatch, block_tables: tuple[torch.Tensor, ...],
+                     slot_mappings: torch.Tensor, attn_groups: list[AttentionGroup],
+                     for_capture: bool = False) -> AttnMetadata:
+        """Build the metadata of every layer group for this batch."""
