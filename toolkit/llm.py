@@ -148,6 +148,7 @@ class LLM:
             preempted_request_ids=list(sched_out.preempted_req_ids),
             input_batch=snapshot(state.input_batch) if state else None,
             attn_metadata=snapshot(state.attn_metadata.groups) if state else [],
+            logits=snapshot(state.logits) if state else None,
             sampled_token_ids=sampled, kept_token_ids=kept, outputs=outputs)
 
     def _output(self, req: Request) -> RequestOutput:

@@ -50,6 +50,7 @@ class StepRecord:
     preempted_request_ids: list[str]
     input_batch: InputBatch | None               # None when nothing was scheduled
     attn_metadata: list[GroupMetadata]           # per layer group: common + builder output
+    logits: torch.Tensor | None                  # float32 [B, vocab] in batch order
     sampled_token_ids: dict[str, int]            # every row's sample
     kept_token_ids: dict[str, int]               # samples appended to outputs (not partial prefills)
     outputs: list[RequestOutput]                 # requests that finished in this step
@@ -65,6 +66,10 @@ class StepRecord:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
+
+    def logits_of(self, request_id: str) -> torch.Tensor:
+        """float32 [vocab]: the logits this request's row was sampled from."""
+        return self.logits[self.input_batch.req_ids.index(request_id)]
 
     def metadata(self, kind: str) -> GroupMetadata:
         """The first group of a kind ("attention" or "mamba")."""

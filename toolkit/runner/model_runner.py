@@ -27,6 +27,7 @@ class ExecuteModelState:
     input_batch: InputBatch
     attn_metadata: AttnMetadata
     hidden_states: torch.Tensor          # [T, hidden]
+    logits: torch.Tensor | None = None   # float32 [B, vocab], set by sample_tokens
 
 
 class ModelRunner:
@@ -102,6 +103,7 @@ class ModelRunner:
             return {}
         batch = state.input_batch
         logits = self.model.compute_logits(state.hidden_states[batch.logits_indices])
+        state.logits = logits
         sampled = self.sampler(logits, batch.idx_mapping_np.tolist())
         self._post_update(batch, sampled)
         self.model_state.postprocess_state(batch, sampled)
@@ -153,7 +155,7 @@ class ModelRunner:
         self.execute_state = None
         if hasattr(self, "kv_caches"):
             self.kv_caches.clear()
-            self.model.bind_kv_cache({})
+            self.model.unbind_kv_cache()
         if hasattr(self, "attn_groups"):
             self.attn_groups.clear()
         if hasattr(self, "model_state"):

@@ -1,0 +1,77 @@
+"""Parity harness: run the toolkit and HF transformers on the same weights and compare.
+
+Reference = HF's `generate` (greedy) for tokens, and HF's full forward (no cache) over
+prompt + generated tokens for logits. Tie rule: if our greedy token differs from HF's at some
+step and HF's two logits are within TIE_ATOL (1e-5), both choices are right; the sequences then
+diverge, so comparison of that request stops at that step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from toolkit import LLM, SamplingParams
+
+LOGIT_ATOL = 1e-4
+TIE_ATOL = 1e-5
+PRESETS = ["tiny-llama", "tiny-mamba2", "tiny-bamba"]
+
+
+@dataclass
+class RunResult:
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    logits: dict[str, list[torch.Tensor]] = field(default_factory=dict)   # one [V] per token
+    records: list = field(default_factory=list)
+
+
+def run_by_hand(llm: LLM, prompts: list[list[int]], max_tokens: int) -> RunResult:
+    """Step the engine by hand, collecting each request's kept tokens and their logits."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids = [llm.add_request({"prompt_token_ids": p}, params) for p in prompts]
+    res = RunResult({i: [] for i in ids}, {i: [] for i in ids})
+    while llm.has_unfinished_requests():
+        rec = llm.step()
+        res.records.append(rec)
+        for rid, tok in rec.kept_token_ids.items():
+            res.tokens[rid].append(tok)
+            res.logits[rid].append(rec.logits_of(rid))
+    return res
+
+
+def load_hf(folder) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def hf_greedy(hf, prompt: list[int], max_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                      min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@torch.inference_mode()
+def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), V] logits of a full forward without cache."""
+    ids = torch.tensor([tokens])
+    return hf(ids, position_ids=torch.arange(len(tokens))[None], use_cache=False).logits[0].float()
+
+
+def assert_matches_hf(hf, prompt: list[int], ours: list[int], our_logits: list[torch.Tensor],
+                      max_tokens: int) -> float:
+    """Returns the max |logit difference|; asserts tokens (tie rule) and logits."""
+    ref_tokens = hf_greedy(hf, prompt, max_tokens)
+    ref_logits = hf_logits(hf, prompt + ours)[len(prompt) - 1:]
+    assert len(ours) == max_tokens
+    worst = 0.0
+    for k, (tok, ref_tok) in enumerate(zip(ours, ref_tokens)):
+        diff = (our_logits[k] - ref_logits[k]).abs().max().item()
+        worst = max(worst, diff)
+        assert diff <= LOGIT_ATOL, f"step {k}: logits differ by {diff:.2e}"
+        if tok != ref_tok:
+            gap = (ref_logits[k][tok] - ref_logits[k][ref_tok]).abs().item()
+            assert gap <= TIE_ATOL, f"step {k}: token {tok} vs HF {ref_tok}, logit gap {gap:.2e}"
+            break
+    return worst

@@ -1,0 +1,233 @@
+"""The LLM facade: routing, warmup contracts, bad input, resources, lifecycle."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from toolkit import (LLM, CheckpointError, InvalidRequestError, MetadataContractError,
+                     ModelStateError, SamplingParams, UnknownModelError, UnsupportedArchitectureError)
+from toolkit.models import save_hf_folder
+from toolkit.runner.model_states import (DefaultModelState, MambaHybridModelState,
+                                         init_model_state)
+
+REPO = Path(__file__).resolve().parents[1]
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+def small(preset, **kw):
+    args = dict(device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=32) | kw
+    return LLM(preset, **args)
+
+
+@pytest.mark.parametrize("preset, state", [("tiny-llama", DefaultModelState),
+                                           ("tiny-mamba2", MambaHybridModelState),
+                                           ("tiny-bamba", MambaHybridModelState)])
+def test_routing(preset, state):
+    with small(preset) as llm:
+        assert type(llm.model_runner.model_state) is state
+        assert type(init_model_state(llm.model, llm.cfg)) is state
+        if preset == "tiny-mamba2":
+            assert llm.model.is_attention_free and not llm.model.is_hybrid
+
+
+def test_unsupported_model_kinds_raise_not_supported_yet():
+    from toolkit.errors import NotSupportedYetError
+    with small("tiny-llama") as llm:
+        llm.model.model.layers[0].self_attn.attn_type = "encoder_only"
+        with pytest.raises(NotSupportedYetError, match="encoder-only"):
+            init_model_state(llm.model, llm.cfg)
+        llm.model.model.layers[0].self_attn.attn_type = "encoder_decoder"
+        with pytest.raises(NotSupportedYetError, match="encoder-decoder"):
+            init_model_state(llm.model, llm.cfg)
+
+
+def test_mamba_model_routed_to_default_state_fails_loudly(monkeypatch):
+    import toolkit.runner.model_runner as mr
+    monkeypatch.setattr(mr, "init_model_state", lambda model, cfg: DefaultModelState(model, cfg))
+    with pytest.raises(ModelStateError, match="MambaHybridModelState"):
+        small("tiny-mamba2")
+
+
+@pytest.mark.parametrize("preset, builders", [
+    ("tiny-mamba2", {"Mamba2MetadataBuilder"}),
+    ("tiny-bamba", {"PagedAttentionMetadataBuilder", "Mamba2MetadataBuilder"})])
+def test_warmup_catches_unforwarded_seq_lens_cpu_upper_bound(monkeypatch, preset, builders):
+    """vLLM #46759: the hybrid state computed seq_lens_cpu_upper_bound but did not forward it."""
+    original = MambaHybridModelState.attn_metadata_kwargs
+
+    def forgets_upper_bound(self, input_batch, for_capture):
+        kwargs = original(self, input_batch, for_capture)
+        kwargs.pop("seq_lens_cpu_upper_bound")
+        return kwargs
+
+    with small(preset) as llm:
+        llm.model_runner.profile_run()      # the profile run builds no metadata: passes either way
+        monkeypatch.setattr(MambaHybridModelState, "attn_metadata_kwargs", forgets_upper_bound)
+        with pytest.raises(MetadataContractError) as err:
+            llm.warmup(progress=False)
+        assert err.value.field == "seq_lens_cpu_upper_bound"
+        assert err.value.builder in builders and err.value.builder in str(err.value)
+        assert "MambaHybridModelState" in str(err.value)
+        monkeypatch.undo()
+        llm.warmup(progress=False)
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mamba2", "tiny-bamba"])
+def test_warmup_leaves_engine_clean_and_outputs_unchanged(preset):
+    prompt = {"prompt_token_ids": [5, 6, 7, 8, 9]}
+    with small(preset) as cold:
+        expected = cold.generate(prompt, GREEDY)[0].outputs[0].token_ids
+    with small(preset) as llm:
+        timings = llm.warmup(progress=False)
+        assert "profile run" in timings and "real prefill + decode" in timings
+        stats = llm.stats()
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+        assert stats["state_slots_free"] == stats["state_slots_total"]
+        assert stats["runner_rows_in_use"] == 0
+        assert llm.generate(prompt, GREEDY)[0].outputs[0].token_ids == expected
+
+
+BAD_PROMPTS = [
+    ({"prompt_token_ids": []}, "empty"),
+    ("", "empty"),  # the byte tokenizer adds BOS, so "" is one token; see test below
+    ({"prompt_token_ids": [5, 999]}, "out of range"),
+    ({"prompt_token_ids": [5, -1]}, "out of range"),
+    ({"prompt_token_ids": list(range(3, 103))}, "max_model_len"),
+    ({"prompt_token_ids": "abc"}, "list of ints"),
+    (42, "a prompt is"),
+]
+
+
+@pytest.mark.parametrize("prompt, match", [b for b in BAD_PROMPTS if b[0] != ""])
+def test_bad_prompts_raise_and_engine_keeps_serving(prompt, match):
+    with LLM("tiny-bamba", device="cpu", dtype="float32", max_num_seqs=4, max_model_len=64) as llm:
+        good = llm.add_request({"prompt_token_ids": [5, 6, 7]}, GREEDY)
+        before = llm.stats()
+        with pytest.raises(InvalidRequestError, match=match):
+            llm.add_request(prompt, GREEDY)
+        with pytest.raises(InvalidRequestError, match=match):
+            llm.generate([{"prompt_token_ids": [8, 9]}, prompt], GREEDY)   # nothing queued
+        assert llm.stats() == before
+        outs = {}
+        while llm.has_unfinished_requests():
+            outs.update({o.request_id: o for o in llm.step().outputs})
+        assert list(outs) == [good] and len(outs[good].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_k=-3), "top_k")])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        SamplingParams(**kwargs)
+    with small("tiny-llama") as llm:
+        params = SamplingParams()
+        setattr(params, *next(iter(kwargs.items())))       # mutated after construction
+        with pytest.raises(InvalidRequestError, match=match):
+            llm.add_request({"prompt_token_ids": [5]}, params)
+        with pytest.raises(InvalidRequestError, match="SamplingParams"):
+            llm.add_request({"prompt_token_ids": [5]}, {"max_tokens": 3})
+        assert not llm.has_unfinished_requests()
+
+
+def test_request_that_can_never_fit_the_kv_cache_is_refused():
+    with small("tiny-llama", block_size=4, num_kv_blocks=5) as llm:
+        with pytest.raises(InvalidRequestError, match="KV blocks"):
+            llm.add_request({"prompt_token_ids": list(range(3, 20))}, GREEDY)
+
+
+def test_unknown_preset_missing_config_and_unsupported_architecture(tmp_path):
+    with pytest.raises(UnknownModelError, match="tiny-llama"):
+        LLM("tiny-nothing")
+    with pytest.raises(CheckpointError, match="config.json"):
+        LLM(str(tmp_path))
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    with pytest.raises(UnsupportedArchitectureError, match="GPT2LMHeadModel"):
+        LLM(str(tmp_path))
+
+
+def test_stats_abort_and_resources_return():
+    with small("tiny-bamba", max_model_len=128, max_num_batched_tokens=64) as llm:
+        total = llm.stats()
+        a = llm.add_request({"prompt_token_ids": list(range(3, 40))}, SamplingParams(max_tokens=50))
+        b = llm.add_request({"prompt_token_ids": [4, 5]}, GREEDY)
+        llm.step()
+        mid = llm.stats()
+        assert mid["num_running"] == 2 and mid["kv_blocks_free"] < total["kv_blocks_free"]
+        assert mid["state_slots_free"] == total["state_slots_free"] - 2
+        llm.abort_request(a)
+        llm.abort_request("no-such-request")
+        while llm.has_unfinished_requests():
+            llm.step()
+        after = llm.stats()
+        for key in ("kv_blocks_total", "kv_blocks_free", "state_slots_total", "state_slots_free"):
+            assert after[key] == total[key]
+        assert after["num_running"] == after["num_waiting"] == 0
+
+
+def test_step_record_holds_what_the_runner_used():
+    with small("tiny-bamba", max_num_batched_tokens=8) as llm:
+        r0 = llm.add_request({"prompt_token_ids": list(range(3, 15))}, GREEDY)
+        rec = llm.step()
+        assert [s.request_id for s in rec.scheduled] == [r0] and rec.num_tokens == 8
+        assert rec.input_batch.query_start_loc_np.tolist() == [0, 8]
+        mamba = rec.metadata("mamba")
+        assert mamba.builder == "Mamba2MetadataBuilder"
+        assert mamba.metadata.num_prefills == 1 and mamba.metadata.has_initial_states_p.tolist() == [False]
+        rec2 = llm.step()
+        md2 = rec2.metadata("mamba").metadata
+        assert md2.has_initial_states_p.tolist() == [True]      # second chunk continues the state
+        assert rec.input_batch.query_start_loc_np.tolist() == [0, 8]   # snapshot, not a live view
+        assert rec2.input_batch.positions.tolist() == list(range(8, 12))
+        attn = rec2.metadata("attention")
+        assert attn.common.seq_lens_cpu_upper_bound.tolist() == [12]
+        assert rec2.kept_token_ids == {r0: rec2.sampled_token_ids[r0]}
+
+
+def test_shutdown_is_idempotent_and_final():
+    llm = small("tiny-bamba")
+    llm.shutdown()
+    llm.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.add_request({"prompt_token_ids": [5]})
+    with small("tiny-mamba2") as llm2:
+        assert llm2.generate({"prompt_token_ids": [5, 6]}, GREEDY)[0].finished
+    assert llm2._closed and not hasattr(llm2.model_runner, "model")
+
+
+def test_hf_folder_tokenizer_is_used(tmp_path):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    with LLM("tiny-llama", device="cpu", dtype="float32") as llm:
+        save_hf_folder(llm, tmp_path)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, "hello": 10, "world": 11}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>",
+                            pad_token="<pad>").save_pretrained(tmp_path)
+    with LLM(str(tmp_path), device="cpu", dtype="float32") as llm:
+        out = llm.generate("hello world", GREEDY)[0]
+        assert out.prompt_token_ids == [10, 11]
+        assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
+
+
+def test_byte_fallback_tokenizer_round_trip():
+    with small("tiny-llama") as llm:
+        out = llm.generate("héllo", GREEDY)[0]
+        assert out.prompt_token_ids == [1] + [b + 3 for b in "héllo".encode()]
+        assert llm.tokenizer.decode(out.prompt_token_ids) == "héllo"
+
+
+def test_demo_command_runs():
+    proc = subprocess.run([sys.executable, "-m", "toolkit", "demo", "--device", "cpu"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "prefill/decode" in proc.stdout and "state slots free" in proc.stdout
+    assert proc.stdout.count("request ") == 4

@@ -1,0 +1,502 @@
+"""Mamba2 mixer (HF `Mamba2Mixer` / `BambaMixer` torch paths) over per-request recurrent state.
+
+Notation: T tokens, H heads, P head_dim, N d_state, G n_groups (head h reads group h // (H // G)),
+K conv kernel, Dc = conv_dim = H*P + 2*G*N, S sequences, C chunks.
+
+The pure math lives in plain functions below (no module state, no in-place writes) so that
+kernels can be tested against them:
+  - `mamba2_dt`                  dt_raw -> softplus(dt_raw + dt_bias), clamped to time_step_limit
+  - `causal_conv1d_varlen`       depthwise causal conv of several sequences with initial states
+  - `causal_conv1d_step`         one-token conv update
+  - `ssd_chunk_scan_varlen`      chunked SSD scan over vLLM's varlen chunk layout, initial states
+  - `ssm_step`                   one-token SSM update
+  - `ssm_scan_sequential_ref`    plain per-token recurrence (the reference for the chunked scan)
+  - `mamba2_chunk_layout`        the chunk layout for given sequences (vLLM `_compute_chunk_metadata` rules)
+All SSM math is fp32.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from toolkit.layers.mlp import get_activation
+from toolkit.layers.norms import RMSNormGated
+from toolkit.runner.kv_cache_spec import MambaSpec
+
+
+# --------------------------------------------------------------------------------------------
+# pure math
+# --------------------------------------------------------------------------------------------
+
+
+def mamba2_dt(
+    dt_raw: torch.Tensor, dt_bias: torch.Tensor, dt_limit: Sequence[float] | None = None
+) -> torch.Tensor:
+    """dt_raw [T, H], dt_bias [H] -> fp32 [T, H] = clamp(softplus(dt_raw + dt_bias), *dt_limit)."""
+    dt = F.softplus(dt_raw.to(torch.float32) + dt_bias.to(torch.float32))
+    if dt_limit is not None:
+        lo, hi = float(dt_limit[0]), float(dt_limit[1])
+        if lo > 0.0 or hi != float("inf"):
+            dt = dt.clamp(min=lo, max=hi)
+    return dt
+
+
+def _act(x: torch.Tensor, activation: str | None) -> torch.Tensor:
+    return x if activation is None else get_activation(activation)(x)
+
+
+def causal_conv1d_varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    initial_states: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv of S concatenated sequences, each continuing from a conv state.
+
+    x [T, Dc] (sequences back to back); weight [Dc, K]; bias [Dc] | None;
+    cu_seqlens int [S+1] (cu_seqlens[0] == 0, cu_seqlens[-1] == T);
+    initial_states [S, K-1, Dc] ("SD" layout: the K-1 inputs preceding each sequence, oldest first)
+    or None for zeros.
+    out[t] = act(bias + sum_k weight[:, k] * u[t - (K-1) + k]) where u is the sequence's inputs
+    preceded by its initial state. Math in fp32, out in x.dtype.
+    Returns (out [T, Dc], final_states [S, K-1, Dc]): final = the last K-1 entries of
+    [initial_state; x_seq] (so a sequence shorter than K-1 keeps part of its initial state).
+    """
+    t, dc = x.shape
+    k = weight.shape[-1]
+    km1 = k - 1
+    dev = x.device
+    cu = cu_seqlens.to(device=dev, dtype=torch.int64)
+    s = cu.numel() - 1
+    state_dtype = initial_states.dtype if initial_states is not None else x.dtype
+    if initial_states is None:
+        initial_states = torch.zeros(s, km1, dc, device=dev, dtype=x.dtype)
+    # history buffer: all initial states first, then all tokens
+    hist = torch.cat([initial_states.reshape(s * km1, dc).to(torch.float32), x.to(torch.float32)], dim=0)
+    lens = cu[1:] - cu[:-1]
+
+    def hist_index(seq: torch.Tensor, rel: torch.Tensor) -> torch.Tensor:
+        # rel = position inside the sequence (negative: inside the initial state)
+        return torch.where(rel >= 0, s * km1 + cu[seq] + rel, seq * km1 + km1 + rel)
+
+    taps = torch.arange(k, device=dev) - km1                                   # [K]: -(K-1) .. 0
+    seq_of_tok = torch.repeat_interleave(torch.arange(s, device=dev), lens, output_size=t)
+    j = torch.arange(t, device=dev) - cu[seq_of_tok]
+    win = hist[hist_index(seq_of_tok[:, None], j[:, None] + taps[None, :])]    # [T, K, Dc]
+    out = (win * weight.to(torch.float32).t()[None]).sum(dim=1)
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    out = _act(out, activation).to(x.dtype)
+
+    seqs = torch.arange(s, device=dev)
+    rel = lens[:, None] - km1 + torch.arange(km1, device=dev)[None, :]        # [S, K-1]
+    final = hist[hist_index(seqs[:, None], rel)].to(state_dtype)              # [S, K-1, Dc]
+    return out, final
+
+
+def causal_conv1d_step(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One new token per row. x [B, Dc], conv_state [B, K-1, Dc], weight [Dc, K].
+
+    Returns (out [B, Dc] in x.dtype, new_state [B, K-1, Dc] in conv_state.dtype).
+    """
+    win = torch.cat([conv_state.to(torch.float32), x.to(torch.float32)[:, None, :]], dim=1)  # [B, K, Dc]
+    out = (win * weight.to(torch.float32).t()[None]).sum(dim=1)
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    out = _act(out, activation).to(x.dtype)
+    return out, win[:, 1:].to(conv_state.dtype)
+
+
+def _heads_from_groups(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[..., G, N] -> [..., H, N]: head h reads group h // (H // G)."""
+    g = t.shape[-2]
+    if num_heads % g != 0:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of n_groups {g}")
+    return t.repeat_interleave(num_heads // g, dim=-2)
+
+
+def ssm_step(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One-token SSM update.
+
+    state [B, H, P, N]; x [B, H, P]; dt [B, H] (already softplus'ed, > 0); A [H] (negative);
+    B, C [B, G, N]; D [H] | None.
+        new = state * exp(dt * A) + (dt * x) outer B ;  y = new . C + D * x
+    Returns (y [B, H, P] fp32, new_state [B, H, P, N] fp32).
+    """
+    h = x.shape[1]
+    xf, dtf = x.to(torch.float32), dt.to(torch.float32)
+    Bh = _heads_from_groups(B.to(torch.float32), h)
+    Ch = _heads_from_groups(C.to(torch.float32), h)
+    dA = torch.exp(dtf * A.to(torch.float32)[None, :])                       # [B, H]
+    new = state.to(torch.float32) * dA[:, :, None, None] + (dtf[:, :, None] * xf)[..., None] * Bh[:, :, None, :]
+    y = torch.einsum("bhpn,bhn->bhp", new, Ch)
+    if D is not None:
+        y = y + D.to(torch.float32)[None, :, None] * xf
+    return y, new
+
+
+def ssm_scan_sequential_ref(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    initial_states: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: the SSM recurrence one token at a time (see `ssm_step`).
+
+    x [T, H, P]; dt [T, H] (processed); A [H]; B, C [T, G, N]; D [H] | None;
+    cu_seqlens int [S+1]; initial_states [S, H, P, N] | None (zeros).
+    Returns (y [T, H, P] fp32, final_states [S, H, P, N] fp32).
+    """
+    t, h, p = x.shape
+    n = B.shape[-1]
+    cu = [int(v) for v in cu_seqlens.tolist()]
+    s = len(cu) - 1
+    y = torch.zeros(t, h, p, device=x.device, dtype=torch.float32)
+    finals = torch.zeros(s, h, p, n, device=x.device, dtype=torch.float32)
+    for i in range(s):
+        st = (
+            initial_states[i : i + 1].to(torch.float32)
+            if initial_states is not None
+            else torch.zeros(1, h, p, n, device=x.device, dtype=torch.float32)
+        )
+        for j in range(cu[i], cu[i + 1]):
+            yj, st = ssm_step(st, x[j : j + 1], dt[j : j + 1], A, B[j : j + 1], C[j : j + 1], D)
+            y[j] = yj[0]
+        finals[i] = st[0]
+    return y, finals
+
+
+def _segsum(a: torch.Tensor) -> torch.Tensor:
+    """a [..., L] -> [..., L, L] with out[..., l, s] = sum_{k=s+1..l} a[k] for l >= s, -inf above.
+
+    Built from a cumulative sum of masked copies (not cumsum differences) for stability.
+    """
+    L = a.shape[-1]
+    x = a[..., :, None].expand(*a.shape, L)                                  # x[..., l, s] = a[l]
+    strict = torch.tril(torch.ones(L, L, dtype=torch.bool, device=a.device), diagonal=-1)
+    x = x.masked_fill(~strict, 0.0)
+    seg = torch.cumsum(x, dim=-2)
+    incl = torch.tril(torch.ones(L, L, dtype=torch.bool, device=a.device), diagonal=0)
+    return seg.masked_fill(~incl, float("-inf"))
+
+
+def ssd_chunk_scan_varlen(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    cu_chunk_seqlens: torch.Tensor,
+    seq_idx: torch.Tensor,
+    last_chunk_indices: torch.Tensor,
+    chunk_size: int,
+    initial_states: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked SSD (state-space duality) scan over a varlen chunk layout.
+
+    x [T, H, P]; dt [T, H] (processed, fp32); A [H]; B, C [T, G, N]; D [H] | None;
+    cu_chunk_seqlens int [C+1]: chunk c covers tokens [cu[c], cu[c+1]) (0 < length <= chunk_size,
+        cu[0] == 0, cu[-1] == T, chunks in token order, never crossing a sequence);
+    seq_idx int [C]: sequence of each chunk (sequences' chunks are consecutive);
+    last_chunk_indices int [S]: last chunk of each sequence;
+    initial_states [S, H, P, N] | None: state before each sequence's first token (None = zeros).
+    Per chunk: the intra-chunk (diagonal) term is a masked "attention" C_l.B_s * exp(sum dA(s, l])
+    * dt_s * x_s; each chunk's start state comes from a recurrence over the chunks of its
+    sequence (state_after = exp(sum dA over chunk) * state_before + chunk_state), and adds
+    exp(cumsum dA)_l * C_l . state_before. Chunks shorter than chunk_size are zero-padded with dt = 0,
+    which makes padding exact (decay 1, no input).
+    Returns (y [T, H, P] fp32, final_states [S, H, P, N] fp32).
+    """
+    t, h, p = x.shape
+    n = B.shape[-1]
+    dev = x.device
+    f32 = torch.float32
+    cu = cu_chunk_seqlens.to(device=dev, dtype=torch.int64)
+    nc = cu.numel() - 1
+    num_seqs = last_chunk_indices.numel()
+    L = int(chunk_size)
+    if nc == 0:
+        return torch.zeros(t, h, p, device=dev, dtype=f32), torch.zeros(num_seqs, h, p, n, device=dev, dtype=f32)
+
+    lens = cu[1:] - cu[:-1]
+    ar = torch.arange(L, device=dev)
+    valid = ar[None, :] < lens[:, None]                                       # [C, L]
+    idx = torch.where(valid, cu[:-1, None] + ar[None, :], torch.zeros_like(ar)[None, :])
+    vf = valid.to(f32)
+    xc = x.to(f32)[idx] * vf[:, :, None, None]                                # [C, L, H, P]
+    dtc = dt.to(f32)[idx] * vf[:, :, None]                                    # [C, L, H]
+    Bc = _heads_from_groups(B.to(f32)[idx], h)                                # [C, L, H, N]
+    Cc = _heads_from_groups(C.to(f32)[idx], h)
+
+    dA = dtc * A.to(f32)[None, None, :]                                       # [C, L, H]
+    cum = torch.cumsum(dA, dim=1)                                             # [C, L, H]
+    xdt = xc * dtc[..., None]                                                 # [C, L, H, P]
+
+    # 1. intra-chunk (diagonal blocks)
+    decay_ls = torch.exp(_segsum(dA.permute(0, 2, 1)))                        # [C, H, L, L]
+    cb = torch.einsum("clhn,cshn->chls", Cc, Bc)
+    y = torch.einsum("chls,cshp->clhp", cb * decay_ls, xdt)
+
+    # 2. each chunk's own contribution to its end state (from a zero start)
+    decay_to_end = torch.exp(cum[:, -1:, :] - cum)                            # [C, L, H]
+    chunk_states = torch.einsum("clhn,clhp->chpn", Bc * decay_to_end[..., None], xdt)  # [C, H, P, N]
+    chunk_decay = torch.exp(cum[:, -1, :])                                    # [C, H]
+
+    # 3. state passing across the chunks of each sequence
+    seq_list = [int(v) for v in seq_idx.tolist()]
+    states_before = torch.empty(nc, h, p, n, device=dev, dtype=f32)
+    states_after = torch.empty(nc, h, p, n, device=dev, dtype=f32)
+    prev = None
+    for c in range(nc):
+        if c == 0 or seq_list[c] != seq_list[c - 1]:
+            prev = (
+                initial_states[seq_list[c]].to(f32)
+                if initial_states is not None
+                else torch.zeros(h, p, n, device=dev, dtype=f32)
+            )
+        states_before[c] = prev
+        prev = chunk_decay[c][:, None, None] * prev + chunk_states[c]
+        states_after[c] = prev
+
+    # 4. contribution of each chunk's start state
+    y = y + torch.einsum("clhn,chpn->clhp", Cc, states_before) * torch.exp(cum)[..., None]
+    if D is not None:
+        y = y + D.to(f32)[None, None, :, None] * xc
+
+    y_tok = y[valid]                                                          # [T, H, P], token order
+    if y_tok.shape[0] != t:
+        raise ValueError(
+            f"ssd_chunk_scan_varlen: chunk layout covers {y_tok.shape[0]} of {t} tokens "
+            f"(chunks must tile [0, T) and be at most chunk_size={L} long)"
+        )
+    finals = states_after[last_chunk_indices.to(device=dev, dtype=torch.int64)]
+    return y_tok, finals
+
+
+def mamba2_chunk_layout(
+    query_lens: Sequence[int], num_computed: Sequence[int], chunk_size: int
+) -> tuple[list[int], list[int], list[int]]:
+    """Chunk layout of prefill sequences (vLLM `_compute_chunk_metadata` rules).
+
+    A chunk never crosses a sequence; a sequence whose num_computed is not a multiple of
+    chunk_size first tops up to the next chunk boundary. Returns (cu_chunk_seqlens [C+1],
+    seq_idx [C], last_chunk_indices [S]) as python lists, offsets relative to the first token.
+    """
+    cu = [0]
+    seq_idx: list[int] = []
+    last: list[int] = []
+    pos = 0
+    for i, (q, nc) in enumerate(zip(query_lens, num_computed)):
+        q = int(q)
+        rem = int(nc) % chunk_size
+        if rem != 0 and q > 0:
+            first = min(chunk_size - rem, q)
+            pos += first
+            cu.append(pos)
+            seq_idx.append(i)
+            q -= first
+        while q > 0:
+            step = min(chunk_size, q)
+            pos += step
+            cu.append(pos)
+            seq_idx.append(i)
+            q -= step
+        last.append(len(seq_idx) - 1)
+    return cu, seq_idx, last
+
+
+# --------------------------------------------------------------------------------------------
+# module
+# --------------------------------------------------------------------------------------------
+
+
+class Mamba2Mixer(nn.Module):
+    """Mamba2 mixer; parameter names match HF (in_proj, conv1d, dt_bias, A_log, D, norm, out_proj).
+
+    in_proj: hidden -> [gate (H*P) | xBC (Dc) | dt (H)]; xBC = [x (H*P) | B (G*N) | C (G*N)] goes
+    through the depthwise causal conv + activation; y = SSM(x, dt, A=-exp(A_log), B, C, D);
+    out = out_proj(gated_rmsnorm(y, gate)).
+
+    State per request slot: conv_state [K-1, Dc] (model dtype), ssm_state [H, P, N] (fp32).
+    """
+
+    def __init__(
+        self,
+        *,
+        layer_name: str,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int,
+        state_size: int,
+        n_groups: int,
+        conv_kernel: int,
+        chunk_size: int,
+        use_bias: bool = False,
+        use_conv_bias: bool = True,
+        norm_eps: float = 1e-5,
+        time_step_limit: Sequence[float] | None = (0.0, float("inf")),
+        activation: str = "silu",
+        intermediate_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        inter = num_heads * head_dim
+        if intermediate_size is not None and intermediate_size != inter:
+            raise ValueError(f"intermediate_size {intermediate_size} != num_heads*head_dim {inter}")
+        if num_heads % n_groups != 0:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of n_groups {n_groups}")
+        self.layer_name = layer_name
+        self.hidden_size = hidden_size
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.state_size = state_size
+        self.n_groups = n_groups
+        self.conv_kernel = conv_kernel
+        self.chunk_size = chunk_size
+        self.intermediate_size = inter
+        self.conv_dim = inter + 2 * n_groups * state_size
+        self.time_step_limit = tuple(time_step_limit) if time_step_limit is not None else None
+        self.activation = activation
+        get_activation(activation)  # validate early
+
+        self.in_proj = nn.Linear(hidden_size, inter + self.conv_dim + num_heads, bias=use_bias)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, kernel_size=conv_kernel, groups=self.conv_dim,
+            padding=conv_kernel - 1, bias=use_conv_bias,
+        )  # weight [Dc, 1, K] as in HF
+        self.dt_bias = nn.Parameter(torch.ones(num_heads))
+        self.A_log = nn.Parameter(torch.zeros(num_heads))
+        self.D = nn.Parameter(torch.ones(num_heads))
+        self.norm = RMSNormGated(inter, group_size=inter // n_groups, eps=norm_eps)
+        self.out_proj = nn.Linear(inter, hidden_size, bias=use_bias)
+
+        self.conv_state: torch.Tensor | None = None
+        self.ssm_state: torch.Tensor | None = None
+
+    # -- cache plumbing -------------------------------------------------------------------
+    def get_kv_cache_spec(self) -> MambaSpec:
+        return MambaSpec(
+            shapes=((self.conv_kernel - 1, self.conv_dim), (self.num_heads, self.head_dim, self.state_size)),
+            dtypes=(self.in_proj.weight.dtype, torch.float32),
+            mamba_type="mamba2",
+            chunk_size=self.chunk_size,
+        )
+
+    def bind_kv_cache(self, caches: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
+        """caches = (conv_state [S, K-1, Dc], ssm_state [S, H, P, N])."""
+        conv_state, ssm_state = caches
+        want_c = (self.conv_kernel - 1, self.conv_dim)
+        want_s = (self.num_heads, self.head_dim, self.state_size)
+        if tuple(conv_state.shape[1:]) != want_c or tuple(ssm_state.shape[1:]) != want_s:
+            raise ValueError(
+                f"{self.layer_name}: expected conv_state [S, {want_c[0]}, {want_c[1]}] and ssm_state "
+                f"[S, {want_s[0]}, {want_s[1]}, {want_s[2]}], got {tuple(conv_state.shape)} and "
+                f"{tuple(ssm_state.shape)}"
+            )
+        self.conv_state, self.ssm_state = conv_state, ssm_state
+
+    def unbind_kv_cache(self) -> None:
+        self.conv_state = self.ssm_state = None
+
+    # -- forward --------------------------------------------------------------------------
+    def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """xBC [T, Dc] -> x [T, H, P], B [T, G, N], C [T, G, N]."""
+        t = xbc.shape[0]
+        gn = self.n_groups * self.state_size
+        x, B, C = torch.split(xbc, [self.intermediate_size, gn, gn], dim=-1)
+        return (
+            x.reshape(t, self.num_heads, self.head_dim),
+            B.reshape(t, self.n_groups, self.state_size),
+            C.reshape(t, self.n_groups, self.state_size),
+        )
+
+    def forward(self, hidden: torch.Tensor, attn_metadata: dict[str, object] | None) -> torch.Tensor:
+        """hidden [T, hidden_size] -> [T, hidden_size].
+
+        Tokens are [decode tokens | prefill tokens | padding] (Mamba2AttentionMetadata contract).
+        attn_metadata None (profile run): the whole batch is one sequence from a zero state; no
+        state reads or writes.
+        """
+        t = hidden.shape[0]
+        dtype = hidden.dtype
+        proj = self.in_proj(hidden)
+        gate, xbc, dt_raw = torch.split(proj, [self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+        weight = self.conv1d.weight[:, 0, :]
+        bias = self.conv1d.bias
+        A = -torch.exp(self.A_log.to(torch.float32))
+        dt = mamba2_dt(dt_raw, self.dt_bias, self.time_step_limit)
+        H, P = self.num_heads, self.head_dim
+        y = torch.zeros(t, H, P, device=hidden.device, dtype=torch.float32)
+
+        if attn_metadata is None:
+            cu_t = torch.tensor([0, t], device=hidden.device, dtype=torch.int32)
+            xbc_c, _ = causal_conv1d_varlen(xbc, weight, bias, cu_t, None, self.activation)
+            x, B, C = self._split_xbc(xbc_c)
+            cu, sidx, last = mamba2_chunk_layout([t], [0], self.chunk_size)
+            y, _ = ssd_chunk_scan_varlen(
+                x, dt, A, B, C, self.D,
+                torch.tensor(cu, device=hidden.device), torch.tensor(sidx, device=hidden.device),
+                torch.tensor(last, device=hidden.device), self.chunk_size, None,
+            )
+        else:
+            md = attn_metadata[self.layer_name]
+            if self.conv_state is None or self.ssm_state is None:
+                raise RuntimeError(f"{self.layer_name}: no state cache bound (call bind_kv_cache first)")
+            nd = int(md.num_decode_tokens)
+            npf = int(md.num_prefill_tokens)
+            if int(md.num_decodes) > 0 and nd > 0:
+                if nd != int(md.num_decodes):
+                    raise ValueError(f"{self.layer_name}: one token per decode row expected, got "
+                                     f"{nd} tokens for {md.num_decodes} decodes")
+                idx = md.state_indices_tensor_d[:nd].to(torch.int64)
+                xbc_d, new_conv = causal_conv1d_step(xbc[:nd], self.conv_state[idx], weight, bias, self.activation)
+                self.conv_state[idx] = new_conv.to(self.conv_state.dtype)
+                x, B, C = self._split_xbc(xbc_d)
+                y_d, new_ssm = ssm_step(self.ssm_state[idx], x, dt[:nd], A, B, C, self.D)
+                self.ssm_state[idx] = new_ssm.to(self.ssm_state.dtype)
+                y[:nd] = y_d
+            if int(md.num_prefills) > 0 and npf > 0:
+                idx = md.state_indices_tensor_p.to(torch.int64)
+                has = md.has_initial_states_p.to(device=hidden.device, dtype=torch.bool)
+                init_conv = torch.where(has[:, None, None], self.conv_state[idx], torch.zeros((), dtype=self.conv_state.dtype, device=hidden.device))
+                xbc_p, final_conv = causal_conv1d_varlen(
+                    xbc[nd : nd + npf], weight, bias, md.query_start_loc_p, init_conv, self.activation
+                )
+                self.conv_state[idx] = final_conv.to(self.conv_state.dtype)
+                x, B, C = self._split_xbc(xbc_p)
+                init_ssm = torch.where(
+                    has[:, None, None, None], self.ssm_state[idx].to(torch.float32),
+                    torch.zeros((), dtype=torch.float32, device=hidden.device),
+                )
+                y_p, final_ssm = ssd_chunk_scan_varlen(
+                    x, dt[nd : nd + npf], A, B, C, self.D, md.cu_chunk_seqlen_p, md.seq_idx_p,
+                    md.last_chunk_indices_p, int(md.chunk_size), init_ssm,
+                )
+                self.ssm_state[idx] = final_ssm.to(self.ssm_state.dtype)
+                y[nd : nd + npf] = y_p
+
+        out = self.norm(y.reshape(t, self.intermediate_size), gate)
+        return self.out_proj(out.to(dtype))

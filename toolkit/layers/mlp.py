@@ -1,0 +1,36 @@
+"""SwiGLU MLP (Llama / Bamba): down_proj(act(gate_proj(x)) * up_proj(x))."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from toolkit.errors import UnsupportedArchitectureError
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "swish": F.silu}
+
+
+def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Activation by HF `hidden_act` name (only the SiLU family is used by the supported models)."""
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise UnsupportedArchitectureError(
+            f"hidden_act '{name}' is not supported; supported: {sorted(ACTIVATIONS)}"
+        ) from None
+
+
+class SwiGLUMLP(nn.Module):
+    """x [T, hidden_size] -> [T, hidden_size]; HF names gate_proj / up_proj / down_proj."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, hidden_act: str = "silu"):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = get_activation(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,80 @@
+"""RMS norms matching HF transformers bit-for-bit in fp32 (and in dtype handling elsewhere).
+
+- `RMSNorm`: LlamaRMSNorm / BambaRMSNorm / Mamba2RMSNorm. Normalises in fp32, casts the normalised
+  value back to the input dtype, then multiplies by `weight` (so the result dtype follows torch type
+  promotion of weight x input, exactly like HF).
+- `RMSNormGated`: HF `MambaRMSNormGated` / `BambaRMSNormGated` (norm_before_gate=False): the gate is
+  applied first (`x * silu(gate)`, in fp32), then the RMS statistic is taken per group of
+  `group_size` channels (`group_size = intermediate_size // n_groups`), then `weight` is applied.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Plain RMS norm. x: [..., D], weight: [D] -> [..., D] (dtype: promote(weight, x.dtype))."""
+    in_dtype = x.dtype
+    xf = x.to(torch.float32)
+    var = xf.pow(2).mean(-1, keepdim=True)
+    xf = xf * torch.rsqrt(var + eps)
+    return weight * xf.to(in_dtype)
+
+
+def rms_norm_gated(
+    x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor, group_size: int, eps: float
+) -> torch.Tensor:
+    """Gated, grouped RMS norm (gate before norm).
+
+    x, gate: [..., D]; weight: [D]; D must be a multiple of group_size.
+    Returns weight * (normalize_per_group(x * silu(gate)) cast to x.dtype).
+    """
+    in_dtype = x.dtype
+    xf = x.to(torch.float32)
+    if gate is not None:
+        xf = xf * F.silu(gate.to(torch.float32))
+    *lead, d = xf.shape
+    if d % group_size != 0:
+        raise ValueError(f"rms_norm_gated: last dim {d} is not a multiple of group_size {group_size}")
+    xg = xf.reshape(*lead, d // group_size, group_size)
+    var = xg.pow(2).mean(-1, keepdim=True)
+    xg = xg * torch.rsqrt(var + eps)
+    return weight * xg.reshape(*lead, d).to(in_dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with parameter `weight` [hidden_size]. forward(x [..., hidden_size]) -> same shape."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class RMSNormGated(nn.Module):
+    """Mamba2/Bamba gated norm with parameter `weight` [hidden_size].
+
+    forward(x [..., hidden_size], gate [..., hidden_size] | None) -> [..., hidden_size].
+    """
+
+    def __init__(self, hidden_size: int, group_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        if hidden_size % group_size != 0:
+            raise ValueError(f"hidden_size {hidden_size} is not a multiple of group_size {group_size}")
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.group_size = group_size
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        return rms_norm_gated(x, gate, self.weight, self.group_size, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, group_size={self.group_size}, eps={self.eps}"

@@ -1,0 +1,137 @@
+"""`CausalLM`: the interface every model of the toolkit implements.
+
+A model is an `nn.Module` whose parameter names equal the HF checkpoint's, plus:
+  - class facts `is_hybrid`, `is_attention_free`, `hf_architecture`, `hf_model_type`;
+  - `forward(input_ids [T], positions [T], attn_metadata) -> hidden [T, H]` over the flattened
+    step (no batch dimension); `attn_metadata` maps each cache layer's `layer_name` to its
+    metadata object, or is None for a profile run (layers then touch no cache);
+  - `compute_logits(hidden [N, H]) -> float32 [N, V]`;
+  - cache plumbing: `kv_cache_specs()` / `bind_kv_cache(...)`; a cache layer is any submodule with
+    `get_kv_cache_spec`, `bind_kv_cache` and a `layer_name` equal to its module path.
+"""
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from toolkit.layers.norms import RMSNorm, RMSNormGated
+from toolkit.runner.kv_cache_spec import AttentionSpec, MambaSpec
+
+
+class CausalLM(nn.Module):
+    is_hybrid: ClassVar[bool] = False
+    is_attention_free: ClassVar[bool] = False
+    hf_architecture: ClassVar[str]
+    hf_model_type: ClassVar[str]
+
+    lm_head: nn.Linear
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    # -- to implement -----------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: dict[str, object] | None,
+    ) -> torch.Tensor:
+        """input_ids [T] int32/int64, positions [T] int64 -> final-normed hidden states [T, H]."""
+        raise NotImplementedError
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        raise NotImplementedError
+
+    # -- shared -----------------------------------------------------------------------------
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> float32 logits [N, V]."""
+        return self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
+
+    def tie_weights(self) -> None:
+        """If config.tie_word_embeddings: lm_head.weight IS the input embedding's weight tensor."""
+        if getattr(self.config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.get_input_embeddings().weight
+
+    @property
+    def is_tied(self) -> bool:
+        return self.lm_head.weight is self.get_input_embeddings().weight
+
+    def cache_layers(self) -> dict[str, nn.Module]:
+        """layer_name -> cache-holding layer, in layer (module registration) order."""
+        out: dict[str, nn.Module] = {}
+        for name, mod in self.named_modules():
+            if hasattr(mod, "get_kv_cache_spec") and hasattr(mod, "bind_kv_cache"):
+                if getattr(mod, "layer_name", None) != name:
+                    raise RuntimeError(f"cache layer at '{name}' has layer_name {getattr(mod, 'layer_name', None)!r}")
+                out[name] = mod
+        return out
+
+    def kv_cache_specs(self) -> dict[str, AttentionSpec | MambaSpec]:
+        """layer_name -> spec (AttentionSpec or MambaSpec), in layer order."""
+        return {name: mod.get_kv_cache_spec() for name, mod in self.cache_layers().items()}
+
+    def bind_kv_cache(self, caches: dict[str, torch.Tensor | tuple[torch.Tensor, ...]]) -> None:
+        """Give every cache layer its tensor(s); keys must be exactly the cache layers' names."""
+        layers = self.cache_layers()
+        missing = [n for n in layers if n not in caches]
+        extra = [n for n in caches if n not in layers]
+        if missing or extra:
+            raise ValueError(f"bind_kv_cache: missing layers {missing}, unknown layers {extra}")
+        for name, mod in layers.items():
+            mod.bind_kv_cache(caches[name])
+
+    def unbind_kv_cache(self) -> None:
+        """Drop every layer's reference to its cache tensors (shutdown)."""
+        for mod in self.cache_layers().values():
+            mod.unbind_kv_cache()
+
+    @torch.no_grad()
+    def init_random_weights(self, seed: int) -> None:
+        """Deterministic random weights, identical on every machine (CPU fp32 generator, then copied).
+
+        Parameters are visited in `named_parameters()` order (a tied lm_head is visited once, via
+        the embedding):
+          - RMSNorm / gated-norm weights: 1 + N(0, 0.1)  (not exactly 1, so norm bugs show)
+          - A_log: log(U[1, 16]);  D: 1 + N(0, 0.1);
+          - dt_bias: softplus^-1(dt), dt = exp(U[log 1e-3, log 1e-1])
+          - conv1d.weight: N(0, 1/sqrt(K));  conv1d.bias: N(0, 0.1)
+          - everything else (linear weights/biases, embeddings): N(0, config.initializer_range)
+        """
+        g = torch.Generator(device="cpu")
+        g.manual_seed(int(seed))
+        std = float(getattr(self.config, "initializer_range", 0.02))
+        norm_params = {
+            f"{mn}.weight" for mn, m in self.named_modules() if isinstance(m, (RMSNorm, RMSNormGated))
+        }
+
+        def randn(shape: torch.Size) -> torch.Tensor:
+            return torch.randn(shape, generator=g, dtype=torch.float32)
+
+        def rand(shape: torch.Size) -> torch.Tensor:
+            return torch.rand(shape, generator=g, dtype=torch.float32)
+
+        for name, p in self.named_parameters():
+            shape = p.shape
+            leaf = name.rsplit(".", 1)[-1]
+            if name in norm_params:
+                v = 1.0 + 0.1 * randn(shape)
+            elif leaf == "A_log":
+                v = torch.log(1.0 + 15.0 * rand(shape))
+            elif leaf == "D":
+                v = 1.0 + 0.1 * randn(shape)
+            elif leaf == "dt_bias":
+                lo, hi = math.log(1e-3), math.log(1e-1)
+                dt = torch.exp(lo + (hi - lo) * rand(shape))
+                v = dt + torch.log(-torch.expm1(-dt))
+            elif name.endswith("conv1d.weight"):
+                v = randn(shape) / math.sqrt(shape[-1])
+            elif name.endswith("conv1d.bias"):
+                v = 0.1 * randn(shape)
+            else:
+                v = std * randn(shape)
+            p.copy_(v.to(device=p.device, dtype=p.dtype))

@@ -1,0 +1,238 @@
+"""Build a model from a preset name or a HF-format folder; write HF-format folders.
+
+Folder format (what `transformers` writes): config.json plus either model.safetensors or
+model.safetensors.index.json with its shards. Only safetensors are read (never pickles).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, PretrainedConfig
+
+from toolkit.errors import CheckpointError, UnknownModelError, UnsupportedArchitectureError
+from toolkit.models.base import CausalLM
+from toolkit.models.presets import PRESETS
+from toolkit.models.registry import MODEL_REGISTRY, get_model_class
+
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+)
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+# checkpoint entries that are not parameters (old Llama checkpoints store the RoPE buffer)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM                 # eval mode, requires_grad off, on the requested device/dtype
+    config: PretrainedConfig
+    source: str | None              # the folder it came from; None for a preset
+    tokenizer_dir: str | None       # folder holding tokenizer files, None if there are none
+
+
+def _list(names: list[str], limit: int = 20) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def _finish(model: CausalLM, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    model.to(device=device, dtype=dtype)
+    model.tie_weights()  # moving can replace Parameter objects; re-share the tied tensor
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_model(
+    model: str | os.PathLike, *, dtype: torch.dtype, device: torch.device | str, seed: int = 0
+) -> LoadedModel:
+    """Preset name -> config + `init_random_weights(seed)`; existing folder -> HF checkpoint.
+
+    Preset names take precedence over folders of the same name. Errors: UnknownModelError (neither
+    a preset nor a folder), CheckpointError (no/invalid config.json, no safetensors weights,
+    missing/unexpected/misshapen tensors), UnsupportedArchitectureError (architecture not in
+    MODEL_REGISTRY). Stored weights of any float dtype are cast to `dtype`.
+    """
+    device = torch.device(device)
+    name = os.fspath(model)
+    if name in PRESETS:
+        config = PRESETS[name]()
+        cls = get_model_class(config)
+        m = cls(config)
+        m.init_random_weights(seed)
+        return LoadedModel(_finish(m, device, dtype), config, None, None)
+    folder = Path(name)
+    if not folder.is_dir():
+        raise UnknownModelError(
+            f"'{name}' is neither a preset nor an existing folder; presets: {', '.join(PRESETS)}"
+        )
+    return _load_folder(folder, dtype, device)
+
+
+def _read_config(folder: Path) -> PretrainedConfig:
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{folder}: no config.json (not a HF model folder)")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{cfg_path}: unreadable config.json ({e})") from e
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{cfg_path}: config.json is not a JSON object")
+    archs = raw.get("architectures") or []
+    supported = ", ".join(sorted(MODEL_REGISTRY))
+    if archs and archs[0] not in MODEL_REGISTRY:
+        raise UnsupportedArchitectureError(
+            f"{folder}: architecture '{archs[0]}' is not supported; supported architectures: {supported}"
+        )
+    if not archs:
+        types = {cls.hf_model_type for cls in MODEL_REGISTRY.values()}
+        if raw.get("model_type") not in types:
+            raise UnsupportedArchitectureError(
+                f"{folder}: model_type '{raw.get('model_type')}' (no architectures listed) is not "
+                f"supported; supported architectures: {supported}"
+            )
+    try:
+        return AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - any parse/validation failure is a bad checkpoint
+        raise CheckpointError(f"{cfg_path}: transformers could not read the config ({e})") from e
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    single = folder / SAFE_WEIGHTS
+    if single.is_file():
+        return [single]
+    index = folder / SAFE_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: unreadable safetensors index ({e})") from e
+        files = sorted(set(weight_map.values()))
+        absent = [f for f in files if not (folder / f).is_file()]
+        if absent:
+            raise CheckpointError(f"{folder}: shards listed in {SAFE_INDEX} are missing: {_list(absent)}")
+        return [folder / f for f in files]
+    pickles = sorted(p.name for p in folder.iterdir() if p.name.endswith(PICKLE_SUFFIXES))
+    if pickles:
+        raise CheckpointError(
+            f"{folder}: only pickle weights found ({_list(pickles)}); runnerscope loads safetensors only "
+            f"(re-save with `save_pretrained(..., safe_serialization=True)`)"
+        )
+    raise CheckpointError(f"{folder}: no weights found (expected {SAFE_WEIGHTS} or {SAFE_INDEX})")
+
+
+def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    config = _read_config(folder)
+    cls = get_model_class(config)
+    files = _weight_files(folder)
+
+    with torch.device("meta"):
+        model = cls(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    tied = model.is_tied
+    remap = getattr(cls, "remap_checkpoint_key", None)
+
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            tensors = load_file(str(f))
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from e
+        for k, t in tensors.items():
+            if k.endswith(IGNORED_SUFFIXES):
+                continue
+            if remap is not None:
+                k = remap(k)
+            state[k] = t
+
+    optional = {"lm_head.weight"} if tied else set()
+    missing = sorted(k for k in expected if k not in state and k not in optional)
+    unexpected = sorted(k for k in state if k not in expected)
+    misshapen = sorted(
+        f"{k} (checkpoint {tuple(t.shape)}, model {expected[k]})"
+        for k, t in state.items()
+        if k in expected and tuple(t.shape) != expected[k]
+    )
+    non_float = sorted(k for k, t in state.items() if k in expected and not t.is_floating_point())
+    if missing or unexpected or misshapen or non_float:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors: {_list(missing)}")
+        if unexpected:
+            parts.append(f"unexpected tensors: {_list(unexpected)}")
+        if misshapen:
+            parts.append(f"misshapen tensors: {_list(misshapen)}")
+        if non_float:
+            parts.append(f"non-float tensors: {_list(non_float)}")
+        raise CheckpointError(f"{folder}: checkpoint does not match {cls.__name__}: " + "; ".join(parts))
+
+    if tied:
+        state.pop("lm_head.weight", None)
+    state = {k: t.to(device=device, dtype=dtype) for k, t in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    leftover = [n for n, p in model.named_parameters() if p.is_meta]
+    if leftover:  # cannot happen after the checks above; guards against a model bug
+        raise CheckpointError(f"{folder}: parameters left uninitialised: {_list(leftover)}")
+    model.eval()
+    model.requires_grad_(False)
+
+    tok_dir = str(folder) if any((folder / f).is_file() for f in TOKENIZER_FILES) else None
+    return LoadedModel(model, config, str(folder), tok_dir)
+
+
+def _resolve_model(obj: Any) -> CausalLM:
+    """A CausalLM, or an object holding one as `.model_runner.model` (the LLM facade) or `.model`
+    (LoadedModel)."""
+    if isinstance(obj, CausalLM):
+        return obj
+    runner = getattr(obj, "model_runner", None)
+    if isinstance(getattr(runner, "model", None), CausalLM):
+        return runner.model
+    if isinstance(getattr(obj, "model", None), CausalLM):
+        return obj.model
+    raise TypeError(f"save_hf_folder: expected a CausalLM or an object holding one, got {type(obj).__name__}")
+
+
+def save_hf_folder(model_or_llm: Any, path: str | os.PathLike) -> Path:
+    """Write `path/config.json` + `path/model.safetensors` so that
+    `transformers.AutoModelForCausalLM.from_pretrained(path)` (and `load_model(path)`) rebuild the
+    same weights. Accepts a CausalLM, a LoadedModel, or an object with `.model_runner.model`
+    (the LLM facade). Tied lm_head is not stored (HF re-ties it). Tokenizer files are copied when
+    the object has a `tokenizer_dir` folder. Returns the folder path.
+    """
+    model = _resolve_model(model_or_llm)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    params = list(model.parameters())
+    cfg = copy.deepcopy(model.config)
+    cfg.architectures = [model.hf_architecture]
+    if params:
+        cfg.dtype = params[0].dtype
+    cfg.save_pretrained(str(out))
+    tied = model.is_tied
+    tensors = {
+        k: v.detach().to("cpu").contiguous()
+        for k, v in model.state_dict().items()
+        if not (tied and k == "lm_head.weight")
+    }
+    save_file(tensors, str(out / SAFE_WEIGHTS), metadata={"format": "pt"})
+    tok_dir = getattr(model_or_llm, "tokenizer_dir", None)
+    if isinstance(tok_dir, str) and os.path.isdir(tok_dir) and Path(tok_dir).resolve() != out.resolve():
+        for f in TOKENIZER_FILES:
+            src = Path(tok_dir) / f
+            if src.is_file():
+                shutil.copy2(src, out / f)
+    return out

@@ -1,0 +1,38 @@
+"""HF architecture name -> toolkit model class."""
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+from toolkit.errors import UnsupportedArchitectureError
+from toolkit.models.bamba import BambaForCausalLM
+from toolkit.models.base import CausalLM
+from toolkit.models.llama import LlamaForCausalLM
+from toolkit.models.mamba2 import Mamba2ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {
+    cls.hf_architecture: cls for cls in (LlamaForCausalLM, Mamba2ForCausalLM, BambaForCausalLM)
+}
+
+_BY_MODEL_TYPE: dict[str, type[CausalLM]] = {cls.hf_model_type: cls for cls in MODEL_REGISTRY.values()}
+
+
+def get_model_class(config: PretrainedConfig) -> type[CausalLM]:
+    """Class for `config.architectures[0]`; if the config names no architecture, by `model_type`.
+
+    Raises UnsupportedArchitectureError (listing the supported architectures) otherwise.
+    """
+    archs = list(getattr(config, "architectures", None) or [])
+    model_type = getattr(config, "model_type", None)
+    if archs:
+        cls = MODEL_REGISTRY.get(archs[0])
+        if cls is not None:
+            return cls
+        what = f"architecture '{archs[0]}'"
+    else:
+        cls = _BY_MODEL_TYPE.get(model_type) if model_type else None
+        if cls is not None:
+            return cls
+        what = f"model_type '{model_type}' (config names no architectures)"
+    raise UnsupportedArchitectureError(
+        f"{what} is not supported; supported architectures: {', '.join(sorted(MODEL_REGISTRY))}"
+    )
