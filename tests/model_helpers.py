@@ -8,11 +8,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from toolkit.attention.mamba2 import Mamba2AttentionMetadata
+from toolkit.attention.mamba2 import Mamba2AttentionMetadata, compute_chunk_metadata
 from toolkit.attention.paged_attn import PagedAttentionMetadata
-from toolkit.layers.mamba2_mixer import mamba2_chunk_layout
 from toolkit.runner.kv_cache_spec import AttentionSpec, MambaSpec
 
 
@@ -138,3 +138,9 @@ def one_seq_metadata(
         model, [SeqChunk(num_computed, query_len, block_ids, state_slot, is_decode)],
         block_size=block_size, device=device,
     )
+
+
+def mamba2_chunk_layout(query_lens, num_computed, chunk_size):
+    """`compute_chunk_metadata` as python lists: (cu_chunk_seqlens, seq_idx, last_chunk_indices)."""
+    arrays = compute_chunk_metadata(np.asarray(query_lens), np.asarray(num_computed), chunk_size)
+    return tuple(a.tolist() for a in arrays)

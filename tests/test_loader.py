@@ -15,8 +15,6 @@ from toolkit.errors import CheckpointError, UnknownModelError, UnsupportedArchit
 from toolkit.models import MODEL_REGISTRY, PRESETS, get_model_class, load_model, save_hf_folder
 from toolkit.runner.kv_cache_spec import AttentionSpec, MambaSpec
 
-# Tiny tensors: OpenMP threads only add overhead, and stall badly on a busy machine.
-torch.set_num_threads(1)
 
 ARCHS = list(PRESETS)
 F32 = dict(dtype=torch.float32, device="cpu")

@@ -9,15 +9,12 @@ import torch.nn.functional as F
 from toolkit.layers.mamba2_mixer import (
     causal_conv1d_step,
     causal_conv1d_varlen,
-    mamba2_chunk_layout,
     mamba2_dt,
     ssd_chunk_scan_varlen,
     ssm_scan_sequential_ref,
     ssm_step,
 )
-
-# Tiny tensors: OpenMP threads only add overhead, and stall badly on a busy machine.
-torch.set_num_threads(1)
+from model_helpers import mamba2_chunk_layout
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 

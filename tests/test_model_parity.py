@@ -9,8 +9,6 @@ from transformers import AutoModelForCausalLM
 from model_helpers import SeqChunk, allocate_caches, build_metadata, one_seq_metadata
 from toolkit.models import PRESETS, load_model, save_hf_folder
 
-# Tiny tensors: OpenMP threads only add overhead, and stall badly on a busy machine.
-torch.set_num_threads(1)
 
 ATOL = 1e-4
 ARCHS = ["tiny-llama", "tiny-mamba2", "tiny-bamba"]

@@ -11,17 +11,18 @@ kernels can be tested against them:
   - `ssd_chunk_scan_varlen`      chunked SSD scan over vLLM's varlen chunk layout, initial states
   - `ssm_step`                   one-token SSM update
   - `ssm_scan_sequential_ref`    plain per-token recurrence (the reference for the chunked scan)
-  - `mamba2_chunk_layout`        the chunk layout for given sequences (vLLM `_compute_chunk_metadata` rules)
 All SSM math is fp32.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import nn
 import torch.nn.functional as F
 
+from toolkit.attention.mamba2 import compute_chunk_metadata
 from toolkit.layers.mlp import get_activation
 from toolkit.layers.norms import RMSNormGated
 from toolkit.runner.kv_cache_spec import MambaSpec
@@ -297,38 +298,6 @@ def ssd_chunk_scan_varlen(
     return y_tok, finals
 
 
-def mamba2_chunk_layout(
-    query_lens: Sequence[int], num_computed: Sequence[int], chunk_size: int
-) -> tuple[list[int], list[int], list[int]]:
-    """Chunk layout of prefill sequences (vLLM `_compute_chunk_metadata` rules).
-
-    A chunk never crosses a sequence; a sequence whose num_computed is not a multiple of
-    chunk_size first tops up to the next chunk boundary. Returns (cu_chunk_seqlens [C+1],
-    seq_idx [C], last_chunk_indices [S]) as python lists, offsets relative to the first token.
-    """
-    cu = [0]
-    seq_idx: list[int] = []
-    last: list[int] = []
-    pos = 0
-    for i, (q, nc) in enumerate(zip(query_lens, num_computed)):
-        q = int(q)
-        rem = int(nc) % chunk_size
-        if rem != 0 and q > 0:
-            first = min(chunk_size - rem, q)
-            pos += first
-            cu.append(pos)
-            seq_idx.append(i)
-            q -= first
-        while q > 0:
-            step = min(chunk_size, q)
-            pos += step
-            cu.append(pos)
-            seq_idx.append(i)
-            q -= step
-        last.append(len(seq_idx) - 1)
-    return cu, seq_idx, last
-
-
 # --------------------------------------------------------------------------------------------
 # module
 # --------------------------------------------------------------------------------------------
@@ -455,12 +424,9 @@ class Mamba2Mixer(nn.Module):
             cu_t = torch.tensor([0, t], device=hidden.device, dtype=torch.int32)
             xbc_c, _ = causal_conv1d_varlen(xbc, weight, bias, cu_t, None, self.activation)
             x, B, C = self._split_xbc(xbc_c)
-            cu, sidx, last = mamba2_chunk_layout([t], [0], self.chunk_size)
-            y, _ = ssd_chunk_scan_varlen(
-                x, dt, A, B, C, self.D,
-                torch.tensor(cu, device=hidden.device), torch.tensor(sidx, device=hidden.device),
-                torch.tensor(last, device=hidden.device), self.chunk_size, None,
-            )
+            cu, sidx, last = (torch.from_numpy(a).to(hidden.device) for a in
+                              compute_chunk_metadata(np.array([t]), np.array([0]), self.chunk_size))
+            y, _ = ssd_chunk_scan_varlen(x, dt, A, B, C, self.D, cu, sidx, last, self.chunk_size, None)
         else:
             md = attn_metadata[self.layer_name]
             if self.conv_state is None or self.ssm_state is None:
