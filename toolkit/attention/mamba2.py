@@ -1,8 +1,6 @@
 """Mamba2 metadata (vLLM `Mamba2AttentionMetadata`), built per step by `Mamba2MetadataBuilder`.
 
-Token order contract: the batch holds decode rows first, so the step's tokens are
-[decode tokens (num_decode_tokens) | prefill tokens (num_prefill_tokens)].
-P = num_prefills, D = num_decodes, C = number of prefill chunks.
+Token order contract (see mamba_base.py): [decode tokens | prefill tokens].
 
 Chunking (vLLM `_compute_chunk_metadata`): a chunk never crosses a sequence boundary, and a
 sequence whose num_computed_tokens is not a multiple of chunk_size first tops up to the next
@@ -16,27 +14,17 @@ import numpy as np
 import torch
 
 from toolkit.attention.common import CommonAttentionMetadata
-from toolkit.attention.mamba_base import BaseMambaMetadataBuilder
+from toolkit.attention.mamba_base import BaseMambaAttentionMetadata, BaseMambaMetadataBuilder
 
 
 @dataclass
-class Mamba2AttentionMetadata:
-    num_prefills: int
-    num_prefill_tokens: int
-    num_decodes: int
-    num_decode_tokens: int
-    num_reqs: int
+class Mamba2AttentionMetadata(BaseMambaAttentionMetadata):
     chunk_size: int
     prep_initial_states: bool                   # any prefill row starts from a saved state
-    # prefill-only; None when num_prefills == 0
-    query_start_loc_p: torch.Tensor | None      # device int32 [P+1], rebased to start at 0
-    has_initial_states_p: torch.Tensor | None   # device bool [P]: num_computed_tokens > 0
-    state_indices_tensor_p: torch.Tensor | None  # device int32 [P]: state slot per prefill row
+    # prefill-only; None when num_prefills == 0. C = number of prefill chunks.
     seq_idx_p: torch.Tensor | None              # device int32 [C]: prefill row of each chunk
     cu_chunk_seqlen_p: torch.Tensor | None      # device int32 [C+1]: chunk boundaries (prefill-token offsets)
     last_chunk_indices_p: torch.Tensor | None   # device int32 [P]: index of each row's last chunk
-    # decode-only; None when num_decodes == 0
-    state_indices_tensor_d: torch.Tensor | None  # device int32 [D]: state slot per decode row
 
 
 def compute_chunk_metadata(query_lens_p: np.ndarray, num_computed_p: np.ndarray, chunk_size: int

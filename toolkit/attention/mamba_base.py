@@ -29,6 +29,25 @@ MAMBA_REQUIRED_FIELDS = (
 
 
 @dataclass
+class BaseMambaAttentionMetadata:
+    """Fields every Mamba-family layer reads (vLLM `BaseMambaAttentionMetadata`).
+
+    Tokens are [decode tokens | prefill tokens]; P = num_prefills, D = num_decodes.
+    """
+    num_prefills: int
+    num_prefill_tokens: int
+    num_decodes: int
+    num_decode_tokens: int
+    num_reqs: int
+    # prefill-only; None when num_prefills == 0
+    query_start_loc_p: torch.Tensor | None       # device int32 [P+1], rebased to start at 0
+    has_initial_states_p: torch.Tensor | None    # device bool [P]: num_computed_tokens > 0
+    state_indices_tensor_p: torch.Tensor | None  # device int32 [P]: state slot per prefill row
+    # decode-only; None when num_decodes == 0
+    state_indices_tensor_d: torch.Tensor | None  # device int32 [D]: state slot per decode row
+
+
+@dataclass
 class MambaSplit:
     """Host-side facts of one batch, shared by the Mamba builders."""
     num_decodes: int

@@ -13,8 +13,10 @@ import torch
 
 from toolkit.attention.builder import AttentionMetadataBuilder
 from toolkit.attention.common import CommonAttentionMetadata
+from toolkit.attention.mamba1 import Mamba1MetadataBuilder
 from toolkit.attention.mamba2 import Mamba2MetadataBuilder
 from toolkit.attention.paged_attn import PagedAttentionMetadataBuilder
+from toolkit.attention.short_conv import ShortConvMetadataBuilder
 from toolkit.runner.kv_cache import KVCacheGroup
 from toolkit.runner.kv_cache_spec import AttentionSpec, MambaSpec
 
@@ -35,6 +37,10 @@ def make_builder(group: KVCacheGroup) -> AttentionMetadataBuilder:
         return PagedAttentionMetadataBuilder(group.block_size)
     if isinstance(spec, MambaSpec) and spec.mamba_type == "mamba2":
         return Mamba2MetadataBuilder(spec.chunk_size)
+    if isinstance(spec, MambaSpec) and spec.mamba_type == "mamba1":
+        return Mamba1MetadataBuilder()
+    if isinstance(spec, MambaSpec) and spec.mamba_type == "short_conv":
+        return ShortConvMetadataBuilder()
     raise ValueError(f"no metadata builder for cache spec {spec}")
 
 
