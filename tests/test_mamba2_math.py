@@ -6,9 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from toolkit.layers.causal_conv1d import causal_conv1d_step, causal_conv1d_varlen
 from toolkit.layers.mamba2_mixer import (
-    causal_conv1d_step,
-    causal_conv1d_varlen,
     mamba2_dt,
     ssd_chunk_scan_varlen,
     ssm_scan_sequential_ref,

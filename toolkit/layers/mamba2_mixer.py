@@ -6,8 +6,7 @@ K conv kernel, Dc = conv_dim = H*P + 2*G*N, S sequences, C chunks.
 The pure math lives in plain functions below (no module state, no in-place writes) so that
 kernels can be tested against them:
   - `mamba2_dt`                  dt_raw -> softplus(dt_raw + dt_bias), clamped to time_step_limit
-  - `causal_conv1d_varlen`       depthwise causal conv of several sequences with initial states
-  - `causal_conv1d_step`         one-token conv update
+  - conv with state: see causal_conv1d.py (shared with Mamba1 and ShortConv)
   - `ssd_chunk_scan_varlen`      chunked SSD scan over vLLM's varlen chunk layout, initial states
   - `ssm_step`                   one-token SSM update
   - `ssm_scan_sequential_ref`    plain per-token recurrence (the reference for the chunked scan)
@@ -23,6 +22,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from toolkit.attention.mamba2 import compute_chunk_metadata
+from toolkit.layers.causal_conv1d import causal_conv1d_step, causal_conv1d_varlen
 from toolkit.layers.mlp import get_activation
 from toolkit.layers.norms import RMSNormGated
 from toolkit.runner.kv_cache_spec import MambaSpec
@@ -43,80 +43,6 @@ def mamba2_dt(
         if lo > 0.0 or hi != float("inf"):
             dt = dt.clamp(min=lo, max=hi)
     return dt
-
-
-def _act(x: torch.Tensor, activation: str | None) -> torch.Tensor:
-    return x if activation is None else get_activation(activation)(x)
-
-
-def causal_conv1d_varlen(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    cu_seqlens: torch.Tensor,
-    initial_states: torch.Tensor | None = None,
-    activation: str | None = "silu",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv of S concatenated sequences, each continuing from a conv state.
-
-    x [T, Dc] (sequences back to back); weight [Dc, K]; bias [Dc] | None;
-    cu_seqlens int [S+1] (cu_seqlens[0] == 0, cu_seqlens[-1] == T);
-    initial_states [S, K-1, Dc] ("SD" layout: the K-1 inputs preceding each sequence, oldest first)
-    or None for zeros.
-    out[t] = act(bias + sum_k weight[:, k] * u[t - (K-1) + k]) where u is the sequence's inputs
-    preceded by its initial state. Math in fp32, out in x.dtype.
-    Returns (out [T, Dc], final_states [S, K-1, Dc]): final = the last K-1 entries of
-    [initial_state; x_seq] (so a sequence shorter than K-1 keeps part of its initial state).
-    """
-    t, dc = x.shape
-    k = weight.shape[-1]
-    km1 = k - 1
-    dev = x.device
-    cu = cu_seqlens.to(device=dev, dtype=torch.int64)
-    s = cu.numel() - 1
-    state_dtype = initial_states.dtype if initial_states is not None else x.dtype
-    if initial_states is None:
-        initial_states = torch.zeros(s, km1, dc, device=dev, dtype=x.dtype)
-    # history buffer: all initial states first, then all tokens
-    hist = torch.cat([initial_states.reshape(s * km1, dc).to(torch.float32), x.to(torch.float32)], dim=0)
-    lens = cu[1:] - cu[:-1]
-
-    def hist_index(seq: torch.Tensor, rel: torch.Tensor) -> torch.Tensor:
-        # rel = position inside the sequence (negative: inside the initial state)
-        return torch.where(rel >= 0, s * km1 + cu[seq] + rel, seq * km1 + km1 + rel)
-
-    taps = torch.arange(k, device=dev) - km1                                   # [K]: -(K-1) .. 0
-    seq_of_tok = torch.repeat_interleave(torch.arange(s, device=dev), lens, output_size=t)
-    j = torch.arange(t, device=dev) - cu[seq_of_tok]
-    win = hist[hist_index(seq_of_tok[:, None], j[:, None] + taps[None, :])]    # [T, K, Dc]
-    out = (win * weight.to(torch.float32).t()[None]).sum(dim=1)
-    if bias is not None:
-        out = out + bias.to(torch.float32)
-    out = _act(out, activation).to(x.dtype)
-
-    seqs = torch.arange(s, device=dev)
-    rel = lens[:, None] - km1 + torch.arange(km1, device=dev)[None, :]        # [S, K-1]
-    final = hist[hist_index(seqs[:, None], rel)].to(state_dtype)              # [S, K-1, Dc]
-    return out, final
-
-
-def causal_conv1d_step(
-    x: torch.Tensor,
-    conv_state: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    activation: str | None = "silu",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One new token per row. x [B, Dc], conv_state [B, K-1, Dc], weight [Dc, K].
-
-    Returns (out [B, Dc] in x.dtype, new_state [B, K-1, Dc] in conv_state.dtype).
-    """
-    win = torch.cat([conv_state.to(torch.float32), x.to(torch.float32)[:, None, :]], dim=1)  # [B, K, Dc]
-    out = (win * weight.to(torch.float32).t()[None]).sum(dim=1)
-    if bias is not None:
-        out = out + bias.to(torch.float32)
-    out = _act(out, activation).to(x.dtype)
-    return out, win[:, 1:].to(conv_state.dtype)
 
 
 def _heads_from_groups(t: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -1,0 +1,84 @@
+"""Depthwise causal conv1d over per-request conv state (the Mamba1 / Mamba2 / ShortConv front end).
+
+Conv state layout is vLLM's "SD": [K-1, D], the K-1 inputs preceding the next token, oldest first.
+Plain torch, fp32 math: the reference any conv kernel is tested against.
+"""
+from __future__ import annotations
+
+import torch
+
+from toolkit.layers.mlp import get_activation
+
+
+def _act(x: torch.Tensor, activation: str | None) -> torch.Tensor:
+    return x if activation is None else get_activation(activation)(x)
+
+
+def causal_conv1d_varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    initial_states: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv of S concatenated sequences, each continuing from a conv state.
+
+    x [T, Dc] (sequences back to back); weight [Dc, K]; bias [Dc] | None;
+    cu_seqlens int [S+1] (cu_seqlens[0] == 0, cu_seqlens[-1] == T);
+    initial_states [S, K-1, Dc] ("SD" layout: the K-1 inputs preceding each sequence, oldest first)
+    or None for zeros.
+    out[t] = act(bias + sum_k weight[:, k] * u[t - (K-1) + k]) where u is the sequence's inputs
+    preceded by its initial state. Math in fp32, out in x.dtype.
+    Returns (out [T, Dc], final_states [S, K-1, Dc]): final = the last K-1 entries of
+    [initial_state; x_seq] (so a sequence shorter than K-1 keeps part of its initial state).
+    """
+    t, dc = x.shape
+    k = weight.shape[-1]
+    km1 = k - 1
+    dev = x.device
+    cu = cu_seqlens.to(device=dev, dtype=torch.int64)
+    s = cu.numel() - 1
+    state_dtype = initial_states.dtype if initial_states is not None else x.dtype
+    if initial_states is None:
+        initial_states = torch.zeros(s, km1, dc, device=dev, dtype=x.dtype)
+    # history buffer: all initial states first, then all tokens
+    hist = torch.cat([initial_states.reshape(s * km1, dc).to(torch.float32), x.to(torch.float32)], dim=0)
+    lens = cu[1:] - cu[:-1]
+
+    def hist_index(seq: torch.Tensor, rel: torch.Tensor) -> torch.Tensor:
+        # rel = position inside the sequence (negative: inside the initial state)
+        return torch.where(rel >= 0, s * km1 + cu[seq] + rel, seq * km1 + km1 + rel)
+
+    taps = torch.arange(k, device=dev) - km1                                   # [K]: -(K-1) .. 0
+    seq_of_tok = torch.repeat_interleave(torch.arange(s, device=dev), lens, output_size=t)
+    j = torch.arange(t, device=dev) - cu[seq_of_tok]
+    win = hist[hist_index(seq_of_tok[:, None], j[:, None] + taps[None, :])]    # [T, K, Dc]
+    out = (win * weight.to(torch.float32).t()[None]).sum(dim=1)
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    out = _act(out, activation).to(x.dtype)
+
+    seqs = torch.arange(s, device=dev)
+    rel = lens[:, None] - km1 + torch.arange(km1, device=dev)[None, :]        # [S, K-1]
+    final = hist[hist_index(seqs[:, None], rel)].to(state_dtype)              # [S, K-1, Dc]
+    return out, final
+
+
+def causal_conv1d_step(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One new token per row. x [B, Dc], conv_state [B, K-1, Dc], weight [Dc, K].
+
+    Returns (out [B, Dc] in x.dtype, new_state [B, K-1, Dc] in conv_state.dtype).
+    """
+    win = torch.cat([conv_state.to(torch.float32), x.to(torch.float32)[:, None, :]], dim=1)  # [B, K, Dc]
+    out = (win * weight.to(torch.float32).t()[None]).sum(dim=1)
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    out = _act(out, activation).to(x.dtype)
+    return out, win[:, 1:].to(conv_state.dtype)
