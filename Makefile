@@ -13,8 +13,9 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) -m toolkit demo
 
+# `bin/pytest`, not `python -m pytest`: -m would put the repo root (and its kernels/ folder) on sys.path.
 test: $(VENV)/.installed
-	TRITON_INTERPRET=1 $(PY) -m pytest tests
+	TRITON_INTERPRET=1 $(VENV)/bin/pytest tests
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/decode_throughput.py

@@ -231,3 +231,13 @@ def test_demo_command_runs():
     assert proc.returncode == 0, proc.stderr
     assert "prefill/decode" in proc.stdout and "state slots free" in proc.stdout
     assert proc.stdout.count("request ") == 4
+
+
+def test_kernels_install_under_toolkit_not_top_level(tmp_path):
+    import toolkit.kernels
+    assert Path(toolkit.kernels.__file__).parent == REPO / "kernels"
+    # outside the repo (the repo root itself has a kernels/ folder), nothing named `kernels` imports
+    probe = "import importlib.util, toolkit.kernels; print(importlib.util.find_spec('kernels'))"
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "None", "a top-level `kernels` module is installed"
