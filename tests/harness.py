@@ -16,7 +16,11 @@ from toolkit import LLM, SamplingParams
 
 LOGIT_ATOL = 1e-4
 TIE_ATOL = 1e-5
-PRESETS = ["tiny-llama", "tiny-mamba2", "tiny-bamba"]
+PRESETS = ["tiny-llama", "tiny-mamba2", "tiny-bamba", "tiny-mamba", "tiny-falcon-mamba", "tiny-jamba",
+           "tiny-lfm2"]
+# Hybrid configs with no attention layer at all (HF's cached generate crashes on them).
+NO_ATTENTION = {"tiny-jamba": dict(attn_layer_period=8, attn_layer_offset=5),
+                "tiny-lfm2": dict(layer_types=["conv"] * 4, full_attn_idxs=[])}
 
 
 @dataclass

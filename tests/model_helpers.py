@@ -11,8 +11,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from toolkit.attention.mamba1 import Mamba1AttentionMetadata
 from toolkit.attention.mamba2 import Mamba2AttentionMetadata, compute_chunk_metadata
 from toolkit.attention.paged_attn import PagedAttentionMetadata
+from toolkit.attention.short_conv import ShortConvAttentionMetadata
 from toolkit.runner.kv_cache_spec import AttentionSpec, MambaSpec
 
 
@@ -125,8 +127,52 @@ def build_metadata(
 
     out: dict[str, object] = {}
     for name, spec in model.kv_cache_specs().items():
+        if isinstance(spec, MambaSpec) and spec.mamba_type == "short_conv":
+            out[name] = short_conv_metadata(rows, device=dev)
+            continue
+        if isinstance(spec, MambaSpec) and spec.mamba_type == "mamba1":
+            out[name] = mamba1_metadata(rows, device=dev)
+            continue
         out[name] = paged if isinstance(spec, AttentionSpec) else mamba_for(int(spec.chunk_size))
     return out
+
+
+def short_conv_metadata(rows: list[SeqChunk], *, device: torch.device | str = "cpu") -> ShortConvAttentionMetadata:
+    """ShortConv (LFM2) metadata of one step: the base Mamba fields only (decode rows first)."""
+    dev = torch.device(device)
+    i32 = dict(dtype=torch.int32, device=dev)
+    dec = [r for r in rows if r.decode]
+    pre = [r for r in rows if not r.decode]
+    pqsl = [0]
+    for r in pre:
+        pqsl.append(pqsl[-1] + r.query_len)
+    return ShortConvAttentionMetadata(
+        num_prefills=len(pre), num_prefill_tokens=pqsl[-1], num_decodes=len(dec), num_decode_tokens=len(dec),
+        num_reqs=len(rows),
+        query_start_loc_p=torch.tensor(pqsl, **i32) if pre else None,
+        has_initial_states_p=torch.tensor([r.num_computed > 0 for r in pre], device=dev) if pre else None,
+        state_indices_tensor_p=torch.tensor([r.state_slot for r in pre], **i32) if pre else None,
+        state_indices_tensor_d=torch.tensor([r.state_slot for r in dec], **i32) if dec else None,
+    )
+
+
+def mamba1_metadata(rows: list[SeqChunk], *, device: torch.device | str = "cpu") -> Mamba1AttentionMetadata:
+    """Mamba1 metadata of one step: the base Mamba fields only (decode rows first)."""
+    dev = torch.device(device)
+    i32 = dict(dtype=torch.int32, device=dev)
+    dec = [r for r in rows if r.decode]
+    pre = [r for r in rows if not r.decode]
+    pqsl = [0]
+    for r in pre:
+        pqsl.append(pqsl[-1] + r.query_len)
+    return Mamba1AttentionMetadata(
+        num_prefills=len(pre), num_prefill_tokens=pqsl[-1], num_decodes=len(dec), num_decode_tokens=len(dec),
+        num_reqs=len(rows),
+        query_start_loc_p=torch.tensor(pqsl, **i32) if pre else None,
+        has_initial_states_p=torch.tensor([r.num_computed > 0 for r in pre], device=dev) if pre else None,
+        state_indices_tensor_p=torch.tensor([r.state_slot for r in pre], **i32) if pre else None,
+        state_indices_tensor_d=torch.tensor([r.state_slot for r in dec], **i32) if dec else None,
+    )
 
 
 def one_seq_metadata(

@@ -16,7 +16,8 @@ from toolkit.models import MODEL_REGISTRY, PRESETS, get_model_class, load_model,
 from toolkit.runner.kv_cache_spec import AttentionSpec, MambaSpec
 
 
-ARCHS = list(PRESETS)
+# shape-true presets ("*-shape": real model dimensions, hundreds of MB) are for benchmarks
+ARCHS = [p for p in PRESETS if not p.endswith("-shape")]
 F32 = dict(dtype=torch.float32, device="cpu")
 
 

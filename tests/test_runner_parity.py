@@ -94,7 +94,7 @@ def test_preemption_by_recompute_keeps_outputs(preset):
             rec = tight.step()
             preempted += rec.preempted_request_ids
             outs.update({o.request_id: o.outputs[0].token_ids for o in rec.outputs})
-        if preset != "tiny-mamba2":      # attention-free: no KV blocks, nothing to run out of
+        if tight.stats()["kv_blocks_total"]:     # attention-free models have no KV blocks to run out of
             assert preempted, "16 blocks of 4 tokens cannot hold 3 x 32 tokens"
         assert [outs[i] for i in ids] == expected
         stats = tight.stats()

@@ -11,6 +11,7 @@ import math
 import torch
 from torch import nn
 
+from toolkit.layers.norms import RMSNorm
 from toolkit.layers.rotary import RotaryEmbedding
 from toolkit.runner.kv_cache_spec import AttentionSpec
 
@@ -73,8 +74,32 @@ def causal_attention_ref(
     return out.transpose(0, 1).to(q.dtype)
 
 
+def decode_attention_ref(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+    max_seq_len: int, scale: float
+) -> torch.Tensor:
+    """Batched attention of rows with one query token each (the token at position seq_len - 1).
+
+    q [R, Hq, D]; block_table int [R, >= ceil(max_seq_len / block_size)]; seq_lens int [R].
+    Math in fp32 (same as `causal_attention_ref`); returns [R, Hq, D] in q.dtype.
+    """
+    rows, hq, dim = q.shape
+    block_size, hkv = kv_cache.shape[2], kv_cache.shape[3]
+    nb = math.ceil(max_seq_len / block_size)
+    blocks = kv_cache[block_table[:, :nb].to(torch.int64)]              # [R, nb, 2, bs, Hkv, D]
+    k = blocks[:, :, 0].reshape(rows, nb * block_size, hkv, dim).to(torch.float32)
+    v = blocks[:, :, 1].reshape(rows, nb * block_size, hkv, dim).to(torch.float32)
+    qf = q.to(torch.float32).view(rows, hkv, hq // hkv, dim)           # head h reads kv head h // rep
+    scores = torch.einsum("bgrd,bsgd->bgrs", qf, k) * scale
+    past_end = torch.arange(nb * block_size, device=q.device)[None, :] >= seq_lens[:, None]
+    scores = scores.masked_fill(past_end[:, None, None, :], float("-inf"))
+    v = v.masked_fill(past_end[:, :, None, None], 0.0)        # unwritten slots may hold anything
+    out = torch.einsum("bgrs,bsgd->bgrd", torch.softmax(scores, dim=-1), v)
+    return out.reshape(rows, hq, dim).to(q.dtype)
+
+
 class PagedAttention(nn.Module):
-    """q/k/v/o projections (HF names), GQA, RoPE, paged KV cache.
+    """q/k/v/o projections (HF names), optional per-head q/k RMSNorm, GQA, RoPE, paged KV cache.
 
     Args:
         layer_name: module path of this layer (e.g. "model.layers.1.self_attn"); key into the
@@ -83,6 +108,10 @@ class PagedAttention(nn.Module):
         bias: `attention_bias` (all four projections, as HF Llama/Bamba).
         rotary: the RoPE module (None = no positional rotation).
         scale: softmax scale (default head_dim ** -0.5, as HF).
+        qk_norm_eps: if set, q and k get a per-head RMSNorm over head_dim (weight [head_dim]) after
+            projection and before RoPE (HF LFM2 `q_layernorm`/`k_layernorm`, Qwen3 `q_norm`/`k_norm`).
+        qk_norm_names: the checkpoint's names of those two norms.
+        o_proj_name: the checkpoint's name of the output projection ("out_proj" in LFM2).
     """
 
     def __init__(
@@ -96,6 +125,9 @@ class PagedAttention(nn.Module):
         bias: bool = False,
         rotary: RotaryEmbedding | None = None,
         scale: float | None = None,
+        qk_norm_eps: float | None = None,
+        qk_norm_names: tuple[str, str] = ("q_norm", "k_norm"),
+        o_proj_name: str = "o_proj",
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads != 0:
@@ -108,9 +140,20 @@ class PagedAttention(nn.Module):
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self._o_proj_name = o_proj_name
+        self.add_module(o_proj_name, nn.Linear(num_heads * head_dim, hidden_size, bias=bias))
+        self._qk_norm_names: tuple[str, str] | None = None
+        if qk_norm_eps is not None:
+            self._qk_norm_names = tuple(qk_norm_names)
+            self.add_module(qk_norm_names[0], RMSNorm(head_dim, eps=qk_norm_eps))
+            self.add_module(qk_norm_names[1], RMSNorm(head_dim, eps=qk_norm_eps))
         self.rotary = rotary
         self.kv_cache: torch.Tensor | None = None
+
+    @property
+    def output_proj(self) -> nn.Linear:
+        """The output projection, whatever the checkpoint calls it (`o_proj_name`)."""
+        return getattr(self, self._o_proj_name)
 
     def get_kv_cache_spec(self) -> AttentionSpec:
         return AttentionSpec(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.q_proj.weight.dtype)
@@ -140,6 +183,9 @@ class PagedAttention(nn.Module):
         q = self.q_proj(hidden).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
+        if self._qk_norm_names is not None:
+            q = getattr(self, self._qk_norm_names[0])(q)
+            k = getattr(self, self._qk_norm_names[1])(k)
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
         out = torch.zeros_like(q)
@@ -152,12 +198,19 @@ class PagedAttention(nn.Module):
             write_kv_cache(self.kv_cache, k[:n], v[:n], slots)
             qsl = md.query_start_loc_cpu.tolist()
             seq_lens = md.seq_lens_cpu.tolist()
+            single = [i for i in range(int(md.num_reqs)) if qsl[i + 1] - qsl[i] == 1]
+            if single:                      # one-token rows (decodes) in one batched op
+                rows = torch.tensor(single, device=q.device)
+                tok = md.query_start_loc[rows].to(torch.int64)
+                out[tok] = decode_attention_ref(q[tok], self.kv_cache, md.block_table[rows],
+                                                md.seq_lens[rows], max(seq_lens[i] for i in single),
+                                                self.scale)
             for i in range(int(md.num_reqs)):
                 qs, qe = qsl[i], qsl[i + 1]
                 q_len = qe - qs
-                if q_len <= 0:
+                if q_len <= 1:
                     continue
                 seq_len = seq_lens[i]
                 kc, vc = gather_kv(self.kv_cache, md.block_table[i], seq_len)
                 out[qs:qe] = causal_attention_ref(q[qs:qe], kc, vc, seq_len - q_len, self.scale)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.output_proj(out.reshape(t, self.num_heads * self.head_dim))

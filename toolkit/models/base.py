@@ -98,7 +98,7 @@ class CausalLM(nn.Module):
         the embedding):
           - RMSNorm / gated-norm weights: 1 + N(0, 0.1)  (not exactly 1, so norm bugs show)
           - A_log: log(U[1, 16]);  D: 1 + N(0, 0.1);
-          - dt_bias: softplus^-1(dt), dt = exp(U[log 1e-3, log 1e-1])
+          - dt_bias (Mamba1: dt_proj.bias): softplus^-1(dt), dt = exp(U[log 1e-3, log 1e-1])
           - conv1d.weight: N(0, 1/sqrt(K));  conv1d.bias: N(0, 0.1)
           - everything else (linear weights/biases, embeddings): N(0, config.initializer_range)
         """
@@ -124,7 +124,7 @@ class CausalLM(nn.Module):
                 v = torch.log(1.0 + 15.0 * rand(shape))
             elif leaf == "D":
                 v = 1.0 + 0.1 * randn(shape)
-            elif leaf == "dt_bias":
+            elif leaf == "dt_bias" or name.endswith("dt_proj.bias"):
                 lo, hi = math.log(1e-3), math.log(1e-1)
                 dt = torch.exp(lo + (hi - lo) * rand(shape))
                 v = dt + torch.log(-torch.expm1(-dt))

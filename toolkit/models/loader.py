@@ -156,6 +156,10 @@ def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> Load
             if remap is not None:
                 k = remap(k)
             state[k] = t
+    # whole-checkpoint conversion, after every shard is read (e.g. per-expert MoE tensors -> fused)
+    to_model = getattr(cls, "checkpoint_to_state_dict", None)
+    if to_model is not None:
+        state = to_model(state)
 
     optional = {"lm_head.weight"} if tied else set()
     missing = sorted(k for k in expected if k not in state and k not in optional)
@@ -228,6 +232,9 @@ def save_hf_folder(model_or_llm: Any, path: str | os.PathLike) -> Path:
         for k, v in model.state_dict().items()
         if not (tied and k == "lm_head.weight")
     }
+    to_checkpoint = getattr(type(model), "state_dict_to_checkpoint", None)
+    if to_checkpoint is not None:  # the on-disk layout HF writes (e.g. per-expert MoE tensors)
+        tensors = to_checkpoint(tensors)
     save_file(tensors, str(out / SAFE_WEIGHTS), metadata={"format": "pt"})
     tok_dir = getattr(model_or_llm, "tokenizer_dir", None)
     if isinstance(tok_dir, str) and os.path.isdir(tok_dir) and Path(tok_dir).resolve() != out.resolve():

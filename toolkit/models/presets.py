@@ -8,12 +8,31 @@ Shared: vocab 320, pad/bos/eos = 0/1/2, hidden 64, 4 layers, untied embeddings, 
 initializer_range 0.1.
 Attention: 4 heads, 2 KV heads (head_dim 16), MLP 128. Mamba2: 8 heads x 16, d_state 16,
 chunk 16, conv 4 (tiny-mamba2 uses n_groups=2 so group bugs show; tiny-bamba uses 1).
+tiny-mamba / tiny-falcon-mamba (Mamba1): d_state 16, expand 2 (d_inner 128), conv 4;
+tiny-mamba: time_step_rank 8 and TIED embeddings (MambaConfig's default, as the state-spaces
+checkpoints ship); tiny-falcon-mamba: time_step_rank "auto" (= 4) and untied, so both
+lm_head paths are covered.
+tiny-jamba: layers mamba, attention, mamba, attention (attn period 2 / offset 1), MoE on layers
+1 and 3 (expert period 2 / offset 1; 4 experts, top-2), attention as above (no RoPE in Jamba),
+Mamba1 d_state 16, dt_rank 8, expand 2, conv 4.
+tiny-lfm2: layers conv, full_attention, conv, full_attention; attention as above (plus q/k
+norms); short conv L_cache 3; FFN 128 (block_auto_adjust_ff_dim off, else HF would build 256);
+tied embeddings, as LFM2 ships.
+
+Shape-true presets (real model dimensions, random weights; for benchmarks, not CPU tests):
+lfm2-350m-shape: LiquidAI/LFM2-350M -- hidden 1024, 16 layers, attention at 2, 5, 8, 10, 12, 14
+(16 heads / 8 KV heads), short conv L_cache 3, intermediate_size 6656 auto-adjusted by HF to an
+FFN of 4608, vocab 65536, tied, RoPE theta 1e6, eos 7 (354.5M parameters).
+mamba-130m-shape: state-spaces/mamba-130m(-hf) -- hidden 768, 24 layers, d_state 16, expand 2,
+conv 4, time_step_rank 48 ("auto"), vocab 50280, tied, pad/bos/eos 0/0/0 (129.1M parameters).
 """
 from __future__ import annotations
 
 from typing import Callable
 
 from transformers import BambaConfig, LlamaConfig, Mamba2Config, PretrainedConfig
+from transformers import FalconMambaConfig, JambaConfig, MambaConfig
+from transformers import Lfm2Config
 
 PRESET_SEED = 0
 
@@ -74,8 +93,121 @@ def tiny_bamba() -> BambaConfig:
     )
 
 
+def tiny_lfm2() -> Lfm2Config:
+    return Lfm2Config(
+        **{**_SHARED, "tie_word_embeddings": True},
+        layer_types=["conv", "full_attention", "conv", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        block_auto_adjust_ff_dim=False,
+        conv_L_cache=3,
+        architectures=["Lfm2ForCausalLM"],
+    )
+
+
+LFM2_350M_LAYER_TYPES = [
+    "full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)
+]
+
+
+def lfm2_350m_shape() -> Lfm2Config:
+    return Lfm2Config(
+        vocab_size=65536,
+        hidden_size=1024,
+        intermediate_size=6656,
+        block_auto_adjust_ff_dim=True,
+        block_ffn_dim_multiplier=1.0,
+        block_multiple_of=256,
+        num_hidden_layers=16,
+        layer_types=list(LFM2_350M_LAYER_TYPES),
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        conv_L_cache=3,
+        conv_bias=False,
+        norm_eps=1e-5,
+        max_position_embeddings=128000,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=7,
+        initializer_range=0.02,
+        architectures=["Lfm2ForCausalLM"],
+    )
+
+
+def tiny_mamba() -> MambaConfig:
+    return MambaConfig(
+        **{**_SHARED, "tie_word_embeddings": True},
+        state_size=16,
+        expand=2,
+        conv_kernel=4,
+        time_step_rank=8,
+        architectures=["MambaForCausalLM"],
+    )
+
+
+def tiny_falcon_mamba() -> FalconMambaConfig:
+    return FalconMambaConfig(
+        **_SHARED,
+        state_size=16,
+        expand=2,
+        conv_kernel=4,
+        time_step_rank="auto",
+        architectures=["FalconMambaForCausalLM"],
+    )
+
+
+def tiny_jamba() -> JambaConfig:
+    return JambaConfig(
+        **_SHARED,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mamba_d_state=16,
+        mamba_dt_rank=8,
+        mamba_expand=2,
+        mamba_d_conv=4,
+        architectures=["JambaForCausalLM"],
+    )
+
+
+def mamba_130m_shape() -> MambaConfig:
+    return MambaConfig(
+        vocab_size=50280,
+        hidden_size=768,
+        num_hidden_layers=24,
+        state_size=16,
+        expand=2,
+        conv_kernel=4,
+        time_step_rank="auto",
+        layer_norm_epsilon=1e-5,
+        use_bias=False,
+        use_conv_bias=True,
+        residual_in_fp32=True,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+        initializer_range=0.1,
+        architectures=["MambaForCausalLM"],
+    )
+
 PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
     "tiny-llama": tiny_llama,
     "tiny-mamba2": tiny_mamba2,
     "tiny-bamba": tiny_bamba,
+    "tiny-mamba": tiny_mamba,
+    "tiny-falcon-mamba": tiny_falcon_mamba,
+    "tiny-jamba": tiny_jamba,
+    "mamba-130m-shape": mamba_130m_shape,
+    "tiny-lfm2": tiny_lfm2,
+    "lfm2-350m-shape": lfm2_350m_shape,
 }

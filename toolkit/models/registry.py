@@ -6,12 +6,20 @@ from transformers import PretrainedConfig
 from toolkit.errors import UnsupportedArchitectureError
 from toolkit.models.bamba import BambaForCausalLM
 from toolkit.models.base import CausalLM
+from toolkit.models.falcon_mamba import FalconMambaForCausalLM
+from toolkit.models.jamba import JambaForCausalLM
+from toolkit.models.lfm2 import Lfm2ForCausalLM
 from toolkit.models.llama import LlamaForCausalLM
+from toolkit.models.mamba import MambaForCausalLM
 from toolkit.models.mamba2 import Mamba2ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
-    cls.hf_architecture: cls for cls in (LlamaForCausalLM, Mamba2ForCausalLM, BambaForCausalLM)
+    cls.hf_architecture: cls for cls in (LlamaForCausalLM, Mamba2ForCausalLM, BambaForCausalLM,
+                                        Lfm2ForCausalLM)
 }
+MODEL_REGISTRY.update(
+    {cls.hf_architecture: cls for cls in (MambaForCausalLM, FalconMambaForCausalLM, JambaForCausalLM)}
+)
 
 _BY_MODEL_TYPE: dict[str, type[CausalLM]] = {cls.hf_model_type: cls for cls in MODEL_REGISTRY.values()}
 

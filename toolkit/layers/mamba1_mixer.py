@@ -1,0 +1,292 @@
+"""Mamba1 (selective scan) mixer over per-request recurrent state: HF `MambaMixer`,
+`FalconMambaMixer` and `JambaMambaMixer` (torch paths) in one class.
+
+Notation: T tokens, Di = intermediate_size (d_inner), N = d_state, R = time_step_rank, K conv
+kernel, S sequences.
+
+    x, z      = in_proj(hidden).split([Di, Di])
+    x         = act(causal_conv1d(x))                       (conv state: last K-1 inputs)
+    ts, B, C  = x_proj(x).split([R, N, N])
+    [ts, B, C = rms(ts), rms(B), rms(C)]                    FalconMamba: no weight; Jamba: weighted
+    dt        = softplus(ts @ dt_proj.weight^T + dt_proj.bias)          fp32
+    h_t       = exp(dt_t * A) * h_{t-1} + (dt_t * B_t) * x_t            A = -exp(A_log)  [Di, N]
+    y_t       = h_t . C_t + D * x_t
+    out       = out_proj(y * silu(z))
+
+The pure math lives in plain functions (no module state, no in-place writes):
+  - conv with state: see causal_conv1d.py (shared with Mamba2 and ShortConv)
+  - `selective_scan_varlen`   per-token recurrence over S concatenated sequences, initial states
+  - `selective_state_update`  one-token update
+All SSM math is fp32. (HF's torch path adds dt_proj.bias and applies softplus in the model dtype;
+in fp32 the two agree, in bf16 ours is the more precise, as vLLM's kernels are.)
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from toolkit.layers.causal_conv1d import causal_conv1d_step, causal_conv1d_varlen
+from toolkit.layers.mlp import get_activation
+from toolkit.layers.norms import RMSNorm
+from toolkit.runner.kv_cache_spec import MambaSpec
+
+BCDT_NORMS = (None, "weightless", "weighted")
+
+
+# --------------------------------------------------------------------------------------------
+# pure math
+# --------------------------------------------------------------------------------------------
+
+
+def weightless_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF `FalconMambaWeightlessRMSNorm`: x / rms(x) over the last dim, computed in fp32, x.dtype out."""
+    xf = x.to(torch.float32)
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def selective_state_update(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One-token selective-SSM update for a batch of rows.
+
+    state [Bt, Di, N]; x [Bt, Di]; dt [Bt, Di] (softplus'ed, > 0); A [Di, N] (negative);
+    B, C [Bt, N]; D [Di] | None.
+        new = exp(dt * A) * state + (dt * B) * x ;  y = new . C + D * x
+    Returns (y [Bt, Di] fp32, new_state [Bt, Di, N] fp32).
+    """
+    f32 = torch.float32
+    xf, dtf = x.to(f32), dt.to(f32)
+    dA = torch.exp(dtf[:, :, None] * A.to(f32)[None])                        # [Bt, Di, N]
+    dBx = (dtf[:, :, None] * B.to(f32)[:, None, :]) * xf[:, :, None]         # [Bt, Di, N]
+    new = state.to(f32) * dA + dBx
+    y = torch.matmul(new, C.to(f32)[:, :, None])[..., 0]                    # [Bt, Di]
+    if D is not None:
+        y = y + xf * D.to(f32)[None]
+    return y, new
+
+
+def selective_scan_varlen(
+    u: torch.Tensor,
+    delta: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    initial_states: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Selective scan of S concatenated sequences, each continuing from an initial state.
+
+    u [T, Di]; delta [T, Di] (softplus'ed); A [Di, N]; B, C [T, N]; D [Di] | None;
+    cu_seqlens int [S+1] (cu[0] == 0, cu[-1] == T); initial_states [S, Di, N] | None (zeros).
+    The recurrence of `selective_state_update`, token by token; the S sequences advance together
+    (padded to the longest; padding steps have decay 1 and no input, so they leave the state as is).
+    Returns (y [T, Di] fp32, final_states [S, Di, N] fp32); a zero-length sequence's final state is
+    its initial state.
+    """
+    f32 = torch.float32
+    dev = u.device
+    t, di = u.shape
+    n = A.shape[-1]
+    cu = cu_seqlens.to(device=dev, dtype=torch.int64)
+    s = cu.numel() - 1
+    state = (
+        initial_states.to(f32).clone() if initial_states is not None
+        else torch.zeros(s, di, n, device=dev, dtype=f32)
+    )
+    y = torch.zeros(t, di, device=dev, dtype=f32)
+    if t == 0 or s == 0:
+        return y, state
+    lens = cu[1:] - cu[:-1]
+    max_len = int(lens.max())
+    uf, dtf, Af, Bf, Cf = u.to(f32), delta.to(f32), A.to(f32), B.to(f32), C.to(f32)
+    # padded layout [S, L]: token index of step l of sequence i (0 past its end, masked out)
+    ar = torch.arange(max_len, device=dev)
+    valid = ar[None, :] < lens[:, None]                                      # [S, L]
+    tok = torch.where(valid, cu[:-1, None] + ar[None, :], torch.zeros((), dtype=torch.int64, device=dev))
+    one = torch.ones((), device=dev, dtype=f32)
+    zero = torch.zeros((), device=dev, dtype=f32)
+    for step in range(max_len):
+        v = valid[:, step]
+        ti = tok[:, step]
+        d = dtf[ti]                                                          # [S, Di]
+        dA = torch.exp(d[:, :, None] * Af[None])                             # [S, Di, N]
+        dBu = (d[:, :, None] * Bf[ti][:, None, :]) * uf[ti][:, :, None]      # [S, Di, N]
+        vm = v[:, None, None]
+        state = torch.where(vm, dA, one) * state + torch.where(vm, dBu, zero)
+        ys = torch.matmul(state, Cf[ti][:, :, None])[..., 0]                 # [S, Di]
+        y[ti[v]] = ys[v]
+    if D is not None:
+        y = y + uf * D.to(f32)[None]
+    return y, state
+
+
+# --------------------------------------------------------------------------------------------
+# module
+# --------------------------------------------------------------------------------------------
+
+
+class Mamba1Mixer(nn.Module):
+    """Mamba1 mixer; parameter names match HF (in_proj, conv1d, x_proj, dt_proj, A_log, D,
+    out_proj [, dt_layernorm, b_layernorm, c_layernorm]).
+
+    bcdt_norm: None (Mamba), "weightless" (FalconMamba: RMS norm without weight on dt-rank input,
+    B and C; HF keeps its all-ones weights as non-persistent buffers, so nothing is stored) or
+    "weighted" (Jamba: RMSNorm with weight, parameters dt_layernorm [R], b_layernorm [N],
+    c_layernorm [N]); eps = bcdt_norm_eps.
+
+    State per request slot: conv_state [K-1, Di] (model dtype), ssm_state [Di, N] (fp32).
+    """
+
+    def __init__(
+        self,
+        *,
+        layer_name: str,
+        hidden_size: int,
+        intermediate_size: int,
+        state_size: int,
+        conv_kernel: int,
+        time_step_rank: int,
+        use_bias: bool = False,
+        use_conv_bias: bool = True,
+        activation: str = "silu",
+        bcdt_norm: str | None = None,
+        bcdt_norm_eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        if bcdt_norm not in BCDT_NORMS:
+            raise ValueError(f"bcdt_norm must be one of {BCDT_NORMS}, got {bcdt_norm!r}")
+        self.layer_name = layer_name
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.state_size = state_size
+        self.conv_kernel = conv_kernel
+        self.time_step_rank = int(time_step_rank)
+        self.activation = activation
+        self.bcdt_norm = bcdt_norm
+        self.bcdt_norm_eps = float(bcdt_norm_eps)
+        get_activation(activation)  # validate early
+
+        di, n, r = intermediate_size, state_size, self.time_step_rank
+        self.in_proj = nn.Linear(hidden_size, 2 * di, bias=use_bias)
+        self.conv1d = nn.Conv1d(di, di, kernel_size=conv_kernel, groups=di, padding=conv_kernel - 1,
+                                bias=use_conv_bias)  # weight [Di, 1, K] as in HF
+        self.x_proj = nn.Linear(di, r + 2 * n, bias=False)
+        self.dt_proj = nn.Linear(r, di, bias=True)
+        self.A_log = nn.Parameter(torch.zeros(di, n))
+        self.D = nn.Parameter(torch.ones(di))
+        self.out_proj = nn.Linear(di, hidden_size, bias=use_bias)
+        if bcdt_norm == "weighted":
+            self.dt_layernorm = RMSNorm(r, eps=self.bcdt_norm_eps)
+            self.b_layernorm = RMSNorm(n, eps=self.bcdt_norm_eps)
+            self.c_layernorm = RMSNorm(n, eps=self.bcdt_norm_eps)
+
+        self.conv_state: torch.Tensor | None = None
+        self.ssm_state: torch.Tensor | None = None
+
+    # -- cache plumbing -------------------------------------------------------------------
+    def get_kv_cache_spec(self) -> MambaSpec:
+        return MambaSpec(
+            shapes=((self.conv_kernel - 1, self.intermediate_size), (self.intermediate_size, self.state_size)),
+            dtypes=(self.in_proj.weight.dtype, torch.float32),
+            mamba_type="mamba1",
+        )
+
+    def bind_kv_cache(self, caches: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
+        """caches = (conv_state [S, K-1, Di], ssm_state [S, Di, N])."""
+        conv_state, ssm_state = caches
+        want_c = (self.conv_kernel - 1, self.intermediate_size)
+        want_s = (self.intermediate_size, self.state_size)
+        if tuple(conv_state.shape[1:]) != want_c or tuple(ssm_state.shape[1:]) != want_s:
+            raise ValueError(
+                f"{self.layer_name}: expected conv_state [S, {want_c[0]}, {want_c[1]}] and ssm_state "
+                f"[S, {want_s[0]}, {want_s[1]}], got {tuple(conv_state.shape)} and {tuple(ssm_state.shape)}"
+            )
+        self.conv_state, self.ssm_state = conv_state, ssm_state
+
+    def unbind_kv_cache(self) -> None:
+        self.conv_state = self.ssm_state = None
+
+    # -- forward --------------------------------------------------------------------------
+    def _ssm_params(self, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv output xc [T, Di] -> (dt [T, Di] fp32 softplus'ed, B [T, N], C [T, N])."""
+        n, r = self.state_size, self.time_step_rank
+        ts, B, C = torch.split(self.x_proj(xc), [r, n, n], dim=-1)
+        if self.bcdt_norm == "weightless":
+            ts = weightless_rms_norm(ts, self.bcdt_norm_eps)
+            B = weightless_rms_norm(B, self.bcdt_norm_eps)
+            C = weightless_rms_norm(C, self.bcdt_norm_eps)
+        elif self.bcdt_norm == "weighted":
+            ts = self.dt_layernorm(ts)
+            B = self.b_layernorm(B)
+            C = self.c_layernorm(C)
+        dt_raw = F.linear(ts, self.dt_proj.weight)            # bias added in fp32, as HF's scan does
+        dt = F.softplus(dt_raw.to(torch.float32) + self.dt_proj.bias.to(torch.float32))
+        return dt, B, C
+
+    def forward(self, hidden: torch.Tensor, attn_metadata: dict[str, object] | None) -> torch.Tensor:
+        """hidden [T, hidden_size] -> [T, hidden_size].
+
+        Tokens are [decode tokens | prefill tokens | padding] (Mamba1AttentionMetadata contract);
+        padding rows get a zero SSM output. attn_metadata None (profile run): the whole batch is
+        one sequence from a zero state; no state reads or writes.
+        """
+        t = hidden.shape[0]
+        dtype = hidden.dtype
+        di = self.intermediate_size
+        x, z = torch.split(self.in_proj(hidden), [di, di], dim=-1)
+        weight = self.conv1d.weight[:, 0, :]
+        bias = self.conv1d.bias
+        A = -torch.exp(self.A_log.to(torch.float32))
+        y = torch.zeros(t, di, device=hidden.device, dtype=torch.float32)
+
+        if attn_metadata is None:
+            cu = torch.tensor([0, t], device=hidden.device, dtype=torch.int32)
+            xc, _ = causal_conv1d_varlen(x, weight, bias, cu, None, self.activation)
+            dt, B, C = self._ssm_params(xc)
+            y, _ = selective_scan_varlen(xc, dt, A, B, C, self.D, cu, None)
+        else:
+            md = attn_metadata[self.layer_name]
+            if self.conv_state is None or self.ssm_state is None:
+                raise RuntimeError(f"{self.layer_name}: no state cache bound (call bind_kv_cache first)")
+            nd = int(md.num_decode_tokens)
+            npf = int(md.num_prefill_tokens)
+            if int(md.num_decodes) > 0 and nd > 0:
+                if nd != int(md.num_decodes):
+                    raise ValueError(f"{self.layer_name}: one token per decode row expected, got "
+                                     f"{nd} tokens for {md.num_decodes} decodes")
+                idx = md.state_indices_tensor_d[:nd].to(torch.int64)
+                xc, new_conv = causal_conv1d_step(x[:nd], self.conv_state[idx], weight, bias, self.activation)
+                self.conv_state[idx] = new_conv.to(self.conv_state.dtype)
+                dt, B, C = self._ssm_params(xc)
+                y_d, new_ssm = selective_state_update(self.ssm_state[idx], xc, dt, A, B, C, self.D)
+                self.ssm_state[idx] = new_ssm.to(self.ssm_state.dtype)
+                y[:nd] = y_d
+            if int(md.num_prefills) > 0 and npf > 0:
+                idx = md.state_indices_tensor_p.to(torch.int64)
+                has = md.has_initial_states_p.to(device=hidden.device, dtype=torch.bool)
+                zero_c = torch.zeros((), dtype=self.conv_state.dtype, device=hidden.device)
+                init_conv = torch.where(has[:, None, None], self.conv_state[idx], zero_c)
+                xc, final_conv = causal_conv1d_varlen(
+                    x[nd : nd + npf], weight, bias, md.query_start_loc_p, init_conv, self.activation
+                )
+                self.conv_state[idx] = final_conv.to(self.conv_state.dtype)
+                dt, B, C = self._ssm_params(xc)
+                zero_s = torch.zeros((), dtype=torch.float32, device=hidden.device)
+                init_ssm = torch.where(has[:, None, None], self.ssm_state[idx].to(torch.float32), zero_s)
+                y_p, final_ssm = selective_scan_varlen(xc, dt, A, B, C, self.D, md.query_start_loc_p, init_ssm)
+                self.ssm_state[idx] = final_ssm.to(self.ssm_state.dtype)
+                y[nd : nd + npf] = y_p
+
+        y = y * F.silu(z.to(torch.float32))
+        return self.out_proj(y.to(dtype))
+
+    def extra_repr(self) -> str:
+        return f"layer_name={self.layer_name!r}, bcdt_norm={self.bcdt_norm!r}"

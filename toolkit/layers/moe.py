@@ -1,0 +1,161 @@
+"""Sparse mixture-of-experts FFN (HF `JambaSparseMoeBlock`), torch reference path.
+
+Routing: logits = x @ router.weight^T [T, E]; probs = softmax(logits) in fp32; the top-k probs
+and their experts are taken per token; Jamba does NOT renormalise the k weights (they sum to < 1),
+`renormalize=True` does (Mixtral-style). The weights are cast to the hidden dtype, then
+out = sum_k w_k * expert_k(x), each expert a SwiGLU MLP.
+
+Parameter layout = HF transformers 5.x in memory (and vLLM's fused MoE): router.weight [E, H],
+experts.gate_up_proj [E, 2I, H] (rows [0, I) gate, [I, 2I) up), experts.down_proj [E, H, I].
+Checkpoints on disk (what `save_pretrained` writes, and the released Jamba checkpoints) hold
+per-expert tensors experts.{e}.gate_proj / up_proj / down_proj .weight instead:
+`merge_expert_checkpoint_tensors` / `split_expert_state_tensors` convert between the two.
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from toolkit.layers.mlp import get_activation
+
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+# --------------------------------------------------------------------------------------------
+# pure math
+# --------------------------------------------------------------------------------------------
+
+
+def topk_routing(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (weights [T, k] fp32, expert ids [T, k] int64), best first."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+# --------------------------------------------------------------------------------------------
+# checkpoint layout
+# --------------------------------------------------------------------------------------------
+
+
+def merge_expert_checkpoint_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert checkpoint tensors -> fused ones, for every `<prefix>.experts` whose experts
+    0..E-1 all have gate_proj, up_proj and down_proj. Incomplete sets are left as they are (the
+    loader then reports them as unexpected, and the fused tensors as missing)."""
+    groups: dict[str, dict[tuple[int, str], str]] = defaultdict(dict)
+    for k in state:
+        m = _PER_EXPERT.match(k)
+        if m:
+            groups[m["prefix"]][(int(m["e"]), m["proj"])] = k
+    out = dict(state)
+    for prefix, parts in groups.items():
+        n = max(e for e, _ in parts) + 1
+        if len(parts) != 3 * n:
+            continue
+        gate_up = torch.stack(
+            [torch.cat([state[parts[(e, "gate_proj")]], state[parts[(e, "up_proj")]]], dim=0) for e in range(n)]
+        )
+        down = torch.stack([state[parts[(e, "down_proj")]] for e in range(n)])
+        for k in parts.values():
+            del out[k]
+        out[f"{prefix}.gate_up_proj"] = gate_up
+        out[f"{prefix}.down_proj"] = down
+    return out
+
+
+def split_expert_state_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of `merge_expert_checkpoint_tensors`: fused `<prefix>.experts.gate_up_proj` /
+    `.down_proj` -> per-expert `<prefix>.experts.{e}.{gate,up,down}_proj.weight` (contiguous)."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in state.items():
+        if k.endswith(".experts.gate_up_proj") and v.dim() == 3:
+            prefix = k[: -len(".gate_up_proj")]
+            inter = v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"] = v[e, :inter].contiguous()
+                out[f"{prefix}.{e}.up_proj.weight"] = v[e, inter:].contiguous()
+        elif k.endswith(".experts.down_proj") and v.dim() == 3:
+            prefix = k[: -len(".down_proj")]
+            for e in range(v.shape[0]):
+                out[f"{prefix}.{e}.down_proj.weight"] = v[e].contiguous()
+        else:
+            out[k] = v
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# modules
+# --------------------------------------------------------------------------------------------
+
+
+class TopKRouter(nn.Module):
+    """Holds `weight` [E, H] (HF `JambaTopKRouter`); forward(x [T, H]) -> logits [T, E]."""
+
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class FusedExperts(nn.Module):
+    """E SwiGLU experts as 3D tensors gate_up_proj [E, 2I, H], down_proj [E, H, I] (HF names)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, hidden_act: str = "silu") -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden_size, intermediate_size))
+        self.act_fn = get_activation(hidden_act)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e on x [N, H] -> [N, H]."""
+        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return F.linear(self.act_fn(gate) * up, self.down_proj[e])
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H], weights [T, k] (x.dtype), ids [T, k] -> sum_k weights * expert_ids(x); a loop
+        over the experts that received tokens."""
+        out = torch.zeros_like(x)
+        for e in torch.unique(ids).tolist():
+            tok, slot = torch.where(ids == e)
+            y = self.expert(e, x[tok]) * weights[tok, slot, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    """x [T, H] -> [T, H]: router (top-k softmax) then the experts. Names: router.weight,
+    experts.gate_up_proj, experts.down_proj."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        hidden_act: str = "silu",
+        renormalize: bool = False,
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k {top_k} must be in [1, num_experts={num_experts}]")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.router = TopKRouter(hidden_size, num_experts)
+        self.experts = FusedExperts(hidden_size, intermediate_size, num_experts, hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = topk_routing(self.router(x), self.top_k, self.renormalize)
+        return self.experts(x, weights.to(x.dtype), ids)
