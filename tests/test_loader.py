@@ -118,17 +118,25 @@ def test_missing_shard_is_reported(tmp_path):
         load_model(str(tmp_path), **F32)
 
 
-@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-bamba"])
-def test_bf16_weights_load_as_fp32(arch, tmp_path):
+@pytest.mark.parametrize("stored_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_half_precision_weights_load_into_fp32_and_back(arch, stored_dtype, tmp_path):
     torch.manual_seed(2)
-    hf = AutoModelForCausalLM.from_config(PRESETS[arch]()).to(torch.bfloat16)
+    hf = AutoModelForCausalLM.from_config(PRESETS[arch]()).to(stored_dtype)
     hf.save_pretrained(tmp_path)
-    stored = load_file(str(tmp_path / "model.safetensors"))
-    assert all(t.dtype == torch.bfloat16 for t in stored.values())
+    stored = {}
+    for f in tmp_path.glob("*.safetensors"):
+        stored.update(load_file(str(f)))
+    assert all(t.dtype == stored_dtype for t in stored.values())
     m = load_model(str(tmp_path), **F32).model
     for k, v in m.state_dict().items():
         assert v.dtype == torch.float32, k
-        assert torch.equal(v, stored[k].float()), k
+    _assert_same_weights(m, hf)                                  # exact: half -> fp32 is lossless
+    half = load_model(str(tmp_path), dtype=stored_dtype, device="cpu").model
+    _assert_same_weights(half, hf)                               # and loaded as stored
+    back = tmp_path / "back"
+    save_hf_folder(m, back)                                      # fp32 copy written, read by HF
+    _assert_same_weights(m, AutoModelForCausalLM.from_pretrained(back).to(stored_dtype).float())
 
 
 def test_dtype_is_applied_and_reported_in_specs():
