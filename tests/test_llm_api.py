@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from toolkit import (LLM, CheckpointError, InvalidRequestError, MetadataContractError,
                      ModelStateError, SamplingParams, UnknownModelError, UnsupportedArchitectureError)
@@ -154,7 +153,7 @@ def test_stats_abort_and_resources_return():
     with small("tiny-bamba", max_model_len=128, max_num_batched_tokens=64) as llm:
         total = llm.stats()
         a = llm.add_request({"prompt_token_ids": list(range(3, 40))}, SamplingParams(max_tokens=50))
-        b = llm.add_request({"prompt_token_ids": [4, 5]}, GREEDY)
+        llm.add_request({"prompt_token_ids": [4, 5]}, GREEDY)
         llm.step()
         mid = llm.stats()
         assert mid["num_running"] == 2 and mid["kv_blocks_free"] < total["kv_blocks_free"]

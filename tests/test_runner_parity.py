@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from harness import PRESETS, assert_matches_hf, load_hf, run_by_hand
 from toolkit import LLM, SamplingParams

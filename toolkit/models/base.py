@@ -2,6 +2,8 @@
 
 A model is an `nn.Module` whose parameter names equal the HF checkpoint's, plus:
   - class facts `is_hybrid`, `is_attention_free`, `hf_architecture`, `hf_model_type`;
+  - `build_body(config) -> DecoderBody` (embedding -> PreNormBlocks -> final norm, under the
+    checkpoint's names); that is all an architecture writes besides its layers;
   - `forward(input_ids [T], positions [T], attn_metadata) -> hidden [T, H]` over the flattened
     step (no batch dimension); `attn_metadata` maps each cache layer's `layer_name` to its
     metadata object, or is None for a profile run (layers then touch no cache);
@@ -12,29 +14,96 @@ A model is an `nn.Module` whose parameter names equal the HF checkpoint's, plus:
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from typing import ClassVar
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from toolkit.layers.attention import PagedAttention
 from toolkit.layers.norms import RMSNorm, RMSNormGated
 from toolkit.runner.kv_cache_spec import AttentionSpec, MambaSpec
 
 
-class CausalLM(nn.Module):
+class PreNormBlock(nn.Module):
+    """One layer of every model here: h = h + mixer(norm(h)), then h = h + ffn(ffn_norm(h)) when
+    the layer has an FFN (Mamba / Mamba2 blocks have none).
+
+    The parts are registered under the checkpoint's own names (("input_layernorm", RMSNorm(...)),
+    ("self_attn", PagedAttention(...)), ...). An attention mixer is called with the positions, a
+    recurrent mixer (Mamba1, Mamba2, short conv) without. With `residual_in_fp32` (HF Mamba's
+    default) the residual stream is kept in float32.
+    """
+
+    def __init__(self, norm: tuple[str, nn.Module], mixer: tuple[str, nn.Module],
+                 ffn_norm: tuple[str, nn.Module] | None = None, ffn: tuple[str, nn.Module] | None = None,
+                 *, layer_type: str = "", residual_in_fp32: bool = False) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        self.residual_in_fp32 = residual_in_fp32
+        parts = [norm, mixer] + ([ffn_norm, ffn] if ffn is not None else [])
+        for name, module in parts:
+            self.add_module(name, module)
+        self._names = [name for name, _ in parts]
+        self._mixer_takes_positions = isinstance(mixer[1], PagedAttention)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: dict[str, object] | None) -> torch.Tensor:
+        norm, mixer = getattr(self, self._names[0]), getattr(self, self._names[1])
+        residual = h.to(torch.float32) if self.residual_in_fp32 else h
+        x = norm(h.to(norm.weight.dtype))
+        x = mixer(x, positions, attn_metadata) if self._mixer_takes_positions else mixer(x, attn_metadata)
+        h = residual + x
+        if len(self._names) == 4:
+            h = h + getattr(self, self._names[3])(getattr(self, self._names[2])(h))
+        return h
+
+
+class DecoderBody(nn.Module):
+    """embedding -> blocks -> final norm, under the checkpoint's names (e.g. `model.embed_tokens`,
+    `model.layers`, `model.norm`, or `backbone.embeddings`, `backbone.layers`, `backbone.norm_f`)."""
+
+    def __init__(self, embed: tuple[str, nn.Embedding], blocks: list[nn.Module],
+                 final_norm: tuple[str, nn.Module]) -> None:
+        super().__init__()
+        self.embed_name, self.final_norm_name = embed[0], final_norm[0]
+        self.add_module(embed[0], embed[1])
+        self.layers = nn.ModuleList(blocks)
+        self.add_module(final_norm[0], final_norm[1])
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: dict[str, object] | None) -> torch.Tensor:
+        h = getattr(self, self.embed_name)(input_ids)
+        for block in self.layers:
+            h = block(h, positions, attn_metadata)
+        return getattr(self, self.final_norm_name)(h)
+
+
+class CausalLM(nn.Module, ABC):
     is_hybrid: ClassVar[bool] = False
     is_attention_free: ClassVar[bool] = False
     hf_architecture: ClassVar[str]
     hf_model_type: ClassVar[str]
+    body_name: ClassVar[str] = "model"       # "backbone" for Mamba / Mamba2 checkpoints
 
     lm_head: nn.Linear
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
+        self.add_module(self.body_name, self.build_body(config))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
 
-    # -- to implement -----------------------------------------------------------------------
+    @abstractmethod
+    def build_body(self, config: PretrainedConfig) -> DecoderBody:
+        """The model's DecoderBody, with the checkpoint's attribute names."""
+
+    @property
+    def body(self) -> DecoderBody:
+        return getattr(self, self.body_name)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -42,10 +111,10 @@ class CausalLM(nn.Module):
         attn_metadata: dict[str, object] | None,
     ) -> torch.Tensor:
         """input_ids [T] int32/int64, positions [T] int64 -> final-normed hidden states [T, H]."""
-        raise NotImplementedError
+        return self.body(input_ids, positions, attn_metadata)
 
     def get_input_embeddings(self) -> nn.Embedding:
-        raise NotImplementedError
+        return getattr(self.body, self.body.embed_name)
 
     # -- shared -----------------------------------------------------------------------------
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

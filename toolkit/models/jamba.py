@@ -22,7 +22,7 @@ from toolkit.layers.mamba1_mixer import Mamba1Mixer
 from toolkit.layers.mlp import SwiGLUMLP
 from toolkit.layers.moe import SparseMoeBlock, merge_expert_checkpoint_tensors, split_expert_state_tensors
 from toolkit.layers.norms import RMSNorm
-from toolkit.models.base import CausalLM
+from toolkit.models.base import CausalLM, DecoderBody, PreNormBlock
 from toolkit.models.llama import attention_head_dim
 
 
@@ -36,65 +36,39 @@ def jamba_layer_num_experts(config: PretrainedConfig) -> list[int]:
     return list(config.layers_num_experts)
 
 
-class JambaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_idx: int, layer_type: str, num_experts: int) -> None:
-        super().__init__()
-        self.layer_type = layer_type
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.pre_ff_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        if layer_type == "mamba":
-            self.mamba = Mamba1Mixer(
-                layer_name=f"model.layers.{layer_idx}.mamba",
-                hidden_size=config.hidden_size,
-                intermediate_size=int(config.mamba_expand * config.hidden_size),
-                state_size=config.mamba_d_state,
-                conv_kernel=config.mamba_d_conv,
-                time_step_rank=int(config.mamba_dt_rank),
-                use_bias=config.mamba_proj_bias,
-                use_conv_bias=config.mamba_conv_bias,
-                activation=config.hidden_act,
-                bcdt_norm="weighted",
-                bcdt_norm_eps=config.rms_norm_eps,
-            )
-        elif layer_type == "attention":
-            self.self_attn = PagedAttention(
-                layer_name=f"model.layers.{layer_idx}.self_attn",
-                hidden_size=config.hidden_size,
-                num_heads=config.num_attention_heads,
-                num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
-                head_dim=attention_head_dim(config),
-                bias=False,
-                rotary=None,
-            )
-        else:
-            raise ValueError(f"unknown Jamba layer type {layer_type!r}")
-        if num_experts > 1:
-            self.feed_forward = SparseMoeBlock(
-                config.hidden_size, config.intermediate_size, num_experts, config.num_experts_per_tok,
-                config.hidden_act, renormalize=False,
-            )
-        else:
-            self.feed_forward = SwiGLUMLP(config.hidden_size, config.intermediate_size, False, config.hidden_act)
-
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, attn_metadata: dict[str, object] | None) -> torch.Tensor:
-        x = self.input_layernorm(h)
-        if self.layer_type == "mamba":
-            x = self.mamba(x, attn_metadata)
-        else:
-            x = self.self_attn(x, positions, attn_metadata)
-        h = h + x
-        return h + self.feed_forward(self.pre_ff_layernorm(h))
-
-
-class JambaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            JambaDecoderLayer(config, i, t, e)
-            for i, (t, e) in enumerate(zip(jamba_layer_types(config), jamba_layer_num_experts(config)))
+def jamba_mixer(config: PretrainedConfig, layer_idx: int, layer_type: str) -> tuple[str, nn.Module]:
+    if layer_type == "mamba":
+        return "mamba", Mamba1Mixer(
+            layer_name=f"model.layers.{layer_idx}.mamba",
+            hidden_size=config.hidden_size,
+            intermediate_size=int(config.mamba_expand * config.hidden_size),
+            state_size=config.mamba_d_state,
+            conv_kernel=config.mamba_d_conv,
+            time_step_rank=int(config.mamba_dt_rank),
+            use_bias=config.mamba_proj_bias,
+            use_conv_bias=config.mamba_conv_bias,
+            activation=config.hidden_act,
+            bcdt_norm="weighted",
+            bcdt_norm_eps=config.rms_norm_eps,
         )
-        self.final_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    if layer_type == "attention":
+        return "self_attn", PagedAttention(
+            layer_name=f"model.layers.{layer_idx}.self_attn",
+            hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
+            head_dim=attention_head_dim(config),
+            bias=False,
+            rotary=None,
+        )
+    raise ValueError(f"unknown Jamba layer type {layer_type!r}")
+
+
+def jamba_ffn(config: PretrainedConfig, num_experts: int) -> nn.Module:
+    if num_experts > 1:
+        return SparseMoeBlock(config.hidden_size, config.intermediate_size, num_experts,
+                              config.num_experts_per_tok, config.hidden_act, renormalize=False)
+    return SwiGLUMLP(config.hidden_size, config.intermediate_size, False, config.hidden_act)
 
 
 class JambaForCausalLM(CausalLM):
@@ -102,14 +76,16 @@ class JambaForCausalLM(CausalLM):
     hf_architecture = "JambaForCausalLM"
     hf_model_type = "jamba"
 
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__(config)
-        self.model = JambaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_weights()
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens
+    def build_body(self, config: PretrainedConfig) -> DecoderBody:
+        eps = config.rms_norm_eps
+        blocks = [PreNormBlock(("input_layernorm", RMSNorm(config.hidden_size, eps=eps)),
+                               jamba_mixer(config, i, kind),
+                               ("pre_ff_layernorm", RMSNorm(config.hidden_size, eps=eps)),
+                               ("feed_forward", jamba_ffn(config, experts)), layer_type=kind)
+                  for i, (kind, experts) in enumerate(zip(jamba_layer_types(config),
+                                                          jamba_layer_num_experts(config)))]
+        return DecoderBody(("embed_tokens", nn.Embedding(config.vocab_size, config.hidden_size)), blocks,
+                           ("final_layernorm", RMSNorm(config.hidden_size, eps=eps)))
 
     @staticmethod
     def checkpoint_to_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -120,12 +96,3 @@ class JambaForCausalLM(CausalLM):
     def state_dict_to_checkpoint(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """save_hf_folder hook: fused experts -> per-expert tensors, the layout save_pretrained writes."""
         return split_expert_state_tensors(state)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: dict[str, object] | None
-    ) -> torch.Tensor:
-        """positions feed no rotary (Jamba has none); attention layers use them only via metadata."""
-        h = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            h = layer(h, positions, attn_metadata)
-        return self.model.final_layernorm(h)

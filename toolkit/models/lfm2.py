@@ -20,7 +20,7 @@ from toolkit.layers.attention import PagedAttention
 from toolkit.layers.mlp import get_activation
 from toolkit.layers.norms import RMSNorm
 from toolkit.layers.short_conv import ShortConv
-from toolkit.models.base import CausalLM
+from toolkit.models.base import CausalLM, DecoderBody, PreNormBlock
 from toolkit.models.llama import attention_head_dim, build_rotary
 
 LAYER_TYPES = ("conv", "full_attention")
@@ -65,54 +65,27 @@ class Lfm2MLP(nn.Module):
         return self.w2(self.act_fn(self.w1(x)) * self.w3(x))
 
 
-class Lfm2DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_idx: int, layer_type: str) -> None:
-        super().__init__()
-        self.layer_type = layer_type
-        eps = config.norm_eps
-        if layer_type == "conv":
-            self.conv = ShortConv(
-                layer_name=f"model.layers.{layer_idx}.conv",
-                hidden_size=config.hidden_size,
-                conv_kernel=config.conv_L_cache,
-                bias=bool(config.conv_bias),
-            )
-        else:
-            head_dim = attention_head_dim(config)
-            self.self_attn = PagedAttention(
-                layer_name=f"model.layers.{layer_idx}.self_attn",
-                hidden_size=config.hidden_size,
-                num_heads=config.num_attention_heads,
-                num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
-                head_dim=head_dim,
-                bias=False,
-                rotary=build_rotary(config, head_dim, use_partial=False),
-                qk_norm_eps=eps,
-                qk_norm_names=("q_layernorm", "k_layernorm"),
-                o_proj_name="out_proj",
-            )
-        self.feed_forward = Lfm2MLP(config.hidden_size, lfm2_ffn_dim(config))
-        self.operator_norm = RMSNorm(config.hidden_size, eps=eps)
-        self.ffn_norm = RMSNorm(config.hidden_size, eps=eps)
-
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, attn_metadata: dict[str, object] | None) -> torch.Tensor:
-        x = self.operator_norm(h)
-        if self.layer_type == "conv":
-            x = self.conv(x, attn_metadata)
-        else:
-            x = self.self_attn(x, positions, attn_metadata)
-        h = h + x
-        return h + self.feed_forward(self.ffn_norm(h))
-
-
-class Lfm2Model(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            Lfm2DecoderLayer(config, i, t) for i, t in enumerate(lfm2_layer_types(config))
+def lfm2_mixer(config: PretrainedConfig, layer_idx: int, layer_type: str) -> tuple[str, nn.Module]:
+    if layer_type == "conv":
+        return "conv", ShortConv(
+            layer_name=f"model.layers.{layer_idx}.conv",
+            hidden_size=config.hidden_size,
+            conv_kernel=config.conv_L_cache,
+            bias=bool(config.conv_bias),
         )
-        self.embedding_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+    head_dim = attention_head_dim(config)
+    return "self_attn", PagedAttention(
+        layer_name=f"model.layers.{layer_idx}.self_attn",
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
+        head_dim=head_dim,
+        bias=False,
+        rotary=build_rotary(config, head_dim, use_partial=False),
+        qk_norm_eps=config.norm_eps,
+        qk_norm_names=("q_layernorm", "k_layernorm"),
+        o_proj_name="out_proj",
+    )
 
 
 class Lfm2ForCausalLM(CausalLM):
@@ -120,19 +93,13 @@ class Lfm2ForCausalLM(CausalLM):
     hf_architecture = "Lfm2ForCausalLM"
     hf_model_type = "lfm2"
 
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__(config)
-        self.model = Lfm2Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_weights()
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: dict[str, object] | None
-    ) -> torch.Tensor:
-        h = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            h = layer(h, positions, attn_metadata)
-        return self.model.embedding_norm(h)
+    def build_body(self, config: PretrainedConfig) -> DecoderBody:
+        eps = config.norm_eps
+        blocks = [PreNormBlock(("operator_norm", RMSNorm(config.hidden_size, eps=eps)),
+                               lfm2_mixer(config, i, kind),
+                               ("ffn_norm", RMSNorm(config.hidden_size, eps=eps)),
+                               ("feed_forward", Lfm2MLP(config.hidden_size, lfm2_ffn_dim(config))),
+                               layer_type=kind)
+                  for i, kind in enumerate(lfm2_layer_types(config))]
+        return DecoderBody(("embed_tokens", nn.Embedding(config.vocab_size, config.hidden_size)), blocks,
+                           ("embedding_norm", RMSNorm(config.hidden_size, eps=eps)))

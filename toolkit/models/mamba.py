@@ -9,63 +9,47 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
 from torch import nn
 from transformers import PretrainedConfig
 
 from toolkit.layers.mamba1_mixer import Mamba1Mixer
 from toolkit.layers.norms import RMSNorm
-from toolkit.models.base import CausalLM
+from toolkit.models.base import CausalLM, DecoderBody, PreNormBlock
 
 
-class MambaBlock(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_idx: int, bcdt_norm: str | None) -> None:
-        super().__init__()
-        self.residual_in_fp32 = bool(getattr(config, "residual_in_fp32", True))
-        self.norm = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
-        self.mixer = Mamba1Mixer(
-            layer_name=f"backbone.layers.{layer_idx}.mixer",
-            hidden_size=config.hidden_size,
-            intermediate_size=int(config.intermediate_size),
-            state_size=config.state_size,
-            conv_kernel=config.conv_kernel,
-            time_step_rank=int(config.time_step_rank),
-            use_bias=config.use_bias,
-            use_conv_bias=config.use_conv_bias,
-            activation=config.hidden_act,
-            bcdt_norm=bcdt_norm,
-            bcdt_norm_eps=float(getattr(config, "mixer_rms_eps", 1e-6)),
-        )
-
-    def forward(self, h: torch.Tensor, attn_metadata: dict[str, object] | None) -> torch.Tensor:
-        residual = h.to(torch.float32) if self.residual_in_fp32 else h
-        out = self.mixer(self.norm(h.to(self.norm.weight.dtype)), attn_metadata)
-        return residual + out
-
-
-class MambaBackbone(nn.Module):
-    def __init__(self, config: PretrainedConfig, bcdt_norm: str | None) -> None:
-        super().__init__()
-        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(MambaBlock(config, i, bcdt_norm) for i in range(config.num_hidden_layers))
-        self.norm_f = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+def mamba1_mixer(config: PretrainedConfig, layer_idx: int, bcdt_norm: str | None) -> Mamba1Mixer:
+    return Mamba1Mixer(
+        layer_name=f"backbone.layers.{layer_idx}.mixer",
+        hidden_size=config.hidden_size,
+        intermediate_size=int(config.intermediate_size),
+        state_size=config.state_size,
+        conv_kernel=config.conv_kernel,
+        time_step_rank=int(config.time_step_rank),
+        use_bias=config.use_bias,
+        use_conv_bias=config.use_conv_bias,
+        activation=config.hidden_act,
+        bcdt_norm=bcdt_norm,
+        bcdt_norm_eps=float(getattr(config, "mixer_rms_eps", 1e-6)),
+    )
 
 
 class MambaForCausalLM(CausalLM):
     is_attention_free = True
     hf_architecture = "MambaForCausalLM"
     hf_model_type = "mamba"
+    body_name = "backbone"
     # norm on the mixer's dt / B / C (see Mamba1Mixer): None for Mamba
     bcdt_norm: ClassVar[str | None] = None
 
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__(config)
-        self.backbone = MambaBackbone(config, self.bcdt_norm)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_weights()
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.backbone.embeddings
+    def build_body(self, config: PretrainedConfig) -> DecoderBody:
+        eps = config.layer_norm_epsilon
+        fp32_residual = bool(getattr(config, "residual_in_fp32", True))
+        blocks = [PreNormBlock(("norm", RMSNorm(config.hidden_size, eps=eps)),
+                               ("mixer", mamba1_mixer(config, i, self.bcdt_norm)),
+                               layer_type="mamba", residual_in_fp32=fp32_residual)
+                  for i in range(config.num_hidden_layers)]
+        return DecoderBody(("embeddings", nn.Embedding(config.vocab_size, config.hidden_size)), blocks,
+                           ("norm_f", RMSNorm(config.hidden_size, eps=eps)))
 
     @staticmethod
     def remap_checkpoint_key(name: str) -> str:
@@ -73,12 +57,3 @@ class MambaForCausalLM(CausalLM):
         if name.startswith("backbone.embedding."):
             return "backbone.embeddings." + name[len("backbone.embedding."):]
         return name
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: dict[str, object] | None
-    ) -> torch.Tensor:
-        """positions are unused (no positional encoding); hidden is fp32 if residual_in_fp32."""
-        h = self.backbone.embeddings(input_ids)
-        for layer in self.backbone.layers:
-            h = layer(h, attn_metadata)
-        return self.backbone.norm_f(h)
