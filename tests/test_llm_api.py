@@ -87,7 +87,12 @@ def test_warmup_leaves_engine_clean_and_outputs_unchanged(preset):
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
         assert stats["state_slots_free"] == stats["state_slots_total"]
         assert stats["runner_rows_in_use"] == 0
-        assert llm.generate(prompt, GREEDY)[0].outputs[0].token_ids == expected
+        llm.add_request(prompt, GREEDY)
+        recs = [llm.step()]
+        while llm.has_unfinished_requests():
+            recs.append(llm.step())
+        assert recs[0].step_index == 0                  # warmup's own steps are not counted
+        assert recs[-1].outputs[0].outputs[0].token_ids == expected
 
 
 BAD_PROMPTS = [
@@ -222,6 +227,14 @@ def test_byte_fallback_tokenizer_round_trip():
         out = llm.generate("héllo", GREEDY)[0]
         assert out.prompt_token_ids == [1] + [b + 3 for b in "héllo".encode()]
         assert llm.tokenizer.decode(out.prompt_token_ids) == "héllo"
+
+
+def test_demo_on_another_model(capsys):
+    from toolkit.demo import main
+    assert main(["--model", "tiny-lfm2", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "Lfm2ForCausalLM" in out and "MambaHybridModelState" in out
+    assert "3/3 state slots free" in out
 
 
 def test_demo_command_runs():

@@ -211,6 +211,8 @@ class LLM:
         return timings
 
     def _warmup_requests(self) -> None:
+        """Warmup steps do not count: the user's first step() is still step 0."""
+        first_step = self._step_index
         n = min(self.cfg.max_num_seqs, 4)
         params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
         ids = [self.add_request({"prompt_token_ids": [1, 3 + i]}, params, request_id=f"warmup-{i}")
@@ -218,6 +220,7 @@ class LLM:
         while any(i in self.scheduler.requests for i in ids):
             self._step(record=False)
         self._step(record=False)        # lets the runner drop the finished rows
+        self._step_index = first_step
 
     def stats(self) -> dict[str, Any]:
         kv = self.scheduler.kv
