@@ -253,3 +253,42 @@ def test_kernels_install_under_toolkit_not_top_level(tmp_path):
     proc = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "None", "a top-level `kernels` module is installed"
+
+
+def test_model_provided_state_class_wins():
+    class MyState(DefaultModelState):
+        pass
+    with small("tiny-llama") as llm:
+        llm.model.get_model_state_cls = lambda: MyState
+        assert type(init_model_state(llm.model, llm.cfg)) is MyState
+
+
+def test_fresh_state_slots_are_zeroed_when_a_request_takes_them(monkeypatch):
+    seen = []
+    original = MambaHybridModelState.add_request
+
+    def spy(self, req_idx, new_req):
+        slot = new_req.block_ids[self.mamba_groups[0].group_id][0]
+        dirty_before = sum(float(t[slot].abs().sum()) for t in self.state_tensors)
+        original(self, req_idx, new_req)
+        seen.append((slot, dirty_before, sum(float(t[slot].abs().sum()) for t in self.state_tensors)))
+    monkeypatch.setattr(MambaHybridModelState, "add_request", spy)
+    with small("tiny-bamba", max_num_seqs=1) as llm:
+        llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY)     # leaves state in slot 1
+        llm.generate({"prompt_token_ids": [8, 9]}, GREEDY)        # takes slot 1 again
+    (slot_a, _, _), (slot_b, dirty, after) = seen
+    assert slot_a == slot_b == 1 and dirty > 0 and after == 0
+
+
+def test_slot_mapping_follows_block_table():
+    with small("tiny-llama", block_size=4, max_num_batched_tokens=64) as llm:
+        llm.add_request({"prompt_token_ids": list(range(3, 13))}, GREEDY)
+        llm.add_request({"prompt_token_ids": list(range(3, 9))}, GREEDY)
+        llm.step()
+        rec = llm.step()                                            # two decode rows
+        common = rec.metadata("attention").common
+        positions = rec.input_batch.positions.tolist()
+        for row, pos in enumerate(positions):
+            block = int(common.block_table_tensor[row, pos // 4])
+            assert block != 0 and int(common.slot_mapping[row]) == block * 4 + pos % 4
+        assert common.seq_lens_cpu_upper_bound.tolist() == [p + 1 for p in positions]

@@ -9,8 +9,10 @@ from transformers import AutoModelForCausalLM
 from harness import NO_ATTENTION, PRESETS, assert_matches_hf, load_hf, run_by_hand
 from test_runner_parity import prompts_of
 from toolkit import LLM, MetadataContractError
+from toolkit.config import RunnerConfig
 from toolkit.models import PRESETS as PRESET_CONFIGS
-from toolkit.runner.model_states import DefaultModelState, MambaHybridModelState
+from toolkit.models import get_model_class
+from toolkit.runner.model_states import DefaultModelState, MambaHybridModelState, init_model_state
 
 EXPECTED_STATE = {"tiny-llama": DefaultModelState}
 
@@ -23,12 +25,21 @@ def no_attention_folder(preset: str, folder) -> str:
     return str(folder)
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", sorted(PRESET_CONFIGS))
 def test_every_preset_routes_by_its_class_facts(preset):
-    with LLM(preset, device="cpu", dtype="float32", max_num_seqs=2) as llm:
-        want = EXPECTED_STATE.get(preset, MambaHybridModelState)
-        assert type(llm.model_runner.model_state) is want
-        assert (want is MambaHybridModelState) == (llm.model.is_hybrid or llm.model.is_attention_free)
+    """All presets, the shape-true ones too (built on the meta device: no memory, no weights)."""
+    config = PRESET_CONFIGS[preset]()
+    with torch.device("meta"):
+        model = get_model_class(config)(config)
+    cfg = RunnerConfig(device=torch.device("cpu"), dtype=torch.float32, max_num_seqs=2,
+                       max_num_batched_tokens=16, block_size=16, max_model_len=64,
+                       num_kv_blocks=None, seed=0)
+    want = EXPECTED_STATE.get(preset, MambaHybridModelState)
+    assert type(init_model_state(model, cfg)) is want
+    assert (want is MambaHybridModelState) == (model.is_hybrid or model.is_attention_free)
+    if preset in PRESETS:
+        with LLM(preset, device="cpu", dtype="float32", max_num_seqs=2) as llm:
+            assert type(llm.model_runner.model_state) is want
 
 
 @pytest.mark.parametrize("preset", sorted(NO_ATTENTION))
