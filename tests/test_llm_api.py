@@ -292,3 +292,14 @@ def test_slot_mapping_follows_block_table():
             block = int(common.block_table_tensor[row, pos // 4])
             assert block != 0 and int(common.slot_mapping[row]) == block * 4 + pos % 4
         assert common.seq_lens_cpu_upper_bound.tolist() == [p + 1 for p in positions]
+
+
+def test_generate_does_not_swallow_requests_added_by_hand():
+    with small("tiny-mamba2") as llm:
+        rid = llm.add_request({"prompt_token_ids": [5, 6]}, GREEDY)
+        outs = llm.generate({"prompt_token_ids": [7, 8, 9]}, SamplingParams(max_tokens=8, temperature=0.0))
+        assert [o.request_id for o in outs] != [rid]
+        assert not llm.has_unfinished_requests()
+        rec = llm.step()
+        assert [o.request_id for o in rec.outputs] == [rid] and len(rec.outputs[0].outputs[0].token_ids) == 4
+        assert llm.step().outputs == []

@@ -54,6 +54,7 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, groups=[CacheGroupKind(g.kind, g.block_size) for g in groups],
             num_kv_blocks=attn[0].num_blocks if attn else 0, seed=seed)
+        self._carried_outputs: list[RequestOutput] = []   # finished inside generate(), not its own
         self._next_request_id = 0
         self._arrivals = 0
         self._step_index = 0
@@ -138,6 +139,7 @@ class LLM:
         self._step_index += 1
         if not record:
             return outputs
+        outputs, self._carried_outputs = self._carried_outputs + outputs, []
         scheduled = []
         if state is not None:
             b = state.input_batch
@@ -186,6 +188,8 @@ class LLM:
                 if out.request_id in wanted:
                     done[out.request_id] = out
                     bar.update(1)
+                else:                   # a request from add_request(): the next step() reports it
+                    self._carried_outputs.append(out)
         bar.close()
         return [done[i] for i in ids]
 

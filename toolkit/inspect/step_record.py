@@ -53,7 +53,8 @@ class StepRecord:
     logits: torch.Tensor | None                  # float32 [B, vocab] in batch order
     sampled_token_ids: dict[str, int]            # every row's sample
     kept_token_ids: dict[str, int]               # samples appended to outputs (not partial prefills)
-    outputs: list[RequestOutput]                 # requests that finished in this step
+    outputs: list[RequestOutput]                 # requests that finished in this step (or in a
+                                                 # generate() call since the last step)
 
     @property
     def num_prefills(self) -> int:
