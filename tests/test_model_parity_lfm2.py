@@ -8,33 +8,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Lfm2Config
 
-from model_helpers import SeqChunk, allocate_caches, build_metadata, one_seq_metadata, short_conv_metadata
+from model_helpers import (
+    CHUNKS, DECODE_STEPS, MixedRequest, ModelParitySuite, SeqChunk, assert_close, base_mamba_metadata, hf_greedy,
+    hf_logits, hf_random, random_prompt, run_steps,
+)
+from toolkit.attention.short_conv import ShortConvAttentionMetadata
 from toolkit.layers.short_conv import ShortConv
-from toolkit.models import PRESETS, get_model_class, load_model, save_hf_folder
+from toolkit.models import PRESETS, get_model_class
 from toolkit.models.lfm2 import Lfm2ForCausalLM, lfm2_ffn_dim
 from toolkit.runner.kv_cache_spec import AttentionSpec, MambaSpec
-
-ATOL = 1e-4
-PROMPT_LEN = 37
-CHUNKS = [10, 17, 10]
-DECODE_STEPS = 5
-VOCAB = 320
-
-
-def _assert_close(got: torch.Tensor, ref: torch.Tensor) -> float:
-    diff = (got - ref).abs().max().item()
-    assert diff <= ATOL, f"max |logit diff| {diff:.3e} > {ATOL}"
-    return diff
-
-
-def _prompt(seed: int, n: int = PROMPT_LEN) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (n,), generator=g)
-
-
-@torch.no_grad()
-def _hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
-    return hf(ids[None], position_ids=torch.arange(ids.numel())[None], use_cache=False).logits[0].float()
 
 
 @torch.no_grad()
@@ -45,44 +27,41 @@ def _hf_generate(hf, prompt: torch.Tensor, steps: int) -> torch.Tensor:
     return out[0]
 
 
-@torch.no_grad()
-def _hf_greedy_uncached(hf, prompt: torch.Tensor, steps: int) -> torch.Tensor:
-    seq = prompt.clone()
-    for _ in range(steps):
-        seq = torch.cat([seq, _hf_logits(hf, seq)[-1].argmax()[None]])
-    return seq
+def _hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
+    return hf_logits(hf, ids, position_ids=True)
 
 
-@torch.no_grad()
-def _run_steps(ours, seq: torch.Tensor, steps: list[int | tuple[int, bool]], *, slot: int = 2) -> torch.Tensor:
-    """Feed `seq` as one request in the given steps (q or (q, is_decode)); logits of every token."""
-    allocate_caches(ours)
-    done, outs = 0, []
-    for st in steps:
-        q, is_decode = st if isinstance(st, tuple) else (st, None)
-        md = one_seq_metadata(ours, done, q, [4, 2, 7, 6], state_slot=slot, is_decode=is_decode)
-        outs.append(ours.compute_logits(ours(seq[done : done + q], torch.arange(done, done + q), md)))
-        done += q
-    assert done == seq.numel()
-    return torch.cat(outs)
+class TestLfm2(ModelParitySuite):
+    ARCHS = ("tiny-lfm2",)
+    HF_POSITION_IDS = True
+    MIXED_REQUESTS = {
+        "A": MixedRequest(2, 21, 2, blocks=[5, 9], slot=3),   # 21-token prompt, then decodes
+        "B": MixedRequest(3, 30, 0, blocks=[1, 6], slot=1),   # prefilled in two chunks (20 | 10)
+        "C": MixedRequest(4, 5, 0, blocks=[8], slot=4),       # short prompt prefilled while A and B run
+        "D": MixedRequest(5, 3, 0, blocks=[10], slot=5),      # 1-token prefill chunks next to decodes
+    }
+    MIXED_STEPS = [
+        [("A", 0, 21), ("B", 0, 20), ("D", 0, 1)],
+        [("A", 21, 1), ("B", 20, 10), ("C", 0, 5), ("D", 1, 1, False)],
+        [("A", 22, 1), ("D", 2, 1)],
+    ]
+    PROFILE_PROMPT_SEED = 5
 
+    @classmethod
+    def check_pair(cls, ours, hf) -> None:
+        assert type(hf).__name__ == "Lfm2ForCausalLM" and isinstance(ours, Lfm2ForCausalLM)
 
-@pytest.fixture(scope="module", params=["preset", "hf-init"])
-def pair(request, tmp_path_factory):
-    """(our model, HF model) with identical weights: our preset saved for HF, or an HF-initialised
-    random model saved for us."""
-    folder = tmp_path_factory.mktemp(f"lfm2-{request.param}")
-    if request.param == "preset":
-        ours = load_model("tiny-lfm2", dtype=torch.float32, device="cpu").model
-        save_hf_folder(ours, folder)
-        hf = AutoModelForCausalLM.from_pretrained(folder)
-    else:
-        torch.manual_seed(1234)
-        hf = AutoModelForCausalLM.from_config(PRESETS["tiny-lfm2"]())
-        hf.save_pretrained(folder)
-        ours = load_model(str(folder), dtype=torch.float32, device="cpu").model
-    assert type(hf).__name__ == "Lfm2ForCausalLM" and isinstance(ours, Lfm2ForCausalLM)
-    return ours, hf.to(torch.float32).eval()
+    def hf_continue(self, hf, prompt: torch.Tensor, steps: int) -> torch.Tensor:
+        return _hf_generate(hf, prompt, steps)
+
+    @torch.no_grad()
+    def test_chunks_shorter_than_conv_state(self, pair):
+        """conv_L_cache 3 keeps 2 values; 1-token steps as prefill rows (from zero and continuing a
+        state) and as decode rows, and a 2-token chunk, interleaved."""
+        ours, hf = pair
+        seq = random_prompt(7, 14)
+        steps = [(1, False), (1, False), 1, 2, (1, False), 1, 5, 1, 1]
+        assert_close(run_steps(ours, seq, steps), self.hf_logits(hf, seq))
 
 
 def test_class_facts_and_cache_specs():
@@ -99,115 +78,20 @@ def test_class_facts_and_cache_specs():
 
 
 @torch.no_grad()
-def test_full_prompt(pair):
-    ours, hf = pair
-    ids = _prompt(0)
-    allocate_caches(ours)
-    md = one_seq_metadata(ours, 0, PROMPT_LEN, [3, 1, 5], state_slot=1)
-    got = ours.compute_logits(ours(ids, torch.arange(PROMPT_LEN), md))
-    assert got.dtype == torch.float32 and got.shape == (PROMPT_LEN, VOCAB)
-    _assert_close(got, _hf_logits(hf, ids))
-
-
-@torch.no_grad()
-def test_chunked_prefill_then_decode(pair):
-    ours, hf = pair
-    seq = _hf_generate(hf, _prompt(1), DECODE_STEPS)
-    _assert_close(_run_steps(ours, seq, CHUNKS + [1] * DECODE_STEPS), _hf_logits(hf, seq))
-
-
-@torch.no_grad()
-def test_chunks_shorter_than_conv_state(pair):
-    """conv_L_cache 3 keeps 2 values; 1-token steps as prefill rows (from zero and continuing a
-    state) and as decode rows, and a 2-token chunk, interleaved."""
-    ours, hf = pair
-    seq = _prompt(7, 14)
-    steps = [(1, False), (1, False), 1, 2, (1, False), 1, 5, 1, 1]
-    _assert_close(_run_steps(ours, seq, steps), _hf_logits(hf, seq))
-
-
-@torch.no_grad()
-def test_mixed_decode_prefill_batch(pair):
-    """Decode rows and (continuing) prefill rows share a step; each matches its own HF run."""
-    ours, hf = pair
-    a = _hf_generate(hf, _prompt(2, 21), 2)   # A: 21-token prompt, then decodes
-    b = _prompt(3, 30)                        # B: prefilled in two chunks (20 | 10)
-    c = _prompt(4, 5)                         # C: short prompt prefilled while A and B run
-    d = _prompt(5, 3)                         # D: 1-token prefill chunks next to decodes
-    ref_a, ref_b, ref_c, ref_d = (_hf_logits(hf, s) for s in (a, b, c, d))
-    allocate_caches(ours, num_slots=6)
-    A, B, C, D = (dict(blocks=bl, slot=sl) for bl, sl in (([5, 9], 3), ([1, 6], 1), ([8], 4), ([10], 5)))
-
-    def step(rows, ids, pos):
-        md = build_metadata(ours, rows)
-        return ours.compute_logits(ours(torch.cat(ids), torch.cat(pos), md))
-
-    out = step(
-        [SeqChunk(0, 21, A["blocks"], A["slot"]), SeqChunk(0, 20, B["blocks"], B["slot"]),
-         SeqChunk(0, 1, D["blocks"], D["slot"])],
-        [a[:21], b[:20], d[:1]], [torch.arange(21), torch.arange(20), torch.arange(1)],
-    )
-    _assert_close(out[:21], ref_a[:21])
-    _assert_close(out[21:41], ref_b[:20])
-    _assert_close(out[41:], ref_d[:1])
-    out = step(
-        [SeqChunk(21, 1, A["blocks"], A["slot"]), SeqChunk(20, 10, B["blocks"], B["slot"]),
-         SeqChunk(0, 5, C["blocks"], C["slot"]), SeqChunk(1, 1, D["blocks"], D["slot"], is_decode=False)],
-        [a[21:22], b[20:], c, d[1:2]],
-        [torch.arange(21, 22), torch.arange(20, 30), torch.arange(5), torch.arange(1, 2)],
-    )
-    _assert_close(out[:1], ref_a[21:22])
-    _assert_close(out[1:11], ref_b[20:])
-    _assert_close(out[11:16], ref_c)
-    _assert_close(out[16:], ref_d[1:2])
-    out = step(
-        [SeqChunk(22, 1, A["blocks"], A["slot"]), SeqChunk(2, 1, D["blocks"], D["slot"])],
-        [a[22:23], d[2:3]], [torch.arange(22, 23), torch.arange(2, 3)],
-    )
-    _assert_close(out[:1], ref_a[22:23])
-    _assert_close(out[1:], ref_d[2:3])
-
-
-@torch.no_grad()
-def test_profile_run_touches_no_cache(pair):
-    ours, _ = pair
-    caches = allocate_caches(ours, fill=0.5)
-    before = {k: (v.clone() if isinstance(v, torch.Tensor) else tuple(t.clone() for t in v)) for k, v in caches.items()}
-    hidden = ours(_prompt(5, 40), torch.arange(40), None)
-    assert hidden.shape == (40, 64) and torch.isfinite(hidden).all()
-    for k, v in caches.items():
-        now = v if isinstance(v, tuple) else (v,)
-        old = before[k] if isinstance(before[k], tuple) else (before[k],)
-        assert all(torch.equal(x, y) for x, y in zip(now, old)), k
-
-
-def _hf_random(cfg, folder, bias_std: float = 0.0):
-    torch.manual_seed(99)
-    hf = AutoModelForCausalLM.from_config(cfg).eval()
-    if bias_std:
-        with torch.no_grad():  # HF zero-inits biases; make them non-zero so their names matter
-            for name, p in hf.named_parameters():
-                if name.endswith(".bias"):
-                    p.normal_(0.0, bias_std)
-    hf.save_pretrained(folder)
-    return hf, load_model(str(folder), dtype=torch.float32, device="cpu").model
-
-
-@torch.no_grad()
 def test_config_without_attention_matches_hf(tmp_path):
     """All layers "conv". HF's cached generate crashes on such configs (`get_seq_length can only be
     called on Attention layers`, from create_causal_mask), so the reference is HF's forward with
     use_cache=False, and the greedy tokens come from re-running it."""
     cfg = PRESETS["tiny-lfm2"]()
     cfg.layer_types = ["conv"] * 4
-    hf, ours = _hf_random(cfg, tmp_path)
+    hf, ours = hf_random(cfg, tmp_path)
     assert all(isinstance(s, MambaSpec) for s in ours.kv_cache_specs().values())
-    seq = _hf_greedy_uncached(hf, _prompt(6), DECODE_STEPS)
+    seq = hf_greedy(hf, random_prompt(6), DECODE_STEPS, position_ids=True)
     ref = _hf_logits(hf, seq)
-    _assert_close(_run_steps(ours, seq, CHUNKS + [1] * DECODE_STEPS), ref)
-    _assert_close(_run_steps(ours, seq, [1, (1, False), 2, 1, 30, 1, 1, 5]), ref)
+    assert_close(run_steps(ours, seq, CHUNKS + [1] * DECODE_STEPS), ref)
+    assert_close(run_steps(ours, seq, [1, (1, False), 2, 1, 30, 1, 1, 5]), ref)
     # with no attention layer the profile path (one sequence, zero state) is the real forward
-    _assert_close(ours.compute_logits(ours(seq, torch.arange(seq.numel()), None)), ref)
+    assert_close(ours.compute_logits(ours(seq, torch.arange(seq.numel()), None)), ref)
 
 
 def _variant() -> Lfm2Config:
@@ -230,14 +114,14 @@ def _variant() -> Lfm2Config:
 def test_config_variant_matches_hf(tmp_path):
     """Conv/projection biases, conv_L_cache 4, FFN auto-adjust, untied, explicit head_dim, other
     eps, scaled RoPE, attention first."""
-    hf, ours = _hf_random(_variant(), tmp_path, bias_std=0.1)
+    hf, ours = hf_random(_variant(), tmp_path, bias_std=0.1)
     assert not ours.is_tied
     assert ours.model.layers[0].feed_forward.w1.out_features == 160
     assert ours.model.layers[1].conv.conv.bias is not None
-    seq = _hf_generate(hf, _prompt(8), 3)
+    seq = _hf_generate(hf, random_prompt(8), 3)
     ref = _hf_logits(hf, seq)
-    _assert_close(_run_steps(ours, seq, [10, 17, 10, 1, 1, 1]), ref)
-    _assert_close(_run_steps(ours, seq, [2, (1, False), 1, 3, 1, 30, 1, 1]), ref)
+    assert_close(run_steps(ours, seq, [10, 17, 10, 1, 1, 1]), ref)
+    assert_close(run_steps(ours, seq, [2, (1, False), 1, 3, 1, 30, 1, 1]), ref)
 
 
 @pytest.mark.parametrize("ff, auto, mult, multiple", [
@@ -324,7 +208,7 @@ def test_short_conv_in_pieces_equals_one_call(kernel, bias):
     got = [torch.full_like(x, float("nan")) for x in xs]
     for rows in schedule:
         chunks = [SeqChunk(start, n, [0], slots[s], is_decode=dec) for s, start, n, dec in rows]
-        md = {"conv": short_conv_metadata(chunks)}
+        md = {"conv": base_mamba_metadata(ShortConvAttentionMetadata, chunks)}
         out = layer(torch.cat([xs[s][start : start + n] for s, start, n, _ in rows]), md)
         off = 0
         for s, start, n, _ in rows:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from toolkit.layers.causal_conv1d import causal_conv1d_step, causal_conv1d_varlen
 from toolkit.layers.mlp import get_activation
 from toolkit.layers.norms import RMSNorm
+from toolkit.layers.state_mixer import InitStates, States, StateSlotMixer
 from toolkit.runner.kv_cache_spec import MambaSpec
 
 BCDT_NORMS = (None, "weightless", "weighted")
@@ -133,7 +134,7 @@ def selective_scan_varlen(
 # --------------------------------------------------------------------------------------------
 
 
-class Mamba1Mixer(nn.Module):
+class Mamba1Mixer(StateSlotMixer):
     """Mamba1 mixer; parameter names match HF (in_proj, conv1d, x_proj, dt_proj, A_log, D,
     out_proj [, dt_layernorm, b_layernorm, c_layernorm]).
 
@@ -142,8 +143,11 @@ class Mamba1Mixer(nn.Module):
     "weighted" (Jamba: RMSNorm with weight, parameters dt_layernorm [R], b_layernorm [N],
     c_layernorm [N]); eps = bcdt_norm_eps.
 
-    State per request slot: conv_state [K-1, Di] (model dtype), ssm_state [Di, N] (fp32).
+    State per request slot: conv_state [K-1, Di] (model dtype), ssm_state [Di, N] (fp32); slot
+    dispatch and cache binding: see state_mixer.py.
     """
+
+    state_names = ("conv_state", "ssm_state")
 
     def __init__(
         self,
@@ -160,10 +164,9 @@ class Mamba1Mixer(nn.Module):
         bcdt_norm: str | None = None,
         bcdt_norm_eps: float = 1e-6,
     ) -> None:
-        super().__init__()
+        super().__init__(layer_name)
         if bcdt_norm not in BCDT_NORMS:
             raise ValueError(f"bcdt_norm must be one of {BCDT_NORMS}, got {bcdt_norm!r}")
-        self.layer_name = layer_name
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.state_size = state_size
@@ -188,31 +191,17 @@ class Mamba1Mixer(nn.Module):
             self.b_layernorm = RMSNorm(n, eps=self.bcdt_norm_eps)
             self.c_layernorm = RMSNorm(n, eps=self.bcdt_norm_eps)
 
-        self.conv_state: torch.Tensor | None = None
-        self.ssm_state: torch.Tensor | None = None
+    # -- cache plumbing (bind_kv_cache / unbind_kv_cache: StateSlotMixer) --------------------
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """conv_state [K-1, Di], ssm_state [Di, N] per slot."""
+        return (self.conv_kernel - 1, self.intermediate_size), (self.intermediate_size, self.state_size)
 
-    # -- cache plumbing -------------------------------------------------------------------
     def get_kv_cache_spec(self) -> MambaSpec:
         return MambaSpec(
-            shapes=((self.conv_kernel - 1, self.intermediate_size), (self.intermediate_size, self.state_size)),
+            shapes=self.state_shapes(),
             dtypes=(self.in_proj.weight.dtype, torch.float32),
             mamba_type="mamba1",
         )
-
-    def bind_kv_cache(self, caches: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
-        """caches = (conv_state [S, K-1, Di], ssm_state [S, Di, N])."""
-        conv_state, ssm_state = caches
-        want_c = (self.conv_kernel - 1, self.intermediate_size)
-        want_s = (self.intermediate_size, self.state_size)
-        if tuple(conv_state.shape[1:]) != want_c or tuple(ssm_state.shape[1:]) != want_s:
-            raise ValueError(
-                f"{self.layer_name}: expected conv_state [S, {want_c[0]}, {want_c[1]}] and ssm_state "
-                f"[S, {want_s[0]}, {want_s[1]}], got {tuple(conv_state.shape)} and {tuple(ssm_state.shape)}"
-            )
-        self.conv_state, self.ssm_state = conv_state, ssm_state
-
-    def unbind_kv_cache(self) -> None:
-        self.conv_state = self.ssm_state = None
 
     # -- forward --------------------------------------------------------------------------
     def _ssm_params(self, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -247,44 +236,21 @@ class Mamba1Mixer(nn.Module):
         A = -torch.exp(self.A_log.to(torch.float32))
         y = torch.zeros(t, di, device=hidden.device, dtype=torch.float32)
 
-        if attn_metadata is None:
-            cu = torch.tensor([0, t], device=hidden.device, dtype=torch.int32)
-            xc, _ = causal_conv1d_varlen(x, weight, bias, cu, None, self.activation)
+        def decode(tok: slice, states: States) -> tuple[torch.Tensor, States]:
+            conv_state, ssm_state = states
+            xc, new_conv = causal_conv1d_step(x[tok], conv_state, weight, bias, self.activation)
             dt, B, C = self._ssm_params(xc)
-            y, _ = selective_scan_varlen(xc, dt, A, B, C, self.D, cu, None)
-        else:
-            md = attn_metadata[self.layer_name]
-            if self.conv_state is None or self.ssm_state is None:
-                raise RuntimeError(f"{self.layer_name}: no state cache bound (call bind_kv_cache first)")
-            nd = int(md.num_decode_tokens)
-            npf = int(md.num_prefill_tokens)
-            if int(md.num_decodes) > 0 and nd > 0:
-                if nd != int(md.num_decodes):
-                    raise ValueError(f"{self.layer_name}: one token per decode row expected, got "
-                                     f"{nd} tokens for {md.num_decodes} decodes")
-                idx = md.state_indices_tensor_d[:nd].to(torch.int64)
-                xc, new_conv = causal_conv1d_step(x[:nd], self.conv_state[idx], weight, bias, self.activation)
-                self.conv_state[idx] = new_conv.to(self.conv_state.dtype)
-                dt, B, C = self._ssm_params(xc)
-                y_d, new_ssm = selective_state_update(self.ssm_state[idx], xc, dt, A, B, C, self.D)
-                self.ssm_state[idx] = new_ssm.to(self.ssm_state.dtype)
-                y[:nd] = y_d
-            if int(md.num_prefills) > 0 and npf > 0:
-                idx = md.state_indices_tensor_p.to(torch.int64)
-                has = md.has_initial_states_p.to(device=hidden.device, dtype=torch.bool)
-                zero_c = torch.zeros((), dtype=self.conv_state.dtype, device=hidden.device)
-                init_conv = torch.where(has[:, None, None], self.conv_state[idx], zero_c)
-                xc, final_conv = causal_conv1d_varlen(
-                    x[nd : nd + npf], weight, bias, md.query_start_loc_p, init_conv, self.activation
-                )
-                self.conv_state[idx] = final_conv.to(self.conv_state.dtype)
-                dt, B, C = self._ssm_params(xc)
-                zero_s = torch.zeros((), dtype=torch.float32, device=hidden.device)
-                init_ssm = torch.where(has[:, None, None], self.ssm_state[idx].to(torch.float32), zero_s)
-                y_p, final_ssm = selective_scan_varlen(xc, dt, A, B, C, self.D, md.query_start_loc_p, init_ssm)
-                self.ssm_state[idx] = final_ssm.to(self.ssm_state.dtype)
-                y[nd : nd + npf] = y_p
+            y_d, new_ssm = selective_state_update(ssm_state, xc, dt, A, B, C, self.D)
+            return y_d, (new_conv, new_ssm)
 
+        def prefill(tok: slice, init: InitStates, cu: torch.Tensor, md) -> tuple[torch.Tensor, States]:
+            init_conv, init_ssm = init
+            xc, final_conv = causal_conv1d_varlen(x[tok], weight, bias, cu, init_conv, self.activation)
+            dt, B, C = self._ssm_params(xc)
+            y_p, final_ssm = selective_scan_varlen(xc, dt, A, B, C, self.D, cu, init_ssm)
+            return y_p, (final_conv, final_ssm)
+
+        y = self.run_state_slots(attn_metadata, y, decode, prefill)
         y = y * F.silu(z.to(torch.float32))
         return self.out_proj(y.to(dtype))
 

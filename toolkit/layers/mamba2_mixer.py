@@ -25,6 +25,7 @@ from toolkit.attention.mamba2 import compute_chunk_metadata
 from toolkit.layers.causal_conv1d import causal_conv1d_step, causal_conv1d_varlen
 from toolkit.layers.mlp import get_activation
 from toolkit.layers.norms import RMSNormGated
+from toolkit.layers.state_mixer import InitStates, States, StateSlotMixer
 from toolkit.runner.kv_cache_spec import MambaSpec
 
 
@@ -229,15 +230,18 @@ def ssd_chunk_scan_varlen(
 # --------------------------------------------------------------------------------------------
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(StateSlotMixer):
     """Mamba2 mixer; parameter names match HF (in_proj, conv1d, dt_bias, A_log, D, norm, out_proj).
 
     in_proj: hidden -> [gate (H*P) | xBC (Dc) | dt (H)]; xBC = [x (H*P) | B (G*N) | C (G*N)] goes
     through the depthwise causal conv + activation; y = SSM(x, dt, A=-exp(A_log), B, C, D);
     out = out_proj(gated_rmsnorm(y, gate)).
 
-    State per request slot: conv_state [K-1, Dc] (model dtype), ssm_state [H, P, N] (fp32).
+    State per request slot: conv_state [K-1, Dc] (model dtype), ssm_state [H, P, N] (fp32); slot
+    dispatch and cache binding: see state_mixer.py.
     """
+
+    state_names = ("conv_state", "ssm_state")
 
     def __init__(
         self,
@@ -257,13 +261,12 @@ class Mamba2Mixer(nn.Module):
         activation: str = "silu",
         intermediate_size: int | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(layer_name)
         inter = num_heads * head_dim
         if intermediate_size is not None and intermediate_size != inter:
             raise ValueError(f"intermediate_size {intermediate_size} != num_heads*head_dim {inter}")
         if num_heads % n_groups != 0:
             raise ValueError(f"num_heads {num_heads} is not a multiple of n_groups {n_groups}")
-        self.layer_name = layer_name
         self.hidden_size = hidden_size
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -288,33 +291,18 @@ class Mamba2Mixer(nn.Module):
         self.norm = RMSNormGated(inter, group_size=inter // n_groups, eps=norm_eps)
         self.out_proj = nn.Linear(inter, hidden_size, bias=use_bias)
 
-        self.conv_state: torch.Tensor | None = None
-        self.ssm_state: torch.Tensor | None = None
+    # -- cache plumbing (bind_kv_cache / unbind_kv_cache: StateSlotMixer) --------------------
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """conv_state [K-1, Dc], ssm_state [H, P, N] per slot."""
+        return (self.conv_kernel - 1, self.conv_dim), (self.num_heads, self.head_dim, self.state_size)
 
-    # -- cache plumbing -------------------------------------------------------------------
     def get_kv_cache_spec(self) -> MambaSpec:
         return MambaSpec(
-            shapes=((self.conv_kernel - 1, self.conv_dim), (self.num_heads, self.head_dim, self.state_size)),
+            shapes=self.state_shapes(),
             dtypes=(self.in_proj.weight.dtype, torch.float32),
             mamba_type="mamba2",
             chunk_size=self.chunk_size,
         )
-
-    def bind_kv_cache(self, caches: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
-        """caches = (conv_state [S, K-1, Dc], ssm_state [S, H, P, N])."""
-        conv_state, ssm_state = caches
-        want_c = (self.conv_kernel - 1, self.conv_dim)
-        want_s = (self.num_heads, self.head_dim, self.state_size)
-        if tuple(conv_state.shape[1:]) != want_c or tuple(ssm_state.shape[1:]) != want_s:
-            raise ValueError(
-                f"{self.layer_name}: expected conv_state [S, {want_c[0]}, {want_c[1]}] and ssm_state "
-                f"[S, {want_s[0]}, {want_s[1]}, {want_s[2]}], got {tuple(conv_state.shape)} and "
-                f"{tuple(ssm_state.shape)}"
-            )
-        self.conv_state, self.ssm_state = conv_state, ssm_state
-
-    def unbind_kv_cache(self) -> None:
-        self.conv_state = self.ssm_state = None
 
     # -- forward --------------------------------------------------------------------------
     def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -346,49 +334,26 @@ class Mamba2Mixer(nn.Module):
         H, P = self.num_heads, self.head_dim
         y = torch.zeros(t, H, P, device=hidden.device, dtype=torch.float32)
 
-        if attn_metadata is None:
-            cu_t = torch.tensor([0, t], device=hidden.device, dtype=torch.int32)
-            xbc_c, _ = causal_conv1d_varlen(xbc, weight, bias, cu_t, None, self.activation)
-            x, B, C = self._split_xbc(xbc_c)
-            cu, sidx, last = (torch.from_numpy(a).to(hidden.device) for a in
-                              compute_chunk_metadata(np.array([t]), np.array([0]), self.chunk_size))
-            y, _ = ssd_chunk_scan_varlen(x, dt, A, B, C, self.D, cu, sidx, last, self.chunk_size, None)
-        else:
-            md = attn_metadata[self.layer_name]
-            if self.conv_state is None or self.ssm_state is None:
-                raise RuntimeError(f"{self.layer_name}: no state cache bound (call bind_kv_cache first)")
-            nd = int(md.num_decode_tokens)
-            npf = int(md.num_prefill_tokens)
-            if int(md.num_decodes) > 0 and nd > 0:
-                if nd != int(md.num_decodes):
-                    raise ValueError(f"{self.layer_name}: one token per decode row expected, got "
-                                     f"{nd} tokens for {md.num_decodes} decodes")
-                idx = md.state_indices_tensor_d[:nd].to(torch.int64)
-                xbc_d, new_conv = causal_conv1d_step(xbc[:nd], self.conv_state[idx], weight, bias, self.activation)
-                self.conv_state[idx] = new_conv.to(self.conv_state.dtype)
-                x, B, C = self._split_xbc(xbc_d)
-                y_d, new_ssm = ssm_step(self.ssm_state[idx], x, dt[:nd], A, B, C, self.D)
-                self.ssm_state[idx] = new_ssm.to(self.ssm_state.dtype)
-                y[:nd] = y_d
-            if int(md.num_prefills) > 0 and npf > 0:
-                idx = md.state_indices_tensor_p.to(torch.int64)
-                has = md.has_initial_states_p.to(device=hidden.device, dtype=torch.bool)
-                init_conv = torch.where(has[:, None, None], self.conv_state[idx], torch.zeros((), dtype=self.conv_state.dtype, device=hidden.device))
-                xbc_p, final_conv = causal_conv1d_varlen(
-                    xbc[nd : nd + npf], weight, bias, md.query_start_loc_p, init_conv, self.activation
-                )
-                self.conv_state[idx] = final_conv.to(self.conv_state.dtype)
-                x, B, C = self._split_xbc(xbc_p)
-                init_ssm = torch.where(
-                    has[:, None, None, None], self.ssm_state[idx].to(torch.float32),
-                    torch.zeros((), dtype=torch.float32, device=hidden.device),
-                )
-                y_p, final_ssm = ssd_chunk_scan_varlen(
-                    x, dt[nd : nd + npf], A, B, C, self.D, md.cu_chunk_seqlen_p, md.seq_idx_p,
-                    md.last_chunk_indices_p, int(md.chunk_size), init_ssm,
-                )
-                self.ssm_state[idx] = final_ssm.to(self.ssm_state.dtype)
-                y[nd : nd + npf] = y_p
+        def decode(tok: slice, states: States) -> tuple[torch.Tensor, States]:
+            conv_state, ssm_state = states
+            xbc_d, new_conv = causal_conv1d_step(xbc[tok], conv_state, weight, bias, self.activation)
+            x, B, C = self._split_xbc(xbc_d)
+            y_d, new_ssm = ssm_step(ssm_state, x, dt[tok], A, B, C, self.D)
+            return y_d, (new_conv, new_ssm)
 
+        def prefill(tok: slice, init: InitStates, cu_seqlens: torch.Tensor, md) -> tuple[torch.Tensor, States]:
+            init_conv, init_ssm = init
+            xbc_p, final_conv = causal_conv1d_varlen(xbc[tok], weight, bias, cu_seqlens, init_conv, self.activation)
+            x, B, C = self._split_xbc(xbc_p)
+            if md is None:  # profile run: one sequence
+                cu, sidx, last = (torch.from_numpy(a).to(hidden.device) for a in
+                                  compute_chunk_metadata(np.array([x.shape[0]]), np.array([0]), self.chunk_size))
+                chunks = (cu, sidx, last, self.chunk_size)
+            else:
+                chunks = (md.cu_chunk_seqlen_p, md.seq_idx_p, md.last_chunk_indices_p, int(md.chunk_size))
+            y_p, final_ssm = ssd_chunk_scan_varlen(x, dt[tok], A, B, C, self.D, *chunks, init_ssm)
+            return y_p, (final_conv, final_ssm)
+
+        y = self.run_state_slots(attn_metadata, y, decode, prefill)
         out = self.norm(y.reshape(t, self.intermediate_size), gate)
         return self.out_proj(out.to(dtype))
