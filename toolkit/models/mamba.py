@@ -7,6 +7,7 @@ stream is kept in fp32 between blocks, as HF does.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 from torch import nn
@@ -33,6 +34,18 @@ def mamba1_mixer(config: PretrainedConfig, layer_idx: int, bcdt_norm: str | None
     )
 
 
+def mamba_backbone(config: PretrainedConfig, mixer_of_layer: Callable[[int], nn.Module]) -> DecoderBody:
+    """HF Mamba / Mamba2 layout: backbone.embeddings -> blocks (norm, mixer; residual in fp32 by
+    default) -> backbone.norm_f."""
+    eps = config.layer_norm_epsilon
+    fp32_residual = bool(getattr(config, "residual_in_fp32", True))
+    blocks = [PreNormBlock(("norm", RMSNorm(config.hidden_size, eps=eps)), ("mixer", mixer_of_layer(i)),
+                           layer_type="mamba", residual_in_fp32=fp32_residual)
+              for i in range(config.num_hidden_layers)]
+    return DecoderBody(("embeddings", nn.Embedding(config.vocab_size, config.hidden_size)), blocks,
+                       ("norm_f", RMSNorm(config.hidden_size, eps=eps)))
+
+
 class MambaForCausalLM(CausalLM):
     is_attention_free = True
     hf_architecture = "MambaForCausalLM"
@@ -42,18 +55,12 @@ class MambaForCausalLM(CausalLM):
     bcdt_norm: ClassVar[str | None] = None
 
     def build_body(self, config: PretrainedConfig) -> DecoderBody:
-        eps = config.layer_norm_epsilon
-        fp32_residual = bool(getattr(config, "residual_in_fp32", True))
-        blocks = [PreNormBlock(("norm", RMSNorm(config.hidden_size, eps=eps)),
-                               ("mixer", mamba1_mixer(config, i, self.bcdt_norm)),
-                               layer_type="mamba", residual_in_fp32=fp32_residual)
-                  for i in range(config.num_hidden_layers)]
-        return DecoderBody(("embeddings", nn.Embedding(config.vocab_size, config.hidden_size)), blocks,
-                           ("norm_f", RMSNorm(config.hidden_size, eps=eps)))
+        return mamba_backbone(config, lambda i: mamba1_mixer(config, i, self.bcdt_norm))
 
     @staticmethod
     def remap_checkpoint_key(name: str) -> str:
-        """Original state-spaces checkpoints call the embedding `backbone.embedding` (HF's load hook renames it)."""
+        """Original state-spaces (and older Mamba2) checkpoints call the embedding
+        `backbone.embedding` (HF's load hook renames it)."""
         if name.startswith("backbone.embedding."):
             return "backbone.embeddings." + name[len("backbone.embedding."):]
         return name

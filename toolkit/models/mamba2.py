@@ -6,12 +6,11 @@ fp32 between blocks, as HF does.
 """
 from __future__ import annotations
 
-from torch import nn
 from transformers import PretrainedConfig
 
 from toolkit.layers.mamba2_mixer import Mamba2Mixer
-from toolkit.layers.norms import RMSNorm
-from toolkit.models.base import CausalLM, DecoderBody, PreNormBlock
+from toolkit.models.base import CausalLM, DecoderBody
+from toolkit.models.mamba import MambaForCausalLM, mamba_backbone
 
 
 def mamba2_mixer(config: PretrainedConfig, layer_idx: int) -> Mamba2Mixer:
@@ -40,17 +39,6 @@ class Mamba2ForCausalLM(CausalLM):
     body_name = "backbone"
 
     def build_body(self, config: PretrainedConfig) -> DecoderBody:
-        eps = config.layer_norm_epsilon
-        fp32_residual = bool(getattr(config, "residual_in_fp32", True))
-        blocks = [PreNormBlock(("norm", RMSNorm(config.hidden_size, eps=eps)), ("mixer", mamba2_mixer(config, i)),
-                               layer_type="mamba", residual_in_fp32=fp32_residual)
-                  for i in range(config.num_hidden_layers)]
-        return DecoderBody(("embeddings", nn.Embedding(config.vocab_size, config.hidden_size)), blocks,
-                           ("norm_f", RMSNorm(config.hidden_size, eps=eps)))
+        return mamba_backbone(config, lambda i: mamba2_mixer(config, i))
 
-    @staticmethod
-    def remap_checkpoint_key(name: str) -> str:
-        """Older Mamba2 checkpoints call the embedding `backbone.embedding` (HF's load hook renames it)."""
-        if name.startswith("backbone.embedding."):
-            return "backbone.embeddings." + name[len("backbone.embedding."):]
-        return name
+    remap_checkpoint_key = staticmethod(MambaForCausalLM.remap_checkpoint_key)
