@@ -227,6 +227,9 @@ class LLM:
         self._step_index = first_step
 
     def stats(self) -> dict[str, Any]:
+        """Pool and queue counts. `runner_rows_in_use`: persistent request rows the runner holds; a
+        finished request's row is released at the start of the next step, when the runner learns
+        of it from the scheduler output (as in vLLM)."""
         kv = self.scheduler.kv
         return {"kv_blocks_total": kv.kv_pool.num_total, "kv_blocks_free": kv.kv_pool.num_free,
                 "state_slots_total": kv.state_pool.num_total, "state_slots_free": kv.state_pool.num_free,
