@@ -220,6 +220,9 @@ def test_hf_folder_tokenizer_is_used(tmp_path):
         out = llm.generate("hello world", GREEDY)[0]
         assert out.prompt_token_ids == [10, 11]
         assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
+        save_hf_folder(llm, tmp_path / "copy")                      # carries the tokenizer along
+    with LLM(str(tmp_path / "copy"), device="cpu", dtype="float32") as copy:
+        assert copy.generate("hello world", GREEDY)[0].prompt_token_ids == [10, 11]
 
 
 def test_byte_fallback_tokenizer_round_trip():

@@ -44,6 +44,7 @@ class LLM:
         self.hf_config = hf_config
         self.model_name = model
         self.vocab_size = int(hf_config.vocab_size)
+        self.tokenizer_dir = loaded.tokenizer_dir       # save_hf_folder(llm, ...) copies it
         self.tokenizer = load_tokenizer(loaded.tokenizer_dir, self.vocab_size)
         eos = getattr(hf_config, "eos_token_id", None)
         self.eos_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos

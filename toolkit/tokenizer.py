@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
-
 
 class ByteTokenizer:
     PAD, BOS, EOS, OFFSET = 0, 1, 2, 3
@@ -50,7 +48,6 @@ class HFTokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
 
-def load_tokenizer(folder: str | Path | None, vocab_size: int) -> ByteTokenizer | HFTokenizer:
-    if folder is not None and any((Path(folder) / f).exists() for f in TOKENIZER_FILES):
-        return HFTokenizer(folder)
-    return ByteTokenizer(vocab_size)
+def load_tokenizer(tokenizer_dir: str | Path | None, vocab_size: int) -> ByteTokenizer | HFTokenizer:
+    """`tokenizer_dir`: the model folder when the loader found tokenizer files in it, else None."""
+    return HFTokenizer(tokenizer_dir) if tokenizer_dir is not None else ByteTokenizer(vocab_size)
