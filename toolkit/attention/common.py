@@ -3,6 +3,9 @@
 B = num_reqs (rows in the batch, decodes first), T = num_actual_tokens.
 "Device" tensors live on the runner's device; "CPU" tensors always live on the CPU so builders can
 derive host-side facts (prefill/decode split, chunk layout) without a device->host sync.
+
+vLLM's optional fields for decode-context parallelism, cross-attention, fast prefill, multimodal
+prefix-LM ranges and R-SWA are left out: no feature of this toolkit produces or reads them.
 """
 from __future__ import annotations
 
