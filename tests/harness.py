@@ -7,6 +7,7 @@ diverge, so comparison of that request stops at that step.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -14,6 +15,13 @@ from transformers import AutoModelForCausalLM
 
 from toolkit import LLM, SamplingParams
 
+# The device the parity tests run on: CPU by default; RUNNERSCOPE_TEST_DEVICE=cuda on a GPU machine.
+DEVICE = os.environ.get("RUNNERSCOPE_TEST_DEVICE", "cpu")
+if DEVICE.startswith("cuda"):
+    # fp32 parity means real fp32: no TF32 in matmuls or cuDNN convolutions, ours or HF's
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+F32 = dict(device=DEVICE, dtype="float32")
 LOGIT_ATOL = 1e-4
 TIE_ATOL = 1e-5
 PRESETS = ["tiny-llama", "tiny-mamba2", "tiny-bamba", "tiny-mamba", "tiny-falcon-mamba", "tiny-jamba",
@@ -45,7 +53,7 @@ def run_by_hand(llm: LLM, prompts: list[list[int]], max_tokens: int) -> RunResul
 
 
 def load_hf(folder) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(DEVICE).eval()
 
 
 @torch.inference_mode()
@@ -57,7 +65,7 @@ def hf_greedy(hf, prompt: list[int], max_tokens: int, use_cache: bool = True) ->
         for _ in range(max_tokens):
             tokens.append(int(hf_logits(hf, tokens)[-1].argmax()))
         return tokens[len(prompt):]
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=DEVICE)
     out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
                       min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
@@ -66,8 +74,9 @@ def hf_greedy(hf, prompt: list[int], max_tokens: int, use_cache: bool = True) ->
 @torch.inference_mode()
 def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
     """[len(tokens), V] logits of a full forward without cache."""
-    ids = torch.tensor([tokens])
-    return hf(ids, position_ids=torch.arange(len(tokens))[None], use_cache=False).logits[0].float()
+    ids = torch.tensor([tokens], device=DEVICE)
+    position_ids = torch.arange(len(tokens), device=DEVICE)[None]
+    return hf(ids, position_ids=position_ids, use_cache=False).logits[0].float()
 
 
 def assert_matches_hf(hf, prompt: list[int], ours: list[int], our_logits: list[torch.Tensor],

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from harness import PRESETS, assert_matches_hf, load_hf, run_by_hand
+from harness import F32, PRESETS, assert_matches_hf, load_hf, run_by_hand
 from toolkit import LLM, SamplingParams
 from toolkit.models import PRESETS as PRESET_CONFIGS
 from toolkit.models import save_hf_folder
@@ -32,7 +32,7 @@ def model_pair(request, tmp_path_factory):
         torch.manual_seed(1234)
         AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
         return str(folder), folder
-    with LLM(name, device="cpu", dtype="float32") as llm:
+    with LLM(name, **F32) as llm:
         save_hf_folder(llm, folder)
     return name, folder
 
@@ -43,7 +43,7 @@ def hf_model(model_pair):
 
 
 def test_single_request_matches_hf(model_pair, hf_model):
-    with LLM(model_pair[0], device="cpu", dtype="float32") as llm:
+    with LLM(model_pair[0], **F32) as llm:
         prompt = prompts_of([23], llm.vocab_size)[0]
         res = run_by_hand(llm, [prompt], MAX_TOKENS)
         rid = next(iter(res.tokens))
@@ -51,7 +51,7 @@ def test_single_request_matches_hf(model_pair, hf_model):
 
 
 def test_batch_with_chunked_prefill_and_queueing_matches_hf(model_pair, hf_model):
-    with LLM(model_pair[0], device="cpu", dtype="float32", max_num_seqs=3,
+    with LLM(model_pair[0], **F32, max_num_seqs=3,
              max_num_batched_tokens=24) as llm:
         prompts = prompts_of(BATCH_PROMPT_LENS, llm.vocab_size, seed=1)
         res = run_by_hand(llm, prompts, MAX_TOKENS)
@@ -70,7 +70,7 @@ def test_batch_with_chunked_prefill_and_queueing_matches_hf(model_pair, hf_model
 @pytest.mark.parametrize("preset", PRESETS)
 def test_batched_equals_alone_and_generate_equals_stepping(preset):
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLM(preset, device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=20) as llm:
+    with LLM(preset, **F32, max_num_seqs=4, max_num_batched_tokens=20) as llm:
         prompts = prompts_of([9, 31, 2, 14, 26], llm.vocab_size, seed=2)
         batched = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         alone = [llm.generate({"prompt_token_ids": p}, params)[0] for p in prompts]
@@ -83,10 +83,10 @@ def test_batched_equals_alone_and_generate_equals_stepping(preset):
 def test_preemption_by_recompute_keeps_outputs(preset):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = prompts_of([20, 20, 20], 320, seed=3)
-    with LLM(preset, device="cpu", dtype="float32", max_num_seqs=3) as roomy:
+    with LLM(preset, **F32, max_num_seqs=3) as roomy:
         expected = [o.outputs[0].token_ids for o in
                     roomy.generate([{"prompt_token_ids": p} for p in prompts], params)]
-    with LLM(preset, device="cpu", dtype="float32", max_num_seqs=3, block_size=4,
+    with LLM(preset, **F32, max_num_seqs=3, block_size=4,
              num_kv_blocks=17) as tight:
         ids = [tight.add_request({"prompt_token_ids": p}, params) for p in prompts]
         outs, preempted = {}, []

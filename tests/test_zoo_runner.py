@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from harness import NO_ATTENTION, PRESETS, assert_matches_hf, load_hf, run_by_hand
+from harness import F32, NO_ATTENTION, PRESETS, assert_matches_hf, load_hf, run_by_hand
 from test_runner_parity import prompts_of
 from toolkit import LLM, MetadataContractError
 from toolkit.config import RunnerConfig
@@ -38,7 +38,7 @@ def test_every_preset_routes_by_its_class_facts(preset):
     assert type(init_model_state(model, cfg)) is want
     assert (want is MambaHybridModelState) == (model.is_hybrid or model.is_attention_free)
     if preset in PRESETS:
-        with LLM(preset, device="cpu", dtype="float32", max_num_seqs=2) as llm:
+        with LLM(preset, **F32, max_num_seqs=2) as llm:
             assert type(llm.model_runner.model_state) is want
 
 
@@ -47,7 +47,7 @@ def test_hybrid_without_attention_layers_matches_hf_uncached(preset, tmp_path):
     """HF's cached generate crashes on these configs, so HF runs with use_cache=False."""
     folder = no_attention_folder(preset, tmp_path)
     hf = load_hf(folder)
-    with LLM(folder, device="cpu", dtype="float32", max_num_seqs=2, max_num_batched_tokens=16) as llm:
+    with LLM(folder, **F32, max_num_seqs=2, max_num_batched_tokens=16) as llm:
         assert [g.kind for g in llm.model_runner.kv_cache_groups] == ["mamba"]
         assert type(llm.model_runner.model_state) is MambaHybridModelState
         prompts = prompts_of([1, 23, 9], llm.vocab_size, seed=4)
@@ -74,7 +74,7 @@ def _forget_upper_bound(monkeypatch):
 def test_warmup_names_field_and_builder_for_every_builder(monkeypatch, tmp_path, model, builder):
     if model.startswith("no-attention:"):
         model = no_attention_folder(model.split(":")[1], tmp_path)
-    with LLM(model, device="cpu", dtype="float32", max_num_seqs=2, max_num_batched_tokens=16) as llm:
+    with LLM(model, **F32, max_num_seqs=2, max_num_batched_tokens=16) as llm:
         _forget_upper_bound(monkeypatch)
         with pytest.raises(MetadataContractError) as err:
             llm.warmup(progress=False)
