@@ -5,7 +5,7 @@ KV cache of one attention layer: [num_blocks, 2, block_size, num_kv_heads, head_
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,15 @@ class PagedAttentionMetadata:
     seq_lens_cpu: torch.Tensor       # CPU int32 [B]: same values, for host-side loops
     block_table: torch.Tensor        # device int32 [B, max_blocks]
     slot_mapping: torch.Tensor       # device int64 [T]: KV slot of each token, -1 = skip write
+    # derived once per step (not per layer): rows with a single query token, batched together
+    single_token_rows: torch.Tensor = field(init=False)   # device int64 [D]
+    single_token_max_seq_len: int = field(init=False)     # 0 when D == 0
+
+    def __post_init__(self) -> None:
+        query_lens = self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]
+        rows = torch.nonzero(query_lens == 1).flatten()
+        self.single_token_rows = rows.to(self.query_start_loc.device)
+        self.single_token_max_seq_len = int(self.seq_lens_cpu[rows].max()) if len(rows) else 0
 
 
 class PagedAttentionMetadataBuilder(AttentionMetadataBuilder):

@@ -198,12 +198,11 @@ class PagedAttention(nn.Module):
             write_kv_cache(self.kv_cache, k[:n], v[:n], slots)
             qsl = md.query_start_loc_cpu.tolist()
             seq_lens = md.seq_lens_cpu.tolist()
-            single = [i for i in range(int(md.num_reqs)) if qsl[i + 1] - qsl[i] == 1]
-            if single:                      # one-token rows (decodes) in one batched op
-                rows = torch.tensor(single, device=q.device)
+            rows = md.single_token_rows
+            if len(rows):                   # one-token rows (decodes) in one batched op
                 tok = md.query_start_loc[rows].to(torch.int64)
                 out[tok] = decode_attention_ref(q[tok], self.kv_cache, md.block_table[rows],
-                                                md.seq_lens[rows], max(seq_lens[i] for i in single),
+                                                md.seq_lens[rows], md.single_token_max_seq_len,
                                                 self.scale)
             for i in range(int(md.num_reqs)):
                 qs, qe = qsl[i], qsl[i + 1]
