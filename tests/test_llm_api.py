@@ -302,7 +302,8 @@ def test_generate_does_not_swallow_requests_added_by_hand():
         rid = llm.add_request({"prompt_token_ids": [5, 6]}, GREEDY)
         outs = llm.generate({"prompt_token_ids": [7, 8, 9]}, SamplingParams(max_tokens=8, temperature=0.0))
         assert [o.request_id for o in outs] != [rid]
-        assert not llm.has_unfinished_requests()
+        assert llm.has_unfinished_requests()             # its output still awaits a step()
         rec = llm.step()
         assert [o.request_id for o in rec.outputs] == [rid] and len(rec.outputs[0].outputs[0].token_ids) == 4
+        assert not llm.has_unfinished_requests()
         assert llm.step().outputs == []

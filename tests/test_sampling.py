@@ -1,45 +1,106 @@
+"""SamplingParams validation and the position-keyed sampler, without a model."""
+import numpy as np
 import pytest
 import torch
 
 from toolkit.errors import InvalidRequestError
-from toolkit.sampling import Sampler, SamplingParams, _filtered_probs
+from toolkit.sampling import (MIN_TEMPERATURE, Sampler, SamplingParams, apply_top_k_top_p,
+                              derive_seed, gumbel_noise, row_keys, split_seed)
+
+CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize("kwargs", [dict(max_tokens=0), dict(max_tokens=1.5), dict(temperature=-1),
                                     dict(temperature=float("nan")), dict(top_p=0), dict(top_p=1.5),
-                                    dict(top_k=-2), dict(seed="x"), dict(stop_token_ids=[-1])])
+                                    dict(top_k=-2), dict(seed="x"), dict(seed=2**64), dict(seed=-2),
+                                    dict(stop_token_ids=[-1]), dict(stop_token_ids="ab"),
+                                    dict(ignore_eos="yes")])
 def test_bad_values_raise_naming_the_field(kwargs):
     with pytest.raises(InvalidRequestError, match=next(iter(kwargs))):
         SamplingParams(**kwargs)
 
 
-def test_top_k_and_top_p_filter():
-    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    p = _filtered_probs(logits, SamplingParams(temperature=1.0, top_k=2))
-    assert (p[2:] == 0).all() and torch.allclose(p[:2].sum(), torch.tensor(1.0))
-    p = _filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))
-    assert (p > 0).tolist() == [True, True, False, False]
-    p = _filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.4))
-    assert (p > 0).tolist() == [True, False, False, False]
+def test_noise_function_is_pinned():
+    """Fixed (seed, position, token id) give fixed noise: a change to the definition (and so to
+    every seeded request's tokens) must be deliberate."""
+    seeds = torch.tensor([[7, 0], list(split_seed(2**64 - 1))])
+    positions = torch.tensor([3, 100_000])
+    assert row_keys(seeds, positions).tolist() == [3280815260, 736141308]
+    expected = [[-0.5307542085647583, 0.5065405368804932, 4.152034759521484, -0.5772920846939087,
+                 2.116760015487671, 1.557175874710083],
+                [1.0151939392089844, 3.7878448963165283, -0.7357837557792664, 0.031313855201005936,
+                 -0.5239468216896057, -0.27157124876976013]]
+    assert gumbel_noise(seeds, positions, 6).tolist() == expected
+    assert derive_seed(0, 0) == 12035550249420947055
+    assert derive_seed(2**60, 5) == 18384697002094791854
+
+
+def test_noise_depends_on_each_input_and_is_gumbel_distributed():
+    base = gumbel_noise(torch.tensor([[1, 0]]), torch.tensor([10]), 4096)[0]
+    for seeds, pos in [([[2, 0]], [10]), ([[1, 1]], [10]), ([[1, 0]], [11])]:
+        other = gumbel_noise(torch.tensor(seeds), torch.tensor(pos), 4096)[0]
+        assert (other != base).float().mean() > 0.99
+    # Gumbel(0, 1): mean 0.5772 (Euler's constant), variance pi^2 / 6
+    assert abs(base.mean().item() - 0.5772) < 0.06 and abs(base.var().item() - 1.6449) < 0.15
+
+
+def test_sampled_frequencies_follow_the_probabilities():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 4000
+    s = Sampler(1, CPU)
+    s.add_request(0, SamplingParams(temperature=1.0, seed=3), seed=3)
+    logits = probs.log().expand(n, 4)
+    sampled = s(logits, np.zeros(n, dtype=np.int64), torch.arange(n), np.ones(n, dtype=bool))
+    freq = torch.bincount(sampled, minlength=4).float() / n
+    assert torch.allclose(freq, probs, atol=0.03), freq
+
+
+def test_top_k_and_top_p_filter_per_row():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 4))
+    out = apply_top_k_top_p(logits, torch.tensor([2, 0, 0, 0]), torch.tensor([1.0, 0.7, 0.4, 1.0]))
+    kept = torch.isfinite(out).tolist()
+    assert kept == [[True, True, False, False], [True, True, False, False],
+                    [True, False, False, False], [True, True, True, True]]
 
 
 def test_seeded_rows_sample_independently_of_batch_position():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     params = SamplingParams(temperature=1.0, seed=123)
-    alone = Sampler(4, torch.device("cpu"))
-    alone.add_request(0, params, default_seed=0)
-    first = [alone(logits[1:2], [0]).item() for _ in range(5)]
-    batched = Sampler(4, torch.device("cpu"))
+    alone = Sampler(4, CPU)
+    alone.add_request(0, params, seed=123)
+    first = [alone(logits[1:2], np.array([0]), torch.tensor([p]), np.array([True])).item()
+             for p in range(5)]
+    batched = Sampler(4, CPU)
     batched.add_request(2, SamplingParams(temperature=0.0), 0)
-    batched.add_request(3, params, default_seed=99)
-    batched.add_request(1, SamplingParams(temperature=1.0, seed=5), 0)
-    got = [batched(logits, [2, 3, 1])[1].item() for _ in range(5)]
+    batched.add_request(3, params, seed=123)
+    batched.add_request(1, SamplingParams(temperature=1.0, seed=5), 5)
+    got = [batched(logits, np.array([2, 3, 1]), torch.tensor([9, p, 4]), np.ones(3, bool))[1].item()
+           for p in range(5)]
     assert got == first
+
+
+def test_rows_that_draw_nothing_take_the_argmax():
+    logits = torch.tensor([[0.0, 0.1, 0.05]] * 2)
+    s = Sampler(2, CPU)
+    s.add_request(0, SamplingParams(temperature=100.0), seed=1)
+    s.add_request(1, SamplingParams(temperature=100.0), seed=1)
+    draws = [s(logits, np.array([0, 1]), torch.tensor([p, p]), np.array([True, False])).tolist()
+             for p in range(40)]
+    assert all(d[1] == 1 for d in draws) and len({d[0] for d in draws}) == 3
 
 
 def test_greedy_is_argmax():
     logits = torch.tensor([[0.1, 2.0, 0.3], [5.0, 1.0, 0.0]])
-    s = Sampler(2, torch.device("cpu"))
+    s = Sampler(2, CPU)
     s.add_request(0, SamplingParams(temperature=0.0), 0)
     s.add_request(1, SamplingParams(temperature=0.0), 0)
-    assert s(logits, [0, 1]).tolist() == [1, 0]
+    assert s(logits, np.array([0, 1]), torch.tensor([1, 1]), np.ones(2, bool)).tolist() == [1, 0]
+
+
+def test_tiny_temperature_is_floored_and_stays_finite():
+    s = Sampler(1, CPU)
+    s.add_request(0, SamplingParams(temperature=1e-45, seed=0), seed=0)
+    assert s.temperature[0] == np.float32(MIN_TEMPERATURE)
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    # at T = 1e-2 a gap of 1 is 100 nats: the sampler picks the argmax, with no NaN on the way
+    assert s(logits, np.array([0]), torch.tensor([0]), np.array([True])).tolist() == [1]

@@ -12,12 +12,12 @@ MAMBA = CacheGroupKind("mamba", 0)
 
 def make_sched(groups=(ATTN, MAMBA), blocks=64, seqs=4, budget=16, max_len=64):
     return Scheduler(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=max_len,
-                     groups=list(groups), num_kv_blocks=blocks, seed=0)
+                     groups=list(groups), num_kv_blocks=blocks)
 
 
 def req(rid, n, max_tokens=4):
     return Request(rid, list(range(3, 3 + n)), SamplingParams(max_tokens=max_tokens, temperature=0),
-                   eos_token_id=None)
+                   eos_token_ids=frozenset())
 
 
 def run_step(s, token=7):
@@ -120,16 +120,16 @@ def test_abort_frees_everything_and_reports_to_runner():
 
 def test_stop_conditions():
     s = make_sched()
-    r = Request("a", [3, 4], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[9]), eos_token_id=2)
+    r = Request("a", [3, 4], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[9]), eos_token_ids=frozenset({2}))
     s.add_request(r)
     run_step(s, token=5)
     run_step(s, token=9)
     assert r.status == RequestStatus.FINISHED_STOPPED and r.output_token_ids == [5, 9]
-    r2 = Request("b", [3], SamplingParams(max_tokens=10, temperature=0), eos_token_id=2)
+    r2 = Request("b", [3], SamplingParams(max_tokens=10, temperature=0), eos_token_ids=frozenset({2}))
     s.add_request(r2)
     run_step(s, token=2)
     assert r2.finish_reason() == "stop"
-    r3 = Request("c", [3], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), eos_token_id=2)
+    r3 = Request("c", [3], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), eos_token_ids=frozenset({2}))
     s.add_request(r3)
     for _ in range(10):
         run_step(s, token=2)

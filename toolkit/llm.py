@@ -2,22 +2,25 @@
 shutdown(). It owns a Scheduler (who runs, which blocks) and a ModelRunner (what runs)."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
+from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 from tqdm.auto import tqdm
 
 from toolkit.config import RunnerConfig, resolve_device_dtype
-from toolkit.errors import InvalidRequestError
+from toolkit.errors import CheckpointError, InvalidRequestError
 from toolkit.inspect.step_record import ScheduledRequest, StepRecord, snapshot
 from toolkit.kv_cache_manager import CacheGroupKind
 from toolkit.models import load_model
 from toolkit.request import CompletionOutput, Request, RequestOutput
 from toolkit.runner.model_runner import ModelRunner
-from toolkit.sampling import SamplingParams
+from toolkit.sampling import MAX_SEED, SamplingParams, derive_seed
 from toolkit.scheduler import Scheduler
-from toolkit.tokenizer import load_tokenizer
+from toolkit.tokenizer import HFTokenizer, load_tokenizer
 
 Prompt = str | dict
 
@@ -29,6 +32,8 @@ class LLM:
                  dtype: str | torch.dtype = "auto", max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, block_size: int = 16,
                  max_model_len: int | None = None, num_kv_blocks: int | None = None, seed: int = 0):
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
+            raise ValueError(f"seed={seed!r}: must be an int in [0, {MAX_SEED}]")
         dev, dt = resolve_device_dtype(device, dtype)
         loaded = load_model(model, dtype=dt, device=dev, seed=seed)
         hf_config = loaded.config
@@ -46,18 +51,17 @@ class LLM:
         self.vocab_size = int(hf_config.vocab_size)
         self.tokenizer_dir = loaded.tokenizer_dir       # save_hf_folder(llm, ...) copies it
         self.tokenizer = load_tokenizer(loaded.tokenizer_dir, self.vocab_size)
-        eos = getattr(hf_config, "eos_token_id", None)
-        self.eos_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
+        self.eos_token_ids = collect_eos_token_ids(hf_config, loaded.source, self.tokenizer)
         self.model_runner = ModelRunner(loaded.model, self.cfg)
         groups = self.model_runner.kv_cache_groups
         attn = [g for g in groups if g.kind == "attention"]
         self.scheduler = Scheduler(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, groups=[CacheGroupKind(g.kind, g.block_size) for g in groups],
-            num_kv_blocks=attn[0].num_blocks if attn else 0, seed=seed)
+            num_kv_blocks=attn[0].num_blocks if attn else 0)
         self._carried_outputs: list[RequestOutput] = []   # finished inside generate(), not its own
         self._next_request_id = 0
-        self._arrivals = 0
+        self._arrivals = 0            # user requests only: warmup does not shift derived seeds
         self._step_index = 0
         self._closed = False
 
@@ -66,13 +70,20 @@ class LLM:
         return self.model_runner.model
 
     # ---- requests -----------------------------------------------------------------------------
+    @property
+    def eos_token_id(self) -> int | None:
+        """The first end-of-sequence id (see `eos_token_ids` for all of them)."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
     def _make_request(self, prompt: Prompt, params: SamplingParams | None,
-                      request_id: str | None) -> Request:
+                      request_id: str | None, taken: set[str] = frozenset()) -> Request:
+        """Validate everything a step could fail on; `taken`: ids claimed by the same call."""
         self._check_open()
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        params.__post_init__()            # values may have been changed after construction
+        # the request's own copy, validated again: the caller may change or reuse the object
+        params = dataclasses.replace(params)
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -94,16 +105,27 @@ class LLM:
                                       f"{self.cfg.max_model_len} leaves no room for an output token")
         kv_total = self.scheduler.kv.kv_pool.num_total
         if any(g.kind == "attention" for g in self.scheduler.kv.groups):
-            need = -(-min(len(ids) + params.max_tokens, self.cfg.max_model_len) // self.cfg.block_size)
+            # every token but the last sampled one goes through the model and into the cache
+            cached = min(len(ids) + params.max_tokens, self.cfg.max_model_len) - 1
+            need = -(-cached // self.cfg.block_size)
             if need > kv_total:
                 raise InvalidRequestError(f"the request can need {need} KV blocks but the cache "
                                           f"has {kv_total} (num_kv_blocks)")
         if request_id is None:
-            request_id = str(self._next_request_id)
-            self._next_request_id += 1
-        elif request_id in self.scheduler.requests:
+            request_id = self._auto_request_id(taken)
+        elif not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError(f"request_id={request_id!r}: must be a non-empty str")
+        elif request_id in self.scheduler.requests or request_id in taken:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        return Request(request_id, ids, params, self.eos_token_id, prompt=text)
+        return Request(request_id, ids, params, frozenset(self.eos_token_ids), prompt=text)
+
+    def _auto_request_id(self, taken: set[str]) -> str:
+        """vLLM-style counter ids ("0", "1", ...), skipping ids a user chose."""
+        while True:
+            rid = str(self._next_request_id)
+            self._next_request_id += 1
+            if rid not in self.scheduler.requests and rid not in taken:
+                return rid
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -112,9 +134,13 @@ class LLM:
         self._enqueue(request)
         return request.request_id
 
-    def _enqueue(self, request: Request) -> None:
-        request.arrival_index = self._arrivals
-        self._arrivals += 1
+    def _enqueue(self, request: Request, count_arrival: bool = True) -> None:
+        seed = request.sampling_params.seed
+        if seed is None and count_arrival:
+            seed = derive_seed(self.cfg.seed, self._arrivals)
+        request.sampling_seed = 0 if seed is None else seed
+        if count_arrival:
+            self._arrivals += 1
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> None:
@@ -123,7 +149,8 @@ class LLM:
         self.scheduler.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """True while a request runs or waits, or a finished one awaits delivery by step()."""
+        return self.scheduler.has_unfinished_requests() or bool(self._carried_outputs)
 
     # ---- stepping -------------------------------------------------------------------------------
     def step(self) -> StepRecord:
@@ -132,10 +159,17 @@ class LLM:
         return self._step(record=True)
 
     def _step(self, record: bool) -> StepRecord | list[RequestOutput]:
+        """All or nothing: if anything after scheduling raises (a bug, a KeyboardInterrupt), the
+        step's requests are put back to be recomputed and the exception propagates; the engine
+        serves the next step and the outputs are those of an uninterrupted run."""
         sched_out = self.scheduler.schedule()
-        state = self.model_runner.execute_model(sched_out)
-        sampled = self.model_runner.sample_tokens()
-        finished, kept = self.scheduler.update_from_output(sched_out, sampled)
+        try:
+            state = self.model_runner.execute_model(sched_out)
+            sampled = self.model_runner.sample_tokens()
+            finished, kept = self.scheduler.update_from_output(sched_out, sampled)
+        except BaseException:
+            self.scheduler.recover_from_failed_step(sched_out)
+            raise
         outputs = [self._output(r) for r in finished]
         self._step_index += 1
         if not record:
@@ -144,8 +178,9 @@ class LLM:
         scheduled = []
         if state is not None:
             b = state.input_batch
-            scheduled = [ScheduledRequest(r, int(n), int(c), bool(p)) for r, n, c, p in zip(
-                b.req_ids, b.num_scheduled_tokens, b.num_computed_tokens_np, b.is_prefilling_np)]
+            scheduled = [ScheduledRequest(r, int(n), int(c), bool(p), bool(d)) for r, n, c, p, d in zip(
+                b.req_ids, b.num_scheduled_tokens, b.num_computed_tokens_np, b.is_prefilling_np,
+                b.runs_as_decode_np)]
         return StepRecord(
             step_index=self._step_index - 1, scheduled=scheduled,
             preempted_request_ids=list(sched_out.preempted_req_ids),
@@ -155,7 +190,10 @@ class LLM:
             sampled_token_ids=sampled, kept_token_ids=kept, outputs=outputs)
 
     def _output(self, req: Request) -> RequestOutput:
-        text = self.tokenizer.decode(req.output_token_ids)
+        shown = req.output_token_ids
+        if req.finish_reason() == "stop" and not req.sampling_params.include_stop_str_in_output:
+            shown = shown[:-1]          # vLLM: the stop token stays in token_ids, not in text
+        text = self.tokenizer.decode(shown)
         return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids),
                              [CompletionOutput(0, text, list(req.output_token_ids), req.finish_reason())],
                              finished=True)
@@ -175,23 +213,30 @@ class LLM:
             params_list = sampling_params
         else:
             params_list = [sampling_params] * len(prompts)
-        requests = [self._make_request(p, sp, None) for p, sp in zip(prompts, params_list)]
-        ids = [r.request_id for r in requests]
-        if len(set(ids)) != len(ids):
-            raise InvalidRequestError("duplicate request ids")
+        taken: set[str] = set()
+        requests = []
+        for p, sp in zip(prompts, params_list):
+            requests.append(self._make_request(p, sp, None, taken))
+            taken.add(requests[-1].request_id)
         for r in requests:
             self._enqueue(r)
+        ids = [r.request_id for r in requests]
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
         wanted = set(ids)
-        while wanted - done.keys():
-            for out in self._step(record=False):
-                if out.request_id in wanted:
-                    done[out.request_id] = out
-                    bar.update(1)
-                else:                   # a request from add_request(): the next step() reports it
-                    self._carried_outputs.append(out)
-        bar.close()
+        try:
+            with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
+                while wanted - done.keys():
+                    for out in self._step(record=False):
+                        if out.request_id in wanted:
+                            done[out.request_id] = out
+                            bar.update(1)
+                        else:           # a request from add_request(): the next step() reports it
+                            self._carried_outputs.append(out)
+        except BaseException:
+            # interrupted (e.g. KeyboardInterrupt in a notebook): nobody will collect these
+            for rid in wanted - done.keys():
+                self.scheduler.abort_request(rid)
+            raise
         return [done[i] for i in ids]
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -220,8 +265,11 @@ class LLM:
         first_step = self._step_index
         n = min(self.cfg.max_num_seqs, 4)
         params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-        ids = [self.add_request({"prompt_token_ids": [1, 3 + i]}, params, request_id=f"warmup-{i}")
-               for i in range(n)]
+        ids = []
+        for i in range(n):
+            request = self._make_request({"prompt_token_ids": [1, 3 + i]}, params, f"warmup-{i}")
+            self._enqueue(request, count_arrival=False)
+            ids.append(request.request_id)
         while any(i in self.scheduler.requests for i in ids):
             self._step(record=False)
         self._step(record=False)        # lets the runner drop the finished rows
@@ -254,3 +302,28 @@ class LLM:
 
     def __exit__(self, *exc: Iterable) -> None:
         self.shutdown()
+
+
+def collect_eos_token_ids(hf_config: Any, folder: str | None, tokenizer: Any) -> tuple[int, ...]:
+    """Every id that ends generation, as vLLM gathers them: the config's `eos_token_id` (an int or
+    a list, e.g. Llama 3's [128001, 128008, 128009]), `generation_config.json`'s in a model folder,
+    and an HF tokenizer's eos (the byte fallback's id 2 is a convention, not the model's)."""
+    ids: list[int] = []             # in the order found, without repeats
+
+    def add(value: Any) -> None:
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value not in ids:
+                ids.append(value)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                add(v)
+
+    add(getattr(hf_config, "eos_token_id", None))
+    if folder is not None and (Path(folder) / "generation_config.json").is_file():
+        try:
+            add(json.loads((Path(folder) / "generation_config.json").read_text()).get("eos_token_id"))
+        except (json.JSONDecodeError, AttributeError) as err:
+            raise CheckpointError(f"{folder}/generation_config.json is not a JSON object: {err}")
+    if isinstance(tokenizer, HFTokenizer):
+        add(tokenizer.eos_token_id)
+    return tuple(ids)

@@ -31,10 +31,10 @@ _FINISH_REASON = {
 class Request:
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_id: int | None
+    sampling_params: SamplingParams           # the request's own copy
+    eos_token_ids: frozenset[int]             # every id that ends generation (unless ignore_eos)
     prompt: str | None = None
-    arrival_index: int = 0
+    sampling_seed: int = 0                    # params.seed, or derived from the LLM seed at arrival
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

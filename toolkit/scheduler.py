@@ -24,7 +24,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: tuple[list[int], ...]    # per KV-cache group; for a Mamba group: [state slot]
     num_computed_tokens: int
-    sampling_seed: int                  # seed for an unseeded random sampler
+    sampling_seed: int                  # the request's seed, or the one derived at its arrival
 
 
 @dataclass
@@ -47,11 +47,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 groups: list[CacheGroupKind], num_kv_blocks: int, seed: int):
+                 groups: list[CacheGroupKind], num_kv_blocks: int):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.seed = seed
         self.kv = KVCacheManager(groups, num_kv_blocks, num_state_slots=max_num_seqs)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -84,20 +83,41 @@ class Scheduler:
         req.status = status
         self.kv.free(req.request_id)
         self.requests.pop(req.request_id, None)
-        if req.request_id in self._known_to_runner:
-            self._finished_since_last_step.add(req.request_id)
-            self._known_to_runner.discard(req.request_id)
+        self._tell_runner_to_drop(req.request_id)
+
+    def _tell_runner_to_drop(self, req_id: str) -> None:
+        """The next SchedulerOutput lists the request in finished_req_ids (if the runner has it)."""
+        if req_id in self._known_to_runner:
+            self._finished_since_last_step.add(req_id)
+            self._known_to_runner.discard(req_id)
 
     def _preempt(self, req: Request) -> None:
+        self._release_for_recompute(req)
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _release_for_recompute(self, req: Request) -> None:
+        """Free the request's blocks and slot and forget its computed tokens: it will be prefilled
+        again from its prompt + outputs. The runner drops its row at the next step."""
         self.running.remove(req)
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        req.num_preemptions += 1
-        self.waiting.appendleft(req)
-        if req.request_id in self._known_to_runner:
-            self._finished_since_last_step.add(req.request_id)
-            self._known_to_runner.discard(req.request_id)
+        self._tell_runner_to_drop(req.request_id)
+
+    def recover_from_failed_step(self, sched_out: SchedulerOutput) -> list[str]:
+        """A step raised after `schedule()` returned it. Its requests may have half-written KV
+        blocks and Mamba states, so each still running goes back to the front of the queue (in
+        its running order) to be recomputed, as a preemption does; their tokens so far are kept and,
+        sampling being keyed on position, their outputs do not change. Requests outside the step
+        are untouched. Returns the ids put back."""
+        in_step = [r for r in self.running if r.request_id in sched_out.num_scheduled_tokens]
+        for req in in_step:
+            self._release_for_recompute(req)
+        self.waiting.extendleft(reversed(in_step))
+        # the runner may not have dropped the rows this step told it to drop
+        self._finished_since_last_step |= sched_out.finished_req_ids
+        return [r.request_id for r in in_step]
 
     # ---- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -142,7 +162,7 @@ class Scheduler:
                 req_id=req.request_id, prefill_token_ids=list(req.all_token_ids),
                 sampling_params=req.sampling_params, block_ids=self.kv.block_ids(req.request_id),
                 num_computed_tokens=req.num_computed_tokens,
-                sampling_seed=self.seed * 1_000_003 + req.arrival_index))
+                sampling_seed=req.sampling_seed))
             self._known_to_runner.add(req.request_id)
 
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
@@ -172,7 +192,7 @@ class Scheduler:
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
-        if not params.ignore_eos and req.eos_token_id is not None and token == req.eos_token_id:
+        if not params.ignore_eos and token in req.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if token in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED

@@ -41,6 +41,8 @@ class ScheduledRequest:
     num_tokens: int             # tokens scheduled this step
     num_computed_before: int    # tokens already in the cache/state before the step
     is_prefill: bool            # still consuming prompt tokens
+    runs_as_decode: bool        # one token on existing state: the layers ran it as a decode (a
+                                # one-token prompt chunk too); the rest ran as prefills
 
 
 @dataclass
@@ -57,12 +59,13 @@ class StepRecord:
                                                  # generate() call since the last step)
 
     @property
-    def num_prefills(self) -> int:
-        return sum(s.is_prefill for s in self.scheduled)
+    def num_decodes(self) -> int:
+        """Rows the layers ran as decodes (the Mamba metadata's `num_decodes`)."""
+        return sum(s.runs_as_decode for s in self.scheduled)
 
     @property
-    def num_decodes(self) -> int:
-        return len(self.scheduled) - self.num_prefills
+    def num_prefills(self) -> int:
+        return len(self.scheduled) - self.num_decodes
 
     @property
     def num_tokens(self) -> int:

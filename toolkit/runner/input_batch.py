@@ -49,18 +49,28 @@ class InputBatch:
         return bool(self.is_prefilling_np.any())
 
     @property
+    def runs_as_decode_np(self) -> np.ndarray:
+        """bool [B]: rows that run as decodes (see `runs_as_decode`)."""
+        return runs_as_decode(self.num_scheduled_tokens, self.num_computed_tokens_np)
+
+    @property
     def num_decodes(self) -> int:
-        """Rows that run as decodes: one token on top of existing state."""
-        return int(((self.num_scheduled_tokens == 1) & (self.num_computed_tokens_np > 0)).sum())
+        return int(self.runs_as_decode_np.sum())
+
+
+def runs_as_decode(num_scheduled, num_computed):
+    """A row runs as a decode when it has one token on top of existing state -- also a one-token
+    prefill chunk that continues a saved state (vLLM #42430); the Mamba builders split the batch by
+    the same rule. Works on ints and on numpy arrays."""
+    return (num_scheduled == 1) & (num_computed > 0)
 
 
 def sort_batch(req_ids: list[str], num_scheduled: dict[str, int], num_computed: dict[str, int]
                ) -> list[str]:
-    """vLLM's batch order: single-token rows with prior state (decodes) first, then the rest by
-    ascending token count. Mamba kernels split tokens as [decode | prefill] and trust this."""
+    """vLLM's batch order: decode rows first, then the rest by ascending token count. Mamba
+    kernels split tokens as [decode | prefill] and trust this."""
     def key(rid: str) -> tuple[int, int]:
-        is_decode = num_scheduled[rid] == 1 and num_computed[rid] > 0
-        return (0 if is_decode else 1, num_scheduled[rid])
+        return (0 if runs_as_decode(num_scheduled[rid], num_computed[rid]) else 1, num_scheduled[rid])
     return sorted(req_ids, key=key)
 
 

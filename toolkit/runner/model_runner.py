@@ -104,7 +104,9 @@ class ModelRunner:
         batch = state.input_batch
         logits = self.model.compute_logits(state.hidden_states[batch.logits_indices])
         state.logits = logits
-        sampled = self.sampler(logits, batch.idx_mapping_np.tolist())
+        # a row whose chunk ends before its known tokens do (partial prefill) draws nothing
+        draws = batch.num_computed_tokens_np + batch.num_scheduled_tokens >= batch.prefill_len_np
+        sampled = self.sampler(logits, batch.idx_mapping_np, batch.seq_lens, draws)
         self._post_update(batch, sampled)
         self.model_state.postprocess_state(batch, sampled)
         return dict(zip(batch.req_ids, sampled.tolist()))
