@@ -44,3 +44,19 @@ class MetadataContractError(ToolkitError, ValueError):
 
 class ModelStateError(ToolkitError, RuntimeError):
     """A model state was given caches it cannot manage (a routing bug, cf. vLLM #52374)."""
+
+
+class InvariantError(ToolkitError, RuntimeError):
+    """A runtime check (`LLM(checks=True)`) found the engine's books wrong: a live request on the
+    null slot, a state index that is not the request's slot, a reused slot not zeroed, ...
+
+    `violations` lists each failure (check, where: step / request / group or layer, field, values).
+    The step that showed it has completed and is in `llm.trace` with the same violations.
+    """
+
+    def __init__(self, violations: list) -> None:
+        self.violations = list(violations)
+        lines = [str(v) for v in self.violations[:10]]
+        more = len(self.violations) - len(lines)
+        super().__init__(f"{len(self.violations)} invariant violation(s):\n  " + "\n  ".join(lines)
+                         + (f"\n  ... and {more} more" if more > 0 else ""))

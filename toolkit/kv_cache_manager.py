@@ -60,6 +60,10 @@ class KVCacheManager:
         self.state_pool = BlockPool(num_state_slots + 1 if has_mamba else 0, "state slots")
         self._ids: dict[str, tuple[list[int], ...]] = {}
 
+    def holdings(self) -> dict[str, tuple[list[int], ...]]:
+        """Every request's ids per group (a copy): the ledger."""
+        return {rid: tuple(list(ids) for ids in held) for rid, held in self._ids.items()}
+
     def block_ids(self, req_id: str) -> tuple[list[int], ...]:
         return self._ids.get(req_id, tuple([] for _ in self.groups))
 

@@ -13,7 +13,11 @@ from tqdm.auto import tqdm
 
 from toolkit.config import RunnerConfig, resolve_device_dtype
 from toolkit.errors import CheckpointError, InvalidRequestError
+from toolkit.inspect import checks
+from toolkit.inspect.recorder import MODES, Recorder, warmup_record
 from toolkit.inspect.step_record import ScheduledRequest, StepRecord, snapshot
+from toolkit.inspect.memory import MemoryReport, TensorWatch, collect, graph_bytes, object_bytes
+from toolkit.inspect.trace import Trace
 from toolkit.kv_cache_manager import CacheGroupKind
 from toolkit.models import load_model
 from toolkit.request import CompletionOutput, Request, RequestOutput
@@ -31,7 +35,12 @@ class LLM:
     def __init__(self, model: str, *, device: str | torch.device = "auto",
                  dtype: str | torch.dtype = "auto", max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, block_size: int = 16,
-                 max_model_len: int | None = None, num_kv_blocks: int | None = None, seed: int = 0):
+                 max_model_len: int | None = None, num_kv_blocks: int | None = None, seed: int = 0,
+                 inspect: str = "metadata", trace_capacity: int | None = 256,
+                 checks: bool | None = None):
+        if inspect not in MODES:
+            raise ValueError(f"inspect={inspect!r}: use one of {MODES}")
+        self.trace = Trace(trace_capacity)          # validates the capacity before the model loads
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
             raise ValueError(f"seed={seed!r}: must be an int in [0, {MAX_SEED}]")
         dev, dt = resolve_device_dtype(device, dtype)
@@ -64,6 +73,14 @@ class LLM:
         self._arrivals = 0            # user requests only: warmup does not shift derived seeds
         self._step_index = 0
         self._closed = False
+        self.inspect = inspect
+        self.checks = (inspect != "off") if checks is None else bool(checks)
+        self._recorder: Recorder | None = None
+        if inspect != "off" or self.checks:
+            self._recorder = Recorder(inspect, self.checks)
+            self._recorder.attach(self.model_runner)
+        self._tensor_watch = TensorWatch.of_runner(self.model_runner)
+        self._memory_marks: dict[str, dict[str, int]] = {"load": self._measure_memory()}
 
     @property
     def model(self) -> torch.nn.Module:
@@ -146,7 +163,8 @@ class LLM:
     def abort_request(self, request_id: str) -> None:
         """Stop a request; its blocks and state slot are freed. Unknown ids are ignored."""
         self._check_open()
-        self.scheduler.abort_request(request_id)
+        if self.scheduler.abort_request(request_id) is not None:
+            self.model_runner.remove_requests([request_id])
 
     def has_unfinished_requests(self) -> bool:
         """True while a request runs or waits, or a finished one awaits delivery by step()."""
@@ -154,40 +172,64 @@ class LLM:
 
     # ---- stepping -------------------------------------------------------------------------------
     def step(self) -> StepRecord:
-        """Run one scheduler step and return what happened, as the runner saw it."""
+        """Run one scheduler step and return what happened, as the runner saw it (in every
+        `inspect` mode; with "metadata" or "full" the record also goes into `llm.trace`)."""
         self._check_open()
-        return self._step(record=True)
+        record, outputs = self._step("step", want_record=True)
+        record.outputs, self._carried_outputs = self._carried_outputs + outputs, []
+        return record
 
-    def _step(self, record: bool) -> StepRecord | list[RequestOutput]:
-        """All or nothing: if anything after scheduling raises (a bug, a KeyboardInterrupt), the
+    def _step(self, stage: str, want_record: bool = False
+              ) -> tuple[StepRecord | None, list[RequestOutput]]:
+        """schedule -> execute_model (prepare inputs, metadata, forward) -> sample -> update.
+
+        All or nothing: if anything after scheduling raises (a bug, a KeyboardInterrupt), the
         step's requests are put back to be recomputed and the exception propagates; the engine
-        serves the next step and the outputs are those of an uninterrupted run."""
+        serves the next step and the outputs are those of an uninterrupted run. A runtime check
+        that fails raises InvariantError after the step has completed and been recorded."""
+        recorder = self._recorder
+        warm = stage.startswith("warmup")
+        where = f"{stage} step" if warm else f"step {self._step_index}"
+        start = time.perf_counter()
         sched_out = self.scheduler.schedule()
+        scheduled_at = time.perf_counter()
+        ledger = checks.ledger_of(self.scheduler) if recorder is not None else None
+        if recorder is not None:
+            recorder.begin(where)
         try:
             state = self.model_runner.execute_model(sched_out)
             sampled = self.model_runner.sample_tokens()
+            update_start = time.perf_counter()
             finished, kept = self.scheduler.update_from_output(sched_out, sampled)
         except BaseException:
             self.scheduler.recover_from_failed_step(sched_out)
             raise
+        done = time.perf_counter()
+        self.model_runner.remove_requests([r.request_id for r in finished])
         outputs = [self._output(r) for r in finished]
-        self._step_index += 1
-        if not record:
-            return outputs
-        outputs, self._carried_outputs = self._carried_outputs + outputs, []
-        scheduled = []
-        if state is not None:
-            b = state.input_batch
-            scheduled = [ScheduledRequest(r, int(n), int(c), bool(p), bool(d)) for r, n, c, p, d in zip(
-                b.req_ids, b.num_scheduled_tokens, b.num_computed_tokens_np, b.is_prefilling_np,
-                b.runs_as_decode_np)]
-        return StepRecord(
-            step_index=self._step_index - 1, scheduled=scheduled,
+        step_index = None if warm else self._step_index
+        if not warm:
+            self._step_index += 1
+        if recorder is None and not want_record:
+            return None, outputs
+        record = StepRecord(
+            step_index=step_index, stage=stage, scheduled=scheduled_rows(state),
             preempted_request_ids=list(sched_out.preempted_req_ids),
+            finished_request_ids=[r.request_id for r in finished],
             input_batch=snapshot(state.input_batch) if state else None,
             attn_metadata=snapshot(state.attn_metadata.groups) if state else [],
             logits=snapshot(state.logits) if state else None,
-            sampled_token_ids=sampled, kept_token_ids=kept, outputs=outputs)
+            sampled_token_ids=sampled, kept_token_ids=kept, outputs=list(outputs),
+            timings={"schedule": scheduled_at - start, **(state.timings if state else {}),
+                     "update": done - update_start})
+        if recorder is not None:
+            record.ledger = checks.ledger_of(self.scheduler)
+            record.violations = recorder.finish_record(record, self.model_runner, state, ledger)
+            if self.checks:
+                record.violations += checks.check_ledger(self.scheduler, self.model_runner, where)
+            self.trace.append(record)
+            checks.raise_if_any(record.violations)
+        return record, outputs
 
     def _output(self, req: Request) -> RequestOutput:
         shown = req.output_token_ids
@@ -226,7 +268,7 @@ class LLM:
         try:
             with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
                 while wanted - done.keys():
-                    for out in self._step(record=False):
+                    for out in self._step("generate")[1]:
                         if out.request_id in wanted:
                             done[out.request_id] = out
                             bar.update(1)
@@ -248,21 +290,28 @@ class LLM:
         if self.has_unfinished_requests():
             raise RuntimeError("warmup() needs an idle engine: requests are still running")
         cfg, timings = self.cfg, {}
+        runner = self.model_runner
         dummy_shapes = [(1, 1), (cfg.max_num_seqs, cfg.max_num_seqs),
                         (min(cfg.max_num_seqs, 4), cfg.max_num_batched_tokens)]
-        stages = [("profile run", self.model_runner.profile_run)]
+        stages = [("profile run", runner.profile_run)]
         stages += [(f"dummy batch {r} reqs x {t} tokens",
-                    lambda r=r, t=t: self.model_runner.dummy_run(r, t)) for r, t in dummy_shapes]
+                    lambda r=r, t=t: runner.dummy_run(r, t)) for r, t in dummy_shapes]
         stages += [("real prefill + decode", self._warmup_requests)]
         for name, fn in tqdm(stages, desc="warmup", disable=not progress):
             start = time.perf_counter()
-            fn()
+            exec_state = fn()
             timings[name] = time.perf_counter() - start
+            if exec_state is not None and self._recorder is not None:
+                record = warmup_record(f"warmup/{name}", exec_state, self.checks)
+                record.timings = {"total": timings[name]}
+                self.trace.append(record)
+                checks.raise_if_any(record.violations)
+        self._memory_marks["warmup"] = self._measure_memory()
         return timings
 
     def _warmup_requests(self) -> None:
-        """Warmup steps do not count: the user's first step() is still step 0."""
-        first_step = self._step_index
+        """Real requests through real steps (stage "warmup/requests"). They do not count: the
+        user's first step() is still step 0, and unseeded seeds are not shifted."""
         n = min(self.cfg.max_num_seqs, 4)
         params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
         ids = []
@@ -271,14 +320,11 @@ class LLM:
             self._enqueue(request, count_arrival=False)
             ids.append(request.request_id)
         while any(i in self.scheduler.requests for i in ids):
-            self._step(record=False)
-        self._step(record=False)        # lets the runner drop the finished rows
-        self._step_index = first_step
+            self._step("warmup/requests")
 
     def stats(self) -> dict[str, Any]:
-        """Pool and queue counts. `runner_rows_in_use`: persistent request rows the runner holds; a
-        finished request's row is released at the start of the next step, when the runner learns
-        of it from the scheduler output (as in vLLM)."""
+        """Pool and queue counts. `runner_rows_in_use`: persistent request rows the runner holds
+        (released as soon as a request finishes or is aborted)."""
         kv = self.scheduler.kv
         return {"kv_blocks_total": kv.kv_pool.num_total, "kv_blocks_free": kv.kv_pool.num_free,
                 "state_slots_total": kv.state_pool.num_total, "state_slots_free": kv.state_pool.num_free,
@@ -287,11 +333,34 @@ class LLM:
                 "model_state": type(self.model_runner.model_state).__name__ if not self._closed else None}
 
     def shutdown(self) -> None:
-        """Free the runner (graphs, caches, model state, model). Safe to call twice."""
+        """Free the runner (graphs, caches, model state, model, buffers). Safe to call twice.
+        With checks on, anything still alive afterwards raises InvariantError."""
         if self._closed:
             return
         self._closed = True
-        self.model_runner.shutdown()
+        runner = self.model_runner
+        runner.shutdown()
+        collect()
+        self._memory_marks["shutdown"] = self._measure_memory()
+        if self.checks:
+            checks.raise_if_any(checks.check_shutdown(runner))
+
+    # ---- memory ---------------------------------------------------------------------------
+    def _measure_memory(self) -> dict[str, int]:
+        out = self._tensor_watch.measure()
+        out["graphs"] = graph_bytes(getattr(self.model_runner, "cudagraph_manager", None))
+        out["trace"] = object_bytes(list(self.trace))
+        if self.cfg.device.type == "cuda":
+            out["cuda_allocated"] = torch.cuda.memory_allocated(self.cfg.device)
+        return out
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes by category (weights, kv_cache, state_cache, persistent_buffers, graphs, trace;
+        cuda_allocated on a GPU), measured from the tensors at load, after warmup, after
+        shutdown, and now."""
+        marks = dict(self._memory_marks)
+        marks["now"] = self._measure_memory()
+        return MemoryReport(marks, str(self.cfg.device))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -327,3 +396,13 @@ def collect_eos_token_ids(hf_config: Any, folder: str | None, tokenizer: Any) ->
     if isinstance(tokenizer, HFTokenizer):
         add(tokenizer.eos_token_id)
     return tuple(ids)
+
+
+def scheduled_rows(state) -> list[ScheduledRequest]:
+    """The batch's rows as the runner ran them (batch order), from its ExecuteModelState."""
+    if state is None:
+        return []
+    b = state.input_batch
+    return [ScheduledRequest(r, int(n), int(c), bool(p), bool(d)) for r, n, c, p, d in zip(
+        b.req_ids, b.num_scheduled_tokens, b.num_computed_tokens_np, b.is_prefilling_np,
+        b.runs_as_decode_np)]

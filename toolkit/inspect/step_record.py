@@ -1,14 +1,16 @@
-"""StepRecord: what one `LLM.step()` did, holding the objects the runner used.
+"""StepRecord: what one engine step did, holding the objects the runner used.
 
-The runner writes each step into persistent buffers, so the record keeps a snapshot (a clone) of
+The runner writes each step into persistent buffers, so a record keeps a snapshot (a clone) of
 the InputBatch and of the metadata taken right after the step; nothing here is recomputed.
-`generate()` takes no snapshots, so with inspection off the step pays nothing for it.
+With `LLM(inspect="off")`, `generate()` and `warmup()` build no records at all.
+
+Shapes: B = rows in the batch (decodes first), V = vocabulary, k = `TOP_K_LOGITS`.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -17,6 +19,8 @@ import torch
 from toolkit.request import RequestOutput
 from toolkit.runner.attn_utils import GroupMetadata
 from toolkit.runner.input_batch import InputBatch
+
+TOP_K_LOGITS = 8
 
 
 def snapshot(obj: Any) -> Any:
@@ -46,17 +50,86 @@ class ScheduledRequest:
 
 
 @dataclass
+class CacheLedger:
+    """Who holds which ids, per KV-cache group: KV block ids for an attention group, the one
+    state slot for a Mamba group. Taken from the scheduler's pools."""
+    group_kinds: list[str]                          # per group: "attention" or "mamba"
+    holdings: dict[str, list[list[int]]]            # request id -> per group, the ids it holds
+
+    def state_slot(self, request_id: str) -> int | None:
+        for kind, ids in zip(self.group_kinds, self.holdings.get(request_id, [])):
+            if kind == "mamba" and ids:
+                return ids[0]
+        return None
+
+    def kv_blocks(self, request_id: str) -> list[int]:
+        for kind, ids in zip(self.group_kinds, self.holdings.get(request_id, [])):
+            if kind == "attention":
+                return list(ids)
+        return []
+
+
+@dataclass
+class LayerState:
+    """One recurrent layer's state for the rows of a step, gathered from the state cache at each
+    request's slot: `before` as the forward read it, `after` as it wrote it. Each tensor is
+    [B, *per-slot shape] in batch order (conv: [B, K-1, conv_dim]; Mamba2 ssm: [B, H, P, N];
+    Mamba1 ssm: [B, d_inner, N])."""
+    layer_name: str
+    mamba_type: str                     # "mamba1", "mamba2" or "short_conv"
+    state_names: list[str]              # e.g. ["conv_state", "ssm_state"]
+    request_ids: list[str]              # batch order
+    slots: list[int]
+    before: list[torch.Tensor]
+    after: list[torch.Tensor]
+
+    def of(self, request_id: str, when: str = "after") -> dict[str, torch.Tensor]:
+        """{state name: tensor} of one request, `when` = "before" or "after"."""
+        row = self.request_ids.index(request_id)
+        return {n: t[row] for n, t in zip(self.state_names, getattr(self, when))}
+
+
+@dataclass
+class Violation:
+    """One failed runtime check; `InvariantError` carries a list of these."""
+    check: str                          # e.g. "state_indices_match_ledger"
+    where: str                          # step / request / group or layer, in words
+    field: str                          # the field or object that is wrong
+    message: str                        # the values seen
+
+    def __str__(self) -> str:
+        return f"[{self.check}] {self.where}, {self.field}: {self.message}"
+
+
+@dataclass
 class StepRecord:
-    step_index: int
+    step_index: int | None                       # the user's step counter; None for warmup
     scheduled: list[ScheduledRequest]            # in batch order (decodes first)
     preempted_request_ids: list[str]
     input_batch: InputBatch | None               # None when nothing was scheduled
     attn_metadata: list[GroupMetadata]           # per layer group: common + builder output
-    logits: torch.Tensor | None                  # float32 [B, vocab] in batch order
+    logits: torch.Tensor | None                  # float32 [B, V] in batch order
     sampled_token_ids: dict[str, int]            # every row's sample
     kept_token_ids: dict[str, int]               # samples appended to outputs (not partial prefills)
     outputs: list[RequestOutput]                 # requests that finished in this step (or in a
                                                  # generate() call since the last step)
+    stage: str = "step"                          # "step", "generate", "warmup/profile run",
+                                                 # "warmup/dummy batch RxT", "warmup/requests"
+    finished_request_ids: list[str] = field(default_factory=list)   # finished in this step
+    timings: dict[str, float] = field(default_factory=dict)         # seconds per stage
+    ledger: CacheLedger | None = None            # cache holdings after the step
+    states: list[LayerState] = field(default_factory=list)          # inspect="full" only
+    top_logit_ids: torch.Tensor | None = None    # int64 [B, k], inspect="full" only
+    top_logit_values: torch.Tensor | None = None  # float32 [B, k]
+    violations: list[Violation] = field(default_factory=list)       # runtime checks that failed
+
+    @property
+    def is_warmup(self) -> bool:
+        return self.stage.startswith("warmup")
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [s.request_id for s in self.scheduled]
 
     @property
     def num_decodes(self) -> int:
@@ -72,7 +145,7 @@ class StepRecord:
         return sum(s.num_tokens for s in self.scheduled)
 
     def logits_of(self, request_id: str) -> torch.Tensor:
-        """float32 [vocab]: the logits this request's row was sampled from."""
+        """float32 [V]: the logits this request's row was sampled from."""
         return self.logits[self.input_batch.req_ids.index(request_id)]
 
     def metadata(self, kind: str) -> GroupMetadata:
@@ -82,3 +155,10 @@ class StepRecord:
                 return g
         raise KeyError(f"no {kind!r} layer group in this step (groups: "
                        f"{[g.kind for g in self.attn_metadata]})")
+
+    def state(self, layer_name: str) -> LayerState:
+        for s in self.states:
+            if s.layer_name == layer_name:
+                return s
+        recorded = [s.layer_name for s in self.states] or "none; states need inspect='full'"
+        raise KeyError(f"no recorded state for layer {layer_name!r} in this step (recorded: {recorded})")

@@ -5,7 +5,9 @@ update (sample_tokens). Shaped like vLLM's Model Runner V2 (`vllm/v1/worker/gpu/
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -26,8 +28,20 @@ class ExecuteModelState:
     """What execute_model hands to sample_tokens, and what a StepRecord shows."""
     input_batch: InputBatch
     attn_metadata: AttnMetadata
-    hidden_states: torch.Tensor          # [T, hidden]
+    hidden_states: torch.Tensor | None   # [T, hidden], set by the forward
     logits: torch.Tensor | None = None   # float32 [B, vocab], set by sample_tokens
+    block_tables: tuple[torch.Tensor, ...] = ()   # per group: int32 [B, W_g] (device views)
+    timings: dict[str, float] = field(default_factory=dict)   # seconds: prepare_inputs,
+                                                              # build_metadata, forward, sample
+
+
+class StepObserver(Protocol):
+    """What the inspection layer hooks into a step (`ModelRunner.observer`; None = nothing runs).
+    It may read the caches; it must not change them."""
+
+    def before_forward(self, runner: "ModelRunner", state: ExecuteModelState) -> None: ...
+
+    def after_forward(self, runner: "ModelRunner", state: ExecuteModelState) -> None: ...
 
 
 class ModelRunner:
@@ -49,16 +63,21 @@ class ModelRunner:
         self.sampler = Sampler(cfg.max_num_seqs, cfg.device)
         self.cudagraph_manager = None    # CUDA-graph capture is not implemented yet: eager only
         self.execute_state: ExecuteModelState | None = None
+        self.observer: StepObserver | None = None
 
     # ---- state updates ---------------------------------------------------------------------
-    def _update_states(self, sched_out: SchedulerOutput) -> None:
-        for req_id in sched_out.finished_req_ids:
+    def remove_requests(self, req_ids) -> None:
+        """Release the rows of finished, aborted or preempted requests (unknown ids are skipped)."""
+        for req_id in req_ids:
             idx = self.req_states.remove_request(req_id)
             if idx is None:
                 continue
             self.model_state.remove_request(req_id)
             self.block_tables.clear_row(idx)
             self.sampler.remove_request(idx)
+
+    def _update_states(self, sched_out: SchedulerOutput) -> None:
+        self.remove_requests(sched_out.finished_req_ids)
         for new in sched_out.scheduled_new_reqs:
             idx = self.req_states.add_request(new.req_id, new.prefill_token_ids, new.num_computed_tokens)
             self.block_tables.append_block_ids(idx, new.block_ids, overwrite=True)
@@ -74,6 +93,7 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, sched_out: SchedulerOutput) -> ExecuteModelState | None:
+        start = time.perf_counter()
         self._update_states(sched_out)
         self.execute_state = None
         if sched_out.total_num_scheduled_tokens == 0:
@@ -87,13 +107,26 @@ class ModelRunner:
         block_tables = self.block_tables.gather_block_tables(input_batch.idx_mapping_np)
         slot_mappings = self.block_tables.compute_slot_mappings(
             block_tables, input_batch.query_start_loc, input_batch.positions, input_batch.num_tokens)
+        inputs_done = time.perf_counter()
         self.model_state.preprocess_state(input_batch)
         attn_metadata = self.model_state.prepare_attn(input_batch, block_tables, slot_mappings,
                                                       self.attn_groups)
-        hidden = self.model(input_batch.input_ids, input_batch.positions, attn_metadata.by_layer,
-                            **self.model_state.prepare_inputs(input_batch))
-        self.execute_state = ExecuteModelState(input_batch, attn_metadata, hidden)
-        return self.execute_state
+        state = ExecuteModelState(input_batch, attn_metadata, None, block_tables=block_tables)
+        metadata_done = time.perf_counter()
+        if self.observer is not None:
+            self.observer.before_forward(self, state)
+        forward_start = time.perf_counter()
+        state.hidden_states = self.model(input_batch.input_ids, input_batch.positions,
+                                         attn_metadata.by_layer,
+                                         **self.model_state.prepare_inputs(input_batch))
+        forward_done = time.perf_counter()
+        if self.observer is not None:
+            self.observer.after_forward(self, state)
+        state.timings = {"prepare_inputs": inputs_done - start,
+                         "build_metadata": metadata_done - inputs_done,
+                         "forward": forward_done - forward_start}
+        self.execute_state = state
+        return state
 
     @torch.inference_mode()
     def sample_tokens(self) -> dict[str, int]:
@@ -101,6 +134,7 @@ class ModelRunner:
         state = self.execute_state
         if state is None:
             return {}
+        start = time.perf_counter()
         batch = state.input_batch
         logits = self.model.compute_logits(state.hidden_states[batch.logits_indices])
         state.logits = logits
@@ -109,7 +143,9 @@ class ModelRunner:
         sampled = self.sampler(logits, batch.idx_mapping_np, batch.seq_lens, draws)
         self._post_update(batch, sampled)
         self.model_state.postprocess_state(batch, sampled)
-        return dict(zip(batch.req_ids, sampled.tolist()))
+        out = dict(zip(batch.req_ids, sampled.tolist()))
+        state.timings["sample"] = time.perf_counter() - start
+        return out
 
     def _post_update(self, batch: InputBatch, sampled: torch.Tensor) -> None:
         """MRV2 `post_update`: remember each row's sample, advance num_computed_tokens, and append
@@ -126,44 +162,61 @@ class ModelRunner:
 
     # ---- warmup -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def profile_run(self) -> None:
+    def profile_run(self) -> ExecuteModelState:
         """Largest batch, no attention metadata (layers skip cache/state I/O), then the sampler."""
         batch = make_dummy(self.input_buffers, min(self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens),
                            self.cfg.max_num_batched_tokens)
         hidden = self.model(batch.input_ids, batch.positions, None)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         logits.argmax(dim=-1)
+        return ExecuteModelState(batch, AttnMetadata([], {}), hidden, logits)
 
     @torch.inference_mode()
-    def dummy_run(self, num_reqs: int, num_tokens: int) -> AttnMetadata:
+    def dummy_run(self, num_reqs: int, num_tokens: int) -> ExecuteModelState:
         """A dummy batch whose metadata goes through the same prepare_attn as real steps. Block
         tables point at the null block/slot 0; slot mappings are all PAD_SLOT_ID."""
         batch = make_dummy(self.input_buffers, num_reqs, num_tokens)
-        block_tables = tuple(t[:num_reqs].zero_() for t in self.block_tables.input_block_tables)
+        block_tables = self._padded_block_tables(num_reqs)
         self.block_tables.slot_mappings.fill_(PAD_SLOT_ID)
         slot_mappings = self.block_tables.slot_mappings[:, :num_tokens]
         attn_metadata = self.model_state.prepare_attn(batch, block_tables, slot_mappings,
                                                       self.attn_groups)
-        self.model(batch.input_ids, batch.positions, attn_metadata.by_layer,
-                   **self.model_state.prepare_inputs(batch))
-        return attn_metadata
+        hidden = self.model(batch.input_ids, batch.positions, attn_metadata.by_layer,
+                            **self.model_state.prepare_inputs(batch))
+        return ExecuteModelState(batch, attn_metadata, hidden, block_tables=block_tables)
+
+    def _padded_block_tables(self, num_rows: int) -> tuple[torch.Tensor, ...]:
+        """Block tables for padded rows: every entry the null block / null state slot 0."""
+        return tuple(t[:num_rows].zero_() for t in self.block_tables.input_block_tables)
 
     # ---- shutdown ---------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Release in vLLM's order (post #52374): graphs first, then caches, model state, model."""
+        """Release in vLLM's order (post #52374): graphs first, then caches, model state, model,
+        persistent buffers. `release_log` records the order (the inspection layer checks it)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self.release_log: list[str] = []
+
+        def release(what: str, *attrs: str) -> None:
+            for attr in attrs:
+                if hasattr(self, attr):
+                    delattr(self, attr)
+            self.release_log.append(what)
+
         self.cudagraph_manager = None
+        self.release_log.append("cudagraph_manager")
         self.execute_state = None
         if hasattr(self, "kv_caches"):
             self.kv_caches.clear()
             self.model.unbind_kv_cache()
+        release("kv_caches", "kv_caches")
         if hasattr(self, "attn_groups"):
             self.attn_groups.clear()
-        if hasattr(self, "model_state"):
-            del self.model_state
-        if hasattr(self, "model"):
-            del self.model
+        release("attn_groups", "attn_groups")
+        release("model_state", "model_state")
+        release("model", "model")
+        release("persistent_buffers", "input_buffers", "block_tables", "req_states", "sampler")
+        self.observer = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

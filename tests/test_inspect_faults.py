@@ -1,0 +1,98 @@
+"""The fault catalogue: each planted fault is detected, with a message that says where; the same
+workload without a fault raises nothing."""
+from __future__ import annotations
+
+import pytest
+
+from toolkit import (LLM, InvariantError, MetadataContractError, ModelStateError, SamplingParams,
+                     ToolkitError)
+from toolkit.inspect import faults
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+FAULT_NAMES = [f.name for f in faults.catalogue()]
+# presets on which a fault is a fault (routing an attention-free model wrongly needs one)
+PRESETS = {"attention_free_default_state": ["tiny-mamba2", "tiny-mamba"]}
+
+
+def workload(preset: str) -> None:
+    """Build, warm up, serve two overlapping requests (a decode next to a chunked prefill, slots
+    reused after warmup), shut down."""
+    llm = LLM(preset, device="cpu", dtype="float32", max_num_seqs=2, max_num_batched_tokens=8,
+              max_model_len=64)
+    try:
+        llm.warmup(progress=False)
+        llm.add_request({"prompt_token_ids": [5, 6, 7]}, GREEDY)
+        llm.step()
+        llm.add_request({"prompt_token_ids": list(range(3, 15))}, GREEDY)
+        while llm.has_unfinished_requests():
+            llm.step()
+    finally:
+        llm.shutdown()
+
+
+def cases():
+    for name in FAULT_NAMES:
+        for preset in PRESETS.get(name, ["tiny-bamba", "tiny-mamba2"]):
+            yield pytest.param(name, preset, id=f"{name}-{preset}")
+
+
+@pytest.mark.parametrize("name, preset", list(cases()))
+def test_each_fault_is_detected_and_located(name, preset):
+    fault = faults.get(name)
+    with faults.inject(name):
+        with pytest.raises(ToolkitError) as err:
+            workload(preset)
+    e = err.value
+    if fault.detected_by == "MetadataContractError":
+        assert isinstance(e, MetadataContractError)
+        assert e.builder in str(e) and e.field in str(e) and "MambaHybridModelState" in e.producer
+    elif fault.detected_by == "ModelStateError":
+        assert isinstance(e, ModelStateError) and "MambaHybridModelState" in str(e)
+    else:
+        assert isinstance(e, InvariantError), repr(e)
+        hits = [v for v in e.violations if v.check == fault.detected_by]
+        assert hits, f"{name}: expected a {fault.detected_by} violation, got {e}"
+        v = hits[0]
+        assert v.field and v.message
+        if name != "graph_manager_kept_on_shutdown":
+            assert ("step" in v.where or "warmup" in v.where) and ("request" in v.where or "group" in v.where)
+    # the fault is gone after the block
+    workload(preset)
+
+
+def test_every_fault_has_a_detection_and_a_description():
+    assert len(FAULT_NAMES) == len(set(FAULT_NAMES)) >= 8
+    for f in faults.catalogue():
+        assert f.breaks and f.mirrors and f.detection and f.detected_by
+    with pytest.raises(KeyError, match="catalogue has"):
+        with faults.inject("no_such_fault"):
+            pass
+
+
+@pytest.mark.parametrize("preset", ["tiny-bamba", "tiny-mamba2", "tiny-jamba", "tiny-lfm2", "tiny-mamba"])
+def test_workload_without_faults_raises_nothing(preset):
+    workload(preset)
+
+
+def test_violations_are_in_the_trace_and_the_step_completes():
+    with faults.inject("slot_not_zeroed_on_reuse"):
+        llm = LLM("tiny-mamba2", device="cpu", dtype="float32", max_num_seqs=1,
+                  max_num_batched_tokens=8)
+        llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY)
+        llm.add_request({"prompt_token_ids": [8, 9]}, GREEDY)
+        with pytest.raises(InvariantError, match="fresh_slot_is_zero") as err:
+            llm.step()
+    rec = llm.trace[-1]
+    assert rec.violations == err.value.violations and rec.scheduled[0].num_tokens == 2
+    assert "layer backbone.layers.0.mixer" in str(err.value) and "slot 1" in str(err.value)
+    while llm.has_unfinished_requests():          # the engine goes on
+        llm.step()
+    llm.shutdown()
+
+
+def test_checks_off_lets_a_fault_through_silently():
+    with faults.inject("initial_state_flag_on_fresh_request"):
+        with LLM("tiny-mamba2", device="cpu", dtype="float32", checks=False) as llm:
+            llm.warmup(progress=False)
+            llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY)
+            assert all(not r.violations for r in llm.trace)

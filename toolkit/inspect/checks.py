@@ -1,0 +1,174 @@
+"""Runtime checks (`LLM(checks=True)`): the state hygiene a hybrid engine silently relies on.
+
+Each check reads the objects the runner used (metadata, block tables, the scheduler's ledger, the
+state cache) and returns `Violation`s; it never changes them. What each one guards against:
+
+- `null_id_not_live`      no running request holds the null KV block 0 or the null state slot 0;
+- `no_shared_ids`         no two live requests share a KV block or a state slot;
+- `block_table_matches_ledger`  the runner's block-table rows equal the scheduler's ledger;
+- `state_indices_match_ledger`  each row's Mamba state index is its request's slot (vLLM #55600);
+- `initial_state_flag`    has_initial_states_p is True exactly for rows with computed tokens (#43090);
+- `fresh_slot_is_zero`    a request's slot reads zero before its first prefill (#56524 / #35219);
+- `padded_rows_on_null`   dummy / padded rows point at the null slot and block, and write nothing;
+- `logits_finite`         no NaN / Inf in the logits.
+
+Some checks read device tensors (a host sync): they run only when checks are on.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from toolkit.errors import InvariantError
+from toolkit.inspect.step_record import CacheLedger, Violation
+from toolkit.runner.block_table import PAD_SLOT_ID
+
+
+def ledger_of(scheduler) -> CacheLedger:
+    kv = scheduler.kv
+    return CacheLedger([g.kind for g in kv.groups],
+                       {rid: [list(ids) for ids in held] for rid, held in kv.holdings().items()})
+
+
+def check_ledger(scheduler, runner, where: str) -> list[Violation]:
+    """After a step: pools, ledger and the runner's block tables agree."""
+    out: list[Violation] = []
+    kv = scheduler.kv
+    running = {r.request_id for r in scheduler.running}
+    for g, group in enumerate(kv.groups):
+        seen: dict[int, str] = {}
+        for rid, held in kv.holdings().items():
+            ids = held[g]
+            if 0 in ids:
+                out.append(Violation("null_id_not_live", f"{where}, request {rid!r}, group {g} ({group.kind})",
+                                     "block ids", f"holds the null id 0: {ids}"))
+            for i in ids:
+                if i in seen:
+                    out.append(Violation("no_shared_ids", f"{where}, group {g} ({group.kind})", "block ids",
+                                         f"id {i} is held by both {seen[i]!r} and {rid!r}"))
+                seen[i] = rid
+        for rid in running:
+            idx = runner.req_states.req_id_to_index.get(rid)
+            if idx is None:
+                continue                     # admitted this step by the scheduler, not yet run
+            n = int(runner.block_tables.num_blocks[g][idx])
+            row = runner.block_tables.tables[g][idx, :n].tolist()
+            want = list(kv.block_ids(rid)[g])
+            if row != want:
+                out.append(Violation("block_table_matches_ledger", f"{where}, request {rid!r}, group {g}",
+                                     "block table row", f"runner has {row}, scheduler ledger has {want}"))
+    return out
+
+
+def check_metadata(groups, scheduled, ledger: CacheLedger, where: str) -> list[Violation]:
+    """A real step's metadata against the ledger taken when the step was scheduled.
+    `groups`: list[GroupMetadata]; `scheduled`: list[ScheduledRequest] in batch order."""
+    out: list[Violation] = []
+    rids = [s.request_id for s in scheduled]
+    for gm in groups:
+        label = f"{where}, group {gm.group_id} ({gm.builder})"
+        table = gm.common.block_table_tensor
+        if gm.kind == "mamba":
+            md = gm.metadata
+            parts = [t for t in (md.state_indices_tensor_d, md.state_indices_tensor_p) if t is not None]
+            got = torch.cat(parts).tolist() if parts else []
+            for row, (rid, slot) in enumerate(zip(rids, got)):
+                want = ledger.holdings.get(rid, [[]] * len(ledger.group_kinds))[gm.group_id]
+                if [slot] != list(want):
+                    name = "state_indices_tensor_d" if row < md.num_decodes else "state_indices_tensor_p"
+                    out.append(Violation("state_indices_match_ledger", f"{label}, request {rid!r} (row {row})",
+                                         name, f"state index {slot}, but the request's slot is {want}"))
+            if md.has_initial_states_p is not None:
+                flags = md.has_initial_states_p.tolist()
+                for i, flag in enumerate(flags):
+                    s = scheduled[md.num_decodes + i]
+                    if flag != (s.num_computed_before > 0):
+                        out.append(Violation(
+                            "initial_state_flag", f"{label}, request {s.request_id!r} (prefill row {i})",
+                            "has_initial_states_p", f"is {flag} but the request had "
+                            f"{s.num_computed_before} computed tokens (a fresh request starts from zero)"))
+        else:
+            for row, rid in enumerate(rids):
+                want = ledger.holdings.get(rid, [[]] * len(ledger.group_kinds))[gm.group_id]
+                got = table[row, :len(want)].tolist()
+                if got != list(want):
+                    out.append(Violation("block_table_matches_ledger", f"{label}, request {rid!r} (row {row})",
+                                         "block_table_tensor", f"row starts {got}, ledger has {want}"))
+    return out
+
+
+def check_dummy_metadata(groups, where: str) -> list[Violation]:
+    """Dummy (padded) rows: state indices and block tables on the null id, slot mappings PAD."""
+    out: list[Violation] = []
+    for gm in groups:
+        label = f"{where}, group {gm.group_id} ({gm.builder})"
+        table = gm.common.block_table_tensor
+        if table.numel() and int(table.abs().max()) != 0:
+            rows = sorted({int(r) for r in torch.nonzero(table)[:, 0].tolist()})
+            ids = sorted({int(v) for v in table[table != 0].tolist()})
+            out.append(Violation("padded_rows_on_null", f"{label}, padded rows {rows}", "block_table_tensor",
+                                 f"point at real ids {ids} instead of the null id 0"))
+        slots = gm.common.slot_mapping
+        if slots.numel() and bool((slots != PAD_SLOT_ID).any()):
+            out.append(Violation("padded_rows_on_null", label, "slot_mapping",
+                                 f"padded tokens would write to slots {sorted(set(slots[slots != PAD_SLOT_ID].tolist()))[:8]}"))
+    return out
+
+
+def check_fresh_slots(runner, state, where: str) -> list[Violation]:
+    """Before the forward: rows with no computed tokens must find their slot zeroed."""
+    out: list[Violation] = []
+    batch = state.input_batch
+    fresh = np.nonzero(batch.num_computed_tokens_np == 0)[0]
+    if not len(fresh):
+        return out
+    for group in runner.kv_cache_groups:
+        if group.kind != "mamba":
+            continue
+        slots = state.block_tables[group.group_id][torch.as_tensor(fresh), 0]
+        for name in group.layer_names:
+            for i, tensor in enumerate(runner.kv_caches[name]):
+                worst = tensor.index_select(0, slots.long()).flatten(1).abs().amax(dim=1)
+                for row, slot, value in zip(fresh.tolist(), slots.tolist(), worst.tolist()):
+                    if value != 0:
+                        out.append(Violation(
+                            "fresh_slot_is_zero", f"{where}, request {batch.req_ids[row]!r}, layer {name}",
+                            f"state tensor {i} at slot {slot}",
+                            f"max |value| {value:.3g} before the request's first prefill (a reused slot not zeroed)"))
+    return out
+
+
+def check_logits(logits: torch.Tensor, req_ids: list[str], where: str) -> list[Violation]:
+    bad = ~torch.isfinite(logits).all(dim=-1)
+    return [Violation("logits_finite", f"{where}, request {req_ids[row]!r}", "logits",
+                      f"{int((~torch.isfinite(logits[row])).sum())} non-finite values")
+            for row in torch.nonzero(bad).flatten().tolist()]
+
+
+def check_shutdown(runner) -> list[Violation]:
+    """After `ModelRunner.shutdown()`: the graph manager went first and the runner holds nothing
+    (vLLM PR #52374: a graph manager kept after shutdown keeps its captured memory alive).
+    Only the runner's own references are checked: a user's variable, or a traceback in a
+    notebook, may keep a tensor alive legitimately (`memory_report()` shows what is alive)."""
+    out: list[Violation] = []
+    log = getattr(runner, "release_log", [])
+    if not log or log[0] != "cudagraph_manager":
+        out.append(Violation("shutdown_order", "shutdown", "release order",
+                             f"{log}: the CUDA-graph manager must be released first"))
+    manager = getattr(runner, "cudagraph_manager", None)
+    if manager is not None:
+        held = getattr(manager, "held_tensors", lambda: [])()
+        size = sum(t.numel() * t.element_size() for t in held)
+        out.append(Violation("released_on_shutdown", "shutdown", "cudagraph_manager",
+                             f"{type(manager).__name__} is still set after shutdown and holds "
+                             f"{len(held)} tensor(s), {size / 2**20:.2f} MiB (caches and buffers)"))
+    for attr in ("kv_caches", "model", "model_state", "input_buffers", "block_tables", "req_states"):
+        if hasattr(runner, attr):
+            out.append(Violation("released_on_shutdown", "shutdown", f"runner.{attr}",
+                                 "still set after shutdown"))
+    return out
+
+
+def raise_if_any(violations: list[Violation]) -> None:
+    if violations:
+        raise InvariantError(violations)

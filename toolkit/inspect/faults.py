@@ -1,0 +1,240 @@
+"""The fault catalogue: bookkeeping bugs that hybrid-model engines really shipped, planted on
+purpose so you can watch the toolkit catch them.
+
+    from toolkit.inspect import faults
+    for f in faults.catalogue():
+        print(f.name, "-", f.breaks)
+    with faults.inject("slot_not_zeroed_on_reuse"):
+        llm = LLM("tiny-bamba")          # every LLM built or run inside the block has the fault
+        ...                               # -> InvariantError naming the step, request, layer, slot
+
+Each fault is planted where the real bug lived (the model state, a metadata builder, the runner),
+by replacing one method or function for the duration of the `with` block, never in the checker.
+`Fault.detection` says which check or error reports it.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from toolkit.errors import ToolkitError
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    breaks: str             # what goes wrong in the engine
+    mirrors: str            # the public bug it reproduces
+    detection: str          # how the toolkit reports it
+    detected_by: str        # the exception type (or check name) a test expects
+    plant: Callable[[contextlib.ExitStack], None]
+
+    def _repr_html_(self) -> str:
+        return catalogue_html([self])
+
+
+def _patch(stack: contextlib.ExitStack, owner: object, name: str, value: object) -> None:
+    original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+    setattr(owner, name, value)
+    stack.callback(setattr, owner, name, original)
+
+
+# ---- the plants ---------------------------------------------------------------------------------
+def _plant_missing_upper_bound(stack: contextlib.ExitStack) -> None:
+    from toolkit.runner.model_states.mamba_hybrid import MambaHybridModelState
+    original = MambaHybridModelState.attn_metadata_kwargs
+
+    def forgets(self, input_batch, for_capture):
+        kwargs = original(self, input_batch, for_capture)
+        kwargs.pop("seq_lens_cpu_upper_bound")     # computed, never forwarded (vLLM #46759)
+        return kwargs
+    _patch(stack, MambaHybridModelState, "attn_metadata_kwargs", forgets)
+
+
+def _plant_attention_free_default_state(stack: contextlib.ExitStack) -> None:
+    import toolkit.runner.model_runner as model_runner
+    from toolkit.runner.model_states import DefaultModelState, MambaHybridModelState
+    original = model_runner.init_model_state
+
+    def routes_by_is_hybrid_only(model, cfg):
+        if getattr(model, "is_hybrid", False):        # before #52374: is_attention_free ignored
+            return MambaHybridModelState(model, cfg)
+        state = original(model, cfg)
+        return DefaultModelState(model, cfg) if isinstance(state, MambaHybridModelState) else state
+    _patch(stack, model_runner, "init_model_state", routes_by_is_hybrid_only)
+
+
+def _plant_in_common_fields(stack: contextlib.ExitStack, edit: Callable[[dict], None]) -> None:
+    from toolkit.attention.mamba_base import BaseMambaMetadataBuilder
+    original = BaseMambaMetadataBuilder.common_fields
+
+    def faulty(self, common, s):
+        fields = original(self, common, s)
+        edit(fields)
+        return fields
+    _patch(stack, BaseMambaMetadataBuilder, "common_fields", faulty)
+
+
+def _plant_state_index_off_by_one(stack: contextlib.ExitStack) -> None:
+    def shift(fields: dict) -> None:
+        for key in ("state_indices_tensor_d", "state_indices_tensor_p"):
+            if fields[key] is not None:
+                fields[key] = fields[key] - 1     # reads the previous slot (slot 1 -> null slot 0)
+    _plant_in_common_fields(stack, shift)
+
+
+def _plant_initial_state_flag(stack: contextlib.ExitStack) -> None:
+    def always_initial(fields: dict) -> None:
+        if fields["has_initial_states_p"] is not None:
+            fields["has_initial_states_p"] = torch.ones_like(fields["has_initial_states_p"])
+    _plant_in_common_fields(stack, always_initial)
+
+
+def _plant_slot_not_zeroed(stack: contextlib.ExitStack) -> None:
+    from toolkit.runner.model_states.mamba_hybrid import MambaHybridModelState
+
+    def add_request_without_zeroing(self, req_idx, new_req):
+        slots = [s for g in self.mamba_groups for s in new_req.block_ids[g.group_id]]
+        if 0 in slots:
+            raise RuntimeError(f"request {new_req.req_id} was given the null state slot 0")
+    _patch(stack, MambaHybridModelState, "add_request", add_request_without_zeroing)
+
+
+class CapturedGraphsStandIn:
+    """What a CUDA-graph manager holds: its graphs keep the persistent buffers and caches they
+    were captured on alive. On CPU, where nothing is captured yet, the fault
+    `graph_manager_kept_on_shutdown` gives the runner this object so the shutdown order matters."""
+
+    def __init__(self, runner) -> None:
+        self._held = [t for v in runner.kv_caches.values() for t in (v if isinstance(v, tuple) else (v,))]
+        self._held += [runner.input_buffers.input_ids, runner.input_buffers.positions]
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return list(self._held)
+
+
+def _plant_graph_manager_kept(stack: contextlib.ExitStack) -> None:
+    from toolkit.runner.model_runner import ModelRunner
+    original_init, original_shutdown = ModelRunner.__init__, ModelRunner.shutdown
+
+    def init_with_graphs(self, model, cfg):
+        original_init(self, model, cfg)
+        self.cudagraph_manager = CapturedGraphsStandIn(self)
+
+    def shutdown_keeping_graphs(self):
+        manager = self.cudagraph_manager            # the pre-#52374 order: caches first, and
+        original_shutdown(self)                      # the graph manager is never dropped
+        self.release_log = [e for e in self.release_log if e != "cudagraph_manager"]
+        self.cudagraph_manager = manager
+    _patch(stack, ModelRunner, "__init__", init_with_graphs)
+    _patch(stack, ModelRunner, "shutdown", shutdown_keeping_graphs)
+
+
+def _plant_padded_row_on_real_slot(stack: contextlib.ExitStack) -> None:
+    from toolkit.runner.model_runner import ModelRunner
+
+    def on_slot_one(self, num_rows):       # padded rows get block / slot 1 instead of the null 0
+        return tuple(t[:num_rows].fill_(1) for t in self.block_tables.input_block_tables)
+    _patch(stack, ModelRunner, "_padded_block_tables", on_slot_one)
+
+
+def _plant_prefill_before_decode(stack: contextlib.ExitStack) -> None:
+    import toolkit.runner.model_runner as model_runner
+    from toolkit.runner.input_batch import runs_as_decode
+
+    def prefills_first(req_ids, num_scheduled, num_computed):
+        return sorted(req_ids, key=lambda r: (1 if runs_as_decode(num_scheduled[r], num_computed[r]) else 0,
+                                              num_scheduled[r]))
+    _patch(stack, model_runner, "sort_batch", prefills_first)
+
+
+_CATALOGUE = [
+    Fault("missing_seq_lens_cpu_upper_bound",
+          "the hybrid model state computes seq_lens_cpu_upper_bound but does not forward it to the "
+          "metadata builders; the Mamba builders cannot split decodes from prefills",
+          "vLLM #46759 (the seed bug: MRV2 warmup crash for Mamba hybrids)",
+          "MetadataContractError at warmup naming the field, the builder and MambaHybridModelState",
+          "MetadataContractError", _plant_missing_upper_bound),
+    Fault("attention_free_default_state",
+          "an attention-free model (Mamba, Mamba2) is routed to DefaultModelState, which manages no "
+          "state slots",
+          "vLLM PR #52374 ([MRV2] Support attention-free models)",
+          "ModelStateError when the LLM is built, naming the model state and the Mamba groups",
+          "ModelStateError", _plant_attention_free_default_state),
+    Fault("state_index_off_by_one",
+          "the Mamba builders hand each row the slot before its own: a request reads and writes "
+          "another request's (or the null) state",
+          "vLLM #55600 (wrong Mamba state index)",
+          "InvariantError (state_indices_match_ledger) naming step, request, group and field",
+          "state_indices_match_ledger", _plant_state_index_off_by_one),
+    Fault("initial_state_flag_on_fresh_request",
+          "has_initial_states_p is True for a request with no computed tokens, so its prefill starts "
+          "from whatever its slot holds",
+          "vLLM #43090 (initial-state flag set for fresh requests)",
+          "InvariantError (initial_state_flag) naming step, request and has_initial_states_p",
+          "initial_state_flag", _plant_initial_state_flag),
+    Fault("slot_not_zeroed_on_reuse",
+          "a state slot freed by a finished request is handed to a new one without zeroing: the new "
+          "request starts from the old request's conv/SSM state",
+          "vLLM #56524 / #35219 (stale Mamba state in reused slots)",
+          "InvariantError (fresh_slot_is_zero) before the forward, naming request, layer and slot",
+          "fresh_slot_is_zero", _plant_slot_not_zeroed),
+    Fault("graph_manager_kept_on_shutdown",
+          "shutdown frees the caches but keeps the CUDA-graph manager, whose graphs still hold the "
+          "caches and buffers: the memory is never returned",
+          "vLLM PR #52374 (shutdown must drop the graph manager first)",
+          "InvariantError at shutdown (shutdown_order, released_on_shutdown) naming what is still alive",
+          "released_on_shutdown", _plant_graph_manager_kept),
+    Fault("padded_row_on_real_slot",
+          "padded (dummy) rows point at a real state slot and KV block instead of the null id 0, so "
+          "warmup and padded decode batches overwrite a live request's state",
+          "vLLM padded CUDA-graph rows / null-block convention (cf. #56524)",
+          "InvariantError (padded_rows_on_null) at warmup naming the group, rows and ids",
+          "padded_rows_on_null", _plant_padded_row_on_real_slot),
+    Fault("prefill_before_decode_order",
+          "the runner orders prefill rows before decode rows; the Mamba kernels split tokens as "
+          "[decode | prefill] and would run decodes as prefills",
+          "vLLM's decodes-first batch order contract (reorder_batch_to_split_decodes_and_prefills)",
+          "MetadataContractError from the Mamba builder: 'breaks the decodes-first batch order'",
+          "MetadataContractError", _plant_prefill_before_decode),
+]
+
+
+def catalogue() -> list[Fault]:
+    return list(_CATALOGUE)
+
+
+def get(name: str) -> Fault:
+    for f in _CATALOGUE:
+        if f.name == name:
+            return f
+    raise UnknownFaultError(f"no fault named {name!r}; the catalogue has: "
+                            f"{', '.join(f.name for f in _CATALOGUE)}")
+
+
+class UnknownFaultError(ToolkitError, KeyError):
+    """`inject(name)` with a name that is not in the catalogue."""
+
+
+@contextlib.contextmanager
+def inject(*names: str) -> Iterator[list[Fault]]:
+    """Plant the named faults for the duration of the block; removed on exit, even on error."""
+    chosen = [get(n) for n in names]
+    with contextlib.ExitStack() as stack:
+        for fault in chosen:
+            fault.plant(stack)
+        yield chosen
+
+
+def catalogue_html(faults: list[Fault] | None = None) -> str:
+    from html import escape
+    rows = "".join(
+        f"<tr><td style='padding:3px 8px;font-family:monospace'>{escape(f.name)}</td>"
+        f"<td style='padding:3px 8px'>{escape(f.breaks)}</td><td style='padding:3px 8px'>{escape(f.mirrors)}</td>"
+        f"<td style='padding:3px 8px'>{escape(f.detection)}</td></tr>" for f in (faults or catalogue()))
+    return ("<table style='background:#fff;color:#222;border-collapse:collapse;font-size:12px'>"
+            "<tr style='background:#eef'><th>fault</th><th>what breaks</th><th>mirrors</th>"
+            f"<th>how it is detected</th></tr>{rows}</table>")

@@ -1,0 +1,144 @@
+"""Memory ledger: bytes by category, measured from the tensors themselves.
+
+`TensorWatch` keeps weak references to every tensor the engine allocates (weights, KV cache,
+state cache, persistent buffers), so the same measurement works before and after shutdown: a
+tensor that is still alive after shutdown is a leak (what vLLM PR #52374's shutdown order fixes).
+`llm.memory_report()` shows the measurements taken at load, after warmup and after shutdown.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+CATEGORIES = ("weights", "kv_cache", "state_cache", "persistent_buffers", "graphs", "trace")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class TensorWatch:
+    """(category, name, weakref) for each engine tensor; measures what is still alive."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[str, str, weakref.ref]] = []
+
+    def add(self, category: str, name: str, tensor: torch.Tensor) -> None:
+        self.entries.append((category, name, weakref.ref(tensor)))
+
+    @classmethod
+    def of_runner(cls, runner) -> "TensorWatch":
+        watch = cls()
+        for name, p in list(runner.model.named_parameters()) + list(runner.model.named_buffers()):
+            watch.add("weights", name, p)
+        for group in runner.kv_cache_groups:
+            category = "kv_cache" if group.kind == "attention" else "state_cache"
+            for name in group.layer_names:
+                value = runner.kv_caches[name]
+                for i, t in enumerate(value if isinstance(value, tuple) else (value,)):
+                    watch.add(category, f"{name}[{i}]", t)
+        for owner, obj in (("input_buffers", runner.input_buffers), ("req_states", runner.req_states)):
+            for attr, value in vars(obj).items():
+                if isinstance(value, torch.Tensor):
+                    watch.add("persistent_buffers", f"{owner}.{attr}", value)
+        bt = runner.block_tables
+        for i, t in enumerate(bt.input_block_tables):
+            watch.add("persistent_buffers", f"block_tables.input_block_tables[{i}]", t)
+        watch.add("persistent_buffers", "block_tables.slot_mappings", bt.slot_mappings)
+        return watch
+
+    def alive(self) -> list[tuple[str, str, torch.Tensor]]:
+        out = []
+        for category, name, ref in self.entries:
+            t = ref()
+            if t is not None:
+                out.append((category, name, t))
+        return out
+
+    def measure(self) -> dict[str, int]:
+        """Bytes per category over live tensors, each storage counted once (tied weights)."""
+        totals = dict.fromkeys(CATEGORIES, 0)
+        seen: set[tuple[str, int]] = set()
+        for category, _, t in self.alive():
+            key = (str(t.device), t.untyped_storage().data_ptr())
+            if key in seen:
+                continue
+            seen.add(key)
+            totals[category] += t.untyped_storage().nbytes()
+        return totals
+
+
+def object_bytes(obj, _seen: set[int] | None = None) -> int:
+    """Bytes of the tensors and arrays reachable through dataclasses, dicts, lists and tuples."""
+    seen = set() if _seen is None else _seen
+    if id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return _nbytes(obj)
+    if isinstance(obj, np.ndarray):
+        return obj.nbytes
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return sum(object_bytes(getattr(obj, f.name), seen) for f in dataclasses.fields(obj))
+    if isinstance(obj, dict):
+        return sum(object_bytes(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(object_bytes(v, seen) for v in obj)
+    return 0
+
+
+def graph_bytes(manager) -> int:
+    """Tensors a CUDA-graph manager keeps alive (its `held_tensors()`), 0 when there is none."""
+    if manager is None:
+        return 0
+    return sum(_nbytes(t) for t in getattr(manager, "held_tensors", lambda: [])())
+
+
+@dataclass
+class MemoryReport:
+    """Bytes by category at each mark ("load", "warmup", "shutdown", "now")."""
+    marks: dict[str, dict[str, int]] = field(default_factory=dict)
+    device: str = "cpu"
+
+    def __repr__(self) -> str:
+        cols = list(self.marks)
+        lines = [f"{'category':<20}" + "".join(f"{c:>14}" for c in cols)]
+        for cat in self.categories():
+            lines.append(f"{cat:<20}" + "".join(f"{_fmt(self.marks[c].get(cat, 0)):>14}" for c in cols))
+        return f"MemoryReport ({self.device})\n" + "\n".join(lines)
+
+    def categories(self) -> list[str]:
+        extra = sorted({k for m in self.marks.values() for k in m} - set(CATEGORIES))
+        return list(CATEGORIES) + extra
+
+    def _repr_html_(self) -> str:
+        cols = list(self.marks)
+        head = "".join(f"<th style='text-align:right;padding:2px 8px'>{c}</th>" for c in cols)
+        rows = []
+        for cat in self.categories():
+            cells = "".join(f"<td style='text-align:right;padding:2px 8px'>{_fmt(self.marks[c].get(cat, 0))}</td>"
+                            for c in cols)
+            rows.append(f"<tr><td style='padding:2px 8px'>{cat}</td>{cells}</tr>")
+        return ("<table style='background:#fff;color:#222;border-collapse:collapse;font:12px monospace'>"
+                f"<caption style='text-align:left'>memory by category ({self.device})</caption>"
+                f"<tr><th style='text-align:left;padding:2px 8px'>category</th>{head}</tr>"
+                + "".join(rows) + "</table>")
+
+
+def _fmt(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def collect() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
