@@ -3,10 +3,10 @@
     python benchmarks/decode_throughput.py [--presets tiny-llama tiny-mamba2 tiny-bamba]
                                            [--batches 1 16] [--prompt-len 32] [--new-tokens 32]
 
-Method (as in shared/design/hf-baseline-h200.md): t1 = time to generate 1 token (prefill + 1),
+Method (the one used for the H200 HF baseline): t1 = time to generate 1 token (prefill + 1),
 tN = time to generate N tokens; decode step = (tN - t1) / (N - 1); decode tok/s = batch / step.
 Each measurement is the best of --repeats runs after one warm-up run. The runner is used through
-`LLM.generate` (eager torch path on CPU, no CUDA graphs yet).
+`LLM.generate` (eager torch path on CPU, no CUDA graphs yet) with `inspect="off"`.
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def main() -> None:
     for preset in args.presets:
         max_batch = max(args.batches)
         with LLM(preset, device=args.device, dtype=args.dtype, max_num_seqs=max_batch,
-                 max_num_batched_tokens=max_batch * args.prompt_len) as llm, \
+                 max_num_batched_tokens=max_batch * args.prompt_len, inspect="off") as llm, \
                 tempfile.TemporaryDirectory() as folder:
             save_hf_folder(llm, folder)
             hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(args.device).eval()

@@ -115,8 +115,10 @@ def check_dummy_metadata(groups, where: str) -> list[Violation]:
     return out
 
 
-def check_fresh_slots(runner, state, where: str) -> list[Violation]:
-    """Before the forward: rows with no computed tokens must find their slot zeroed."""
+def check_fresh_slots(runner, state, where: str,
+                      state_names: dict[str, list[str]] | None = None) -> list[Violation]:
+    """Before the forward: rows with no computed tokens must find their slot zeroed.
+    `state_names`: layer name -> names of its state tensors, for the messages."""
     out: list[Violation] = []
     batch = state.input_batch
     fresh = np.nonzero(batch.num_computed_tokens_np == 0)[0]
@@ -128,12 +130,14 @@ def check_fresh_slots(runner, state, where: str) -> list[Violation]:
         slots = state.block_tables[group.group_id][torch.as_tensor(fresh), 0]
         for name in group.layer_names:
             for i, tensor in enumerate(runner.kv_caches[name]):
+                names = (state_names or {}).get(name, [])
+                label = names[i] if i < len(names) else f"state tensor {i}"
                 worst = tensor.index_select(0, slots.long()).flatten(1).abs().amax(dim=1)
                 for row, slot, value in zip(fresh.tolist(), slots.tolist(), worst.tolist()):
                     if value != 0:
                         out.append(Violation(
                             "fresh_slot_is_zero", f"{where}, request {batch.req_ids[row]!r}, layer {name}",
-                            f"state tensor {i} at slot {slot}",
+                            f"{label} at slot {slot}",
                             f"max |value| {value:.3g} before the request's first prefill (a reused slot not zeroed)"))
     return out
 

@@ -23,6 +23,7 @@ embedding of the tokens?), so an older transformers whose Mamba puts the embeddi
 """
 from __future__ import annotations
 
+import contextlib
 import html
 import math
 import os
@@ -163,6 +164,22 @@ class _HFRef:
 def _default_params():
     from toolkit.sampling import SamplingParams
     return SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """No progress bars or fallback-kernel warnings from transformers while the reference runs
+    (they would land in the user's notebook); the previous settings come back on exit."""
+    from transformers.utils import logging as hf_logging
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def _load_reference(llm, reference: Any) -> torch.nn.Module:
@@ -315,11 +332,12 @@ def compare_with_hf(llm, prompts, sampling_params=None, *, reference=None,
         tokens[rid] = [d[i] for i in range(n)]
 
     # ---- HF on every request's full sequence --------------------------------------------------
-    hf = _load_reference(llm, reference)
     refs: dict[str, _HFRef] = {}
     convention = ""
-    for rid, toks in tokens.items():
-        refs[rid], convention = _run_hf(hf, toks, layer_paths)
+    with quiet_transformers():
+        hf = _load_reference(llm, reference)
+        for rid, toks in tokens.items():
+            refs[rid], convention = _run_hf(hf, toks, layer_paths)
 
     # ---- walk: step order, then layer order, then row order -----------------------------------
     report = DivergenceReport(diverged=False, tolerance=(atol, rtol), num_layers=L,

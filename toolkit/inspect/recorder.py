@@ -65,7 +65,8 @@ class Recorder:
         if self.mode == "full":
             self._before = gather_states(runner, state)
         if self.checks_on:
-            self._pending += checks.check_fresh_slots(runner, state, self.where)
+            names = {layer: info[1] for layer, info in self._layer_info.items()}
+            self._pending += checks.check_fresh_slots(runner, state, self.where, names)
 
     def after_forward(self, runner, state) -> None:
         if self.mode == "full":

@@ -7,8 +7,10 @@ indices and slices too), iterable and sized, and filters by request id and by st
 from __future__ import annotations
 
 from collections import deque
+from pathlib import Path
 from typing import Iterable, Iterator, overload
 
+from toolkit.inspect import serialize
 from toolkit.inspect.step_record import StepRecord
 
 
@@ -59,6 +61,25 @@ class Trace:
     def user_steps(self) -> "Trace":
         """Every record that is not a warmup stage."""
         return Trace(None, [r for r in self._records if not r.is_warmup])
+
+    # ---- save / load -------------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        """Write the trace to the folder `path` (trace.json + tensors.safetensors, no pickle)."""
+        return serialize.save(path, {"capacity": self.capacity, "num_dropped": self.num_dropped},
+                              list(self._records))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Trace":
+        """Read a folder written by `save`; tensors come back on the CPU, bit-exact."""
+        header, records = serialize.load(path)
+        trace = cls(header.get("capacity"), records)
+        trace.num_dropped = header.get("num_dropped", 0)
+        return trace
+
+    def equals(self, other: "Trace") -> bool:
+        """Field by field, tensors bit-exact (devices ignored)."""
+        return (self.capacity == other.capacity and len(self) == len(other)
+                and all(serialize.equal(a, b) for a, b in zip(self, other)))
 
     @property
     def stages(self) -> list[str]:

@@ -1,0 +1,143 @@
+"""Trace: recording in every mode, capacity, filters, stage tags, save/load in a fresh process,
+the memory ledger, and what inspect="off" leaves out."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from toolkit import LLM, SamplingParams
+from toolkit.inspect import Trace
+from toolkit.inspect.serialize import equal
+
+GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+PROMPTS = [{"prompt_token_ids": list(range(3, 15))}, {"prompt_token_ids": [4, 5]}]
+
+
+def small(preset="tiny-bamba", **kw) -> LLM:
+    return LLM(preset, **(dict(device="cpu", dtype="float32", max_num_seqs=4,
+                               max_num_batched_tokens=8) | kw))
+
+
+def test_every_step_is_recorded_with_its_stage():
+    with small() as llm:
+        llm.warmup(progress=False)
+        outs = llm.generate(PROMPTS, GREEDY)
+        rid = llm.add_request({"prompt_token_ids": [7, 8, 9]}, GREEDY)
+        stepped = []
+        while llm.has_unfinished_requests():
+            stepped.append(llm.step())
+        stages = llm.trace.stages
+        assert stages[:4] == ["warmup/profile run", "warmup/dummy batch 1 reqs x 1 tokens",
+                              "warmup/dummy batch 4 reqs x 4 tokens", "warmup/dummy batch 4 reqs x 8 tokens"]
+        assert set(stages[4:]) == {"warmup/requests", "generate", "step"}
+        assert len(llm.trace.by_stage("warmup")) == stages.count("warmup/requests") + 4
+        assert all(r.step_index is None for r in llm.trace.by_stage("warmup"))
+        user = llm.trace.user_steps()
+        assert [r.step_index for r in user] == list(range(len(user)))
+        assert llm.trace[-len(stepped):][0] is stepped[0]          # step() returns the traced record
+        for out in outs:
+            mine = llm.trace.for_request(out.request_id)
+            kept = [r.kept_token_ids[out.request_id] for r in mine if out.request_id in r.kept_token_ids]
+            assert kept == out.outputs[0].token_ids
+            assert mine[-1].finished_request_ids == [out.request_id] or out.request_id in mine[-1].finished_request_ids
+        rec = llm.trace.for_request(rid)[0]
+        assert set(rec.timings) == {"schedule", "prepare_inputs", "build_metadata", "forward", "sample", "update"}
+        assert rec.ledger.state_slot(rid) == int(rec.metadata("mamba").common.block_table_tensor[0, 0])
+        assert rec.ledger.kv_blocks(rid) == rec.metadata("attention").common.block_table_tensor[0, :1].tolist()
+
+
+def test_capacity_drops_the_oldest_and_off_records_nothing():
+    with small(trace_capacity=3) as llm:
+        llm.generate(PROMPTS, GREEDY)
+        assert len(llm.trace) == 3 and llm.trace.num_dropped > 0
+        assert llm.trace[-1].finished_request_ids
+    with small(inspect="off") as off:
+        off.warmup(progress=False)
+        off.generate(PROMPTS, GREEDY)
+        assert len(off.trace) == 0 and off.model_runner.observer is None
+        off.add_request({"prompt_token_ids": [5]}, GREEDY)
+        assert off.step().input_batch is not None            # step() still returns its record
+        assert len(off.trace) == 0
+    with pytest.raises(ValueError, match="inspect"):
+        small(inspect="everything")
+    with pytest.raises(ValueError, match="trace_capacity"):
+        small(trace_capacity=0)
+
+
+def test_full_mode_records_states_and_top_logits():
+    with small("tiny-mamba2", inspect="full") as llm:
+        llm.generate(PROMPTS, GREEDY)
+        rec = llm.trace[-1]
+        layers = {s.layer_name for s in rec.states}
+        assert layers == {f"backbone.layers.{i}.mixer" for i in range(4)}
+        st = rec.states[0]
+        assert st.state_names == ["conv_state", "ssm_state"] and st.mamba_type == "mamba2"
+        assert st.before[1].shape == (len(rec.scheduled), 8, 16, 16)
+        assert not torch.equal(st.before[1], st.after[1])
+        assert torch.equal(rec.top_logit_ids[:, 0], rec.logits.argmax(-1))
+    with small("tiny-mamba2") as meta:                            # metadata mode: no states
+        meta.generate(PROMPTS, GREEDY)
+        assert meta.trace[-1].states == [] and meta.trace[-1].top_logit_ids is None
+
+
+SAVE_AND_COMPARE = """
+import sys, torch
+from toolkit.inspect import Trace
+from toolkit.inspect.serialize import equal
+a, b = Trace.load(sys.argv[1]), Trace.load(sys.argv[2])
+assert a.equals(b) and len(a) > 5, (len(a), len(b))
+print("equal", len(a))
+"""
+
+
+def test_trace_saved_and_loaded_in_a_fresh_process_is_equal(tmp_path):
+    with small(inspect="full") as llm:
+        llm.warmup(progress=False)
+        llm.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0.8, seed=3))
+        llm.trace.save(tmp_path / "a")
+        loaded = Trace.load(tmp_path / "a")
+        assert loaded.equals(llm.trace)
+        rec, back = llm.trace[-1], loaded[-1]
+        assert type(back.attn_metadata[1].metadata) is type(rec.attn_metadata[1].metadata)
+        assert back.input_batch.query_start_loc_np.dtype == rec.input_batch.query_start_loc_np.dtype
+        assert equal(back.states[0].after[1], rec.states[0].after[1])
+        llm.trace.save(tmp_path / "b")
+    proc = subprocess.run([sys.executable, "-c", SAVE_AND_COMPARE, str(tmp_path / "a"), str(tmp_path / "b")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.startswith("equal"), proc.stderr
+    changed = Trace.load(tmp_path / "b")
+    changed[-1].logits[0, 0] += 1e-6
+    assert not changed.equals(llm.trace)
+    assert not list(tmp_path.glob("**/*.pkl")) and not list(tmp_path.glob("**/*.pt"))
+
+
+def test_loading_refuses_foreign_classes(tmp_path):
+    import json
+    with small() as llm:
+        llm.generate(PROMPTS[:1], GREEDY)
+        llm.trace.save(tmp_path)
+    doc = json.loads((tmp_path / "trace.json").read_text())
+    doc["records"][0]["__dataclass__"] = "os:system"
+    (tmp_path / "trace.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="only toolkit classes"):
+        Trace.load(tmp_path)
+
+
+def test_memory_report_at_load_warmup_and_shutdown():
+    llm = small()
+    llm.warmup(progress=False)
+    llm.generate(PROMPTS, GREEDY)
+    llm.shutdown()
+    report = llm.memory_report()
+    load, after = report.marks["load"], report.marks["shutdown"]
+    with LLM("tiny-bamba", device="cpu", dtype="float32") as fresh:
+        weights = sum(p.numel() * 4 for p in fresh.model.parameters())
+    assert load["weights"] == weights
+    assert load["kv_cache"] > 0 and load["state_cache"] > 0 and load["persistent_buffers"] > 0
+    for cat in ("weights", "kv_cache", "state_cache", "persistent_buffers", "graphs"):
+        assert after[cat] == 0, cat
+    assert report.marks["warmup"]["trace"] > 0
+    assert "state_cache" in repr(report) and "<table" in report._repr_html_()
