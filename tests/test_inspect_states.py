@@ -8,7 +8,9 @@ slot reused after its request finished), stepped by hand with `llm.step()`. Chec
 2. continuity: a request's "after" state at one step is bit-identical to its "before" state at
    its next step, and its "before" state at its first step is all zeros (a reused slot too);
 3. the "after" state equals the state HF transformers' cache holds after a forward over the same
-   tokens (prompt + outputs up to `num_computed_before + num_tokens`), fp32, atol 1e-5.
+   tokens (prompt + outputs up to `num_computed_before + num_tokens`), fp32, atol 1e-5;
+4. a preempted request restarts from a zeroed slot (and still matches HF);
+5. `generate()` leaves the same records (schedule and states) in `llm.trace`.
 
 HF transformers 5.x keeps every model's recurrent state in one `DynamicCache(config=...)`: each
 Mamba / short-conv layer is a `LinearAttentionLayer` (`cache.layers[i]`, i = block index) whose
@@ -22,7 +24,7 @@ state is read with `cache.get_conv_state(i)` and `cache.get_recurrent_state(i)`:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -79,8 +81,7 @@ class Workload:
     prompt_lens: dict[str, int]
     recurrent_layers: dict[str, StateSlotMixer]         # layer name -> our mixer
     conv_widths: dict[str, int]                         # layer name -> K (conv kernel size)
-    seconds: float = 0.0
-    hf_seconds: float = field(default=0.0)
+    seconds: float = 0.0                                # engine wall time
 
     def steps_of(self, rid: str) -> list[tuple[StepRecord, int]]:
         """(record, row of the request in it) for every step that scheduled the request."""
@@ -103,14 +104,14 @@ def conv_kernel_size(mixer: StateSlotMixer) -> int:
     return mixer.state_shapes()[0][0] + 1
 
 
-@pytest.fixture(scope="module", params=MODELS)
-def workload(request, tmp_path_factory) -> Workload:
-    model = request.param
-    source = build_folder(model, tmp_path_factory.mktemp("src")) or model
+def run_workload(model: str, source: str, folder: str, prompt_lens=PROMPT_LENS, max_tokens=MAX_TOKENS,
+                 **engine) -> Workload:
+    """Step `prompt_lens` requests (greedy, `max_tokens` each) through `LLM(source, **ENGINE,
+    **engine)` until done; save the weights as an HF folder at `folder`."""
     start = time.perf_counter()
-    with LLM(source, **ENGINE) as llm:
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-        prompts = [prompt_of(i, n, llm.vocab_size) for i, n in enumerate(PROMPT_LENS)]
+    with LLM(source, **{**ENGINE, **engine}) as llm:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        prompts = [prompt_of(i, n, llm.vocab_size) for i, n in enumerate(prompt_lens)]
         ids = [llm.add_request({"prompt_token_ids": p}, params) for p in prompts]
         tokens = {rid: list(p) for rid, p in zip(ids, prompts)}
         records = []
@@ -120,10 +121,17 @@ def workload(request, tmp_path_factory) -> Workload:
             for rid, tok in rec.kept_token_ids.items():
                 tokens[rid].append(tok)
         mixers = {m.layer_name: m for m in llm.model_runner.model.modules() if isinstance(m, StateSlotMixer)}
-        folder = str(tmp_path_factory.mktemp("hf"))
         save_hf_folder(llm, folder)
+    assert all(len(t) == len(p) + max_tokens for t, p in zip(tokens.values(), prompts))
     return Workload(model, folder, records, tokens, {rid: len(p) for rid, p in zip(ids, prompts)}, mixers,
                     {n: conv_kernel_size(m) for n, m in mixers.items()}, time.perf_counter() - start)
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def workload(request, tmp_path_factory) -> Workload:
+    model = request.param
+    source = build_folder(model, tmp_path_factory.mktemp("src")) or model
+    return run_workload(model, source, str(tmp_path_factory.mktemp("hf")))
 
 
 # ---- 1. what is recorded ---------------------------------------------------------------------
@@ -174,30 +182,46 @@ def test_states_cover_every_recurrent_layer_and_row(workload):
 
 # ---- 2. continuity ---------------------------------------------------------------------------
 
-def test_after_is_next_before_and_first_before_is_zero(workload):
+def check_continuity(workload: Workload) -> int:
+    """Per request: one state slot per run; 'before' is zero at each step that starts from no
+    cached token (its first step, or its first after a preemption), else bit-identical to the
+    'after' of its previous step, which covered exactly the tokens before this one; every step
+    changes the conv state. Returns the number of state tensors checked."""
     checked = 0
     for rid in workload.tokens:
         steps = workload.steps_of(rid)
         assert steps, rid
-        slots = {rec.states[0].slots[row] for rec, row in steps}
-        assert len(slots) == 1, f"request {rid} changed state slot: {slots}"
-        first = steps[0][0]
-        for st in first.states:
-            for n, t in st.of(rid, "before").items():
-                assert not t.any(), f"{rid} {st.layer_name} {n}: 'before' at its first step is not zero"
-        for (rec, _), (nxt, _) in zip(steps, steps[1:]):
+        prev = None
+        for rec, row in steps:
+            s = rec.scheduled[row]
             for st in rec.states:
-                after, before = st.of(rid, "after"), nxt.state(st.layer_name).of(rid, "before")
+                before, after = st.of(rid, "before"), st.of(rid, "after")
                 for n in st.state_names:
-                    assert torch.equal(after[n], before[n]), (
-                        f"{rid} {st.layer_name} {n}: 'after' at step {rec.step_index} != 'before' at step "
-                        f"{nxt.step_index} (max diff {(after[n] - before[n]).abs().max().item():.3e})")
+                    where = f"request {rid} step {rec.step_index} {st.layer_name} {n}"
+                    if s.num_computed_before == 0:
+                        assert not before[n].any(), f"{where}: 'before' at a fresh start is not zero"
+                    else:
+                        assert prev is not None, f"{where}: first step with {s.num_computed_before} cached"
+                        p_rec, p_row = prev
+                        p_s = p_rec.scheduled[p_row]
+                        assert p_s.num_computed_before + p_s.num_tokens == s.num_computed_before
+                        assert p_rec.states[0].slots[p_row] == st.slots[row], f"{where}: slot changed"
+                        p_after = p_rec.state(st.layer_name).of(rid, "after")[n]
+                        assert torch.equal(p_after, before[n]), (
+                            f"{where}: 'before' != 'after' at step {p_rec.step_index} "
+                            f"(max diff {(p_after - before[n]).abs().max().item():.3e})")
                     checked += 1
-        # the state did change in every step that ran the request
-        for rec, _ in steps:
-            for st in rec.states:
-                assert not torch.equal(st.of(rid, "before")["conv_state"], st.of(rid, "after")["conv_state"])
-    assert checked > 0
+                assert not torch.equal(before["conv_state"], after["conv_state"]), \
+                    f"request {rid} step {rec.step_index} {st.layer_name}: conv state unchanged"
+            prev = (rec, row)
+    return checked
+
+
+def test_after_is_next_before_and_first_before_is_zero(workload):
+    for rid in workload.tokens:    # no preemption here: a fresh start only at the first step
+        assert [rec.scheduled[row].num_computed_before == 0 for rec, row in workload.steps_of(rid)
+                ].count(True) == 1, rid
+    assert check_continuity(workload) > 0
 
 
 def test_short_prefix_conv_state_is_left_zero_padded(workload):
@@ -250,17 +274,17 @@ def hf_model(workload):
     return hf
 
 
-def test_after_matches_hf_cache(workload, hf_model):
-    start = time.perf_counter()
-    layers = list(workload.recurrent_layers)
-    idx = [block_index(n) for n in layers]
+def check_against_hf(workload: Workload, hf) -> tuple[int, dict[str, float]]:
+    """Every step's 'after' state of every request and layer vs HF's cache after a fresh forward
+    over the same tokens. Returns (state tensors compared, worst |diff| per state name)."""
+    idx = [block_index(n) for n in workload.recurrent_layers]
     worst: dict[str, float] = {}
     compared = 0
     for rid, tokens in workload.tokens.items():
         for rec, row in workload.steps_of(rid):
             s = rec.scheduled[row]
             n = s.num_computed_before + s.num_tokens
-            ref = hf_states(hf_model, tokens[:n], idx)
+            ref = hf_states(hf, tokens[:n], idx)
             for st in rec.states:
                 want = ref[block_index(st.layer_name)]
                 got = st.of(rid, "after")
@@ -271,14 +295,59 @@ def test_after_matches_hf_cache(workload, hf_model):
                 if n < k:
                     assert not want["conv_oldest"].any()
                 for name in st.state_names:
+                    assert got[name].shape == want[name].shape, (name, got[name].shape, want[name].shape)
                     diff = (got[name] - want[name]).abs().max().item()
                     worst[name] = max(worst.get(name, 0.0), diff)
-                    assert got[name].shape == want[name].shape, (name, got[name].shape, want[name].shape)
                     assert diff <= STATE_ATOL, (
                         f"request {rid} step {rec.step_index} ({n} tokens) {st.layer_name} {name}: "
                         f"max |ours - HF| {diff:.3e}")
                     compared += 1
-    workload.hf_seconds = time.perf_counter() - start
+    return compared, worst
+
+
+def test_after_matches_hf_cache(workload, hf_model):
+    start = time.perf_counter()
+    compared, worst = check_against_hf(workload, hf_model)
     print(f"\n{workload.model}: {compared} state tensors match HF (worst {worst}); "
-          f"engine {workload.seconds:.2f}s, HF {workload.hf_seconds:.2f}s")
+          f"engine {workload.seconds:.2f}s, HF {time.perf_counter() - start:.2f}s")
     assert compared > 0
+
+
+# ---- 4. preemption (recompute) ---------------------------------------------------------------
+
+def test_preempted_request_restarts_from_zero_state(tmp_path):
+    """tiny-bamba with a KV cache too small for all three requests: a preempted request is
+    recomputed from a zeroed slot ('before' all zeros at its restart), continuity holds within each
+    run, and every step's 'after' still matches HF's cache."""
+    work = run_workload("tiny-bamba", "tiny-bamba", str(tmp_path), prompt_lens=(6, 9, 5), max_tokens=8,
+                        block_size=4, num_kv_blocks=8)
+    preempted = {rid for rec in work.records for rid in rec.preempted_request_ids}
+    restarted = {rid for rid in preempted
+                 if sum(rec.scheduled[row].num_computed_before == 0 for rec, row in work.steps_of(rid)) > 1}
+    assert restarted, f"no request was preempted and recomputed (preempted: {preempted})"
+    assert check_continuity(work) > 0
+    hf = AutoModelForCausalLM.from_pretrained(work.folder, dtype=torch.float32).eval()
+    compared, _ = check_against_hf(work, hf)
+    assert compared > 0
+
+
+# ---- 5. generate() records the same states -----------------------------------------------------
+
+def test_generate_records_the_same_states_in_the_trace(tmp_path):
+    """`llm.generate()` puts full-mode records in `llm.trace` (stage "generate"); with the same
+    requests they hold the same schedule and bit-identical states as stepping by hand."""
+    work = run_workload("tiny-bamba", "tiny-bamba", str(tmp_path))
+    with LLM("tiny-bamba", **ENGINE) as llm:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        prompts = [prompt_of(i, n, llm.vocab_size) for i, n in enumerate(PROMPT_LENS)]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        records = list(llm.trace.by_stage("generate"))
+    assert [o.prompt_token_ids + o.outputs[0].token_ids for o in outs] == list(work.tokens.values())
+    assert [r.request_ids for r in records] == [r.request_ids for r in work.records]
+    for got, want in zip(records, work.records):
+        assert [s.layer_name for s in got.states] == [s.layer_name for s in want.states]
+        for a, b in zip(got.states, want.states):
+            assert a.slots == b.slots and a.state_names == b.state_names
+            for when in ("before", "after"):
+                assert all(torch.equal(x, y) for x, y in zip(getattr(a, when), getattr(b, when))), \
+                    (got.step_index, a.layer_name, when)

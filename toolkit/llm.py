@@ -38,6 +38,12 @@ class LLM:
                  max_model_len: int | None = None, num_kv_blocks: int | None = None, seed: int = 0,
                  inspect: str = "metadata", trace_capacity: int | None = 256,
                  checks: bool | None = None):
+        # what Reset in the StepInspector (or a user) needs to build the same engine again
+        self.init_args: dict[str, Any] = dict(
+            model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+            max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, seed=seed, inspect=inspect,
+            trace_capacity=trace_capacity, checks=checks)
         if inspect not in MODES:
             raise ValueError(f"inspect={inspect!r}: use one of {MODES}")
         self.trace = Trace(trace_capacity)          # validates the capacity before the model loads

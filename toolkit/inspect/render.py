@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import html
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -419,27 +419,52 @@ def _prefill_lens(rec: Any) -> dict[str, int]:
     return {rid: int(n) for rid, n in zip(b.req_ids, b.prefill_len_np)}
 
 
-def _batch_rows(rec: Any) -> tuple[list[str], list[list[str]]]:
-    headers = ["row", "request", "phase", "computed before", "tokens"]
-    ledger = rec.ledger
-    if ledger is not None:
-        headers += ["state slot", "KV blocks"]
-    headers += ["sampled", "kept"]
+def row_holdings(rec: Any, row: int) -> tuple[int | None, list[int] | None]:
+    """(state slot, KV block ids) of a batch row, read from the block tables the runner used
+    (the first Mamba and attention groups); None where the model has no such group. Trailing
+    null entries of a block-table row are unused columns."""
+    slot, blocks = None, None
+    for gm in rec.attn_metadata:
+        table = gm.common.block_table_tensor
+        if row >= table.shape[0]:
+            continue
+        if gm.kind == "mamba" and slot is None:
+            slot = int(table[row, 0])
+        elif gm.kind == "attention" and blocks is None:
+            ids = table[row].tolist()
+            while ids and ids[-1] == 0:
+                ids.pop()
+            blocks = ids
+    return slot, blocks
+
+
+def _batch_rows(rec: Any, decode: Callable[[list[int]], str] | None = None
+                ) -> tuple[list[str], list[list[str]]]:
+    headers = ["row", "request", "phase", "computed before", "tokens", "state slot", "KV blocks",
+               "sampled", "kept"]
     lens = _prefill_lens(rec)
     rows = []
     for i, s in enumerate(rec.scheduled):
-        row = [str(i), _esc(s.request_id), _esc(request_phase(s, lens.get(s.request_id))),
-               str(s.num_computed_before), str(s.num_tokens)]
-        if ledger is not None:
-            slot = ledger.state_slot(s.request_id)
-            row += [_muted_none() if slot is None else str(slot),
-                    _esc(value_preview(ledger.kv_blocks(s.request_id)))]
+        slot, blocks = row_holdings(rec, i)
         sampled = rec.sampled_token_ids.get(s.request_id)
         kept = s.request_id in rec.kept_token_ids
-        row += [_muted_none() if sampled is None else str(sampled),
-                "yes" if kept else _span("no", _MUTED)]
-        rows.append(row)
+        shown = _muted_none() if sampled is None else str(sampled)
+        if sampled is not None and decode is not None:
+            shown += " " + _span(repr(decode([sampled])), _SOFT)
+        rows.append([str(i), _esc(s.request_id), _esc(request_phase(s, lens.get(s.request_id))),
+                     str(s.num_computed_before), str(s.num_tokens),
+                     _span("-", _MUTED) if slot is None else str(slot),
+                     _span("-", _MUTED) if blocks is None else _esc(value_preview(blocks)),
+                     shown, "yes" if kept else _span("no (partial prefill)", _MUTED)])
     return headers, rows
+
+
+def batch_table_html(rec: Any, decode: Callable[[list[int]], str] | None = None) -> str:
+    """The step's rows in batch order; `decode` (e.g. llm.tokenizer.decode) adds token text."""
+    if not rec.scheduled:
+        return _span("no rows in this step", _MUTED)
+    headers, rows = _batch_rows(rec, decode)
+    return _table(headers, rows)
 
 
 def _header_lines(rec: Any) -> str:
@@ -623,3 +648,8 @@ def install_reprs() -> None:
 
 
 install_reprs()
+
+
+# ---- building blocks shared with the widget views (toolkit/widgets) --------------------------------
+escape, span, title, table, section, wrap = _esc, _span, _title, _table, _section, _wrap
+MUTED, SOFT, ALERT = _MUTED, _SOFT, _ALERT
