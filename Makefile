@@ -1,5 +1,5 @@
 # `make demo`: the main job on the built-in tiny-bamba preset. `make test`: the whole test suite.
-# Both create .venv (CPU torch from this machine's disk; see shared/design/env.md) if it is missing.
+# Both create .venv if it is missing (pip takes a CPU torch wheel on disk when there is one: see README, Install).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 

@@ -40,7 +40,12 @@ def resolve_device_dtype(device: str | torch.device, dtype: str | torch.dtype
     """"auto": CUDA + bfloat16 when a GPU is there, else CPU + float32."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device={device!r}: use 'auto', 'cpu', 'cuda' or 'cuda:N'") from err
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: the toolkit runs on 'cpu' or 'cuda'")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but torch sees no CUDA GPU")
     if dtype == "auto":

@@ -1,19 +1,22 @@
-"""The main job: `python -m toolkit demo [--model tiny-bamba]`.
+"""The main job: `python -m toolkit demo [--model NAME]`.
 
-Builds a preset, warms it up, serves 4 requests of mixed lengths under a small token budget (so
-prefills are chunked and steps mix prefills with decodes), prints one row per step and the outputs.
+Builds a model, warms it up, serves 4 requests of mixed lengths under a small token budget (so
+prefills are chunked and steps mix prefills with decodes), prints one row per step, then each
+request's continuation as text and token ids.
 """
 from __future__ import annotations
 
 import argparse
+import sys
 
 from toolkit.inspect.step_record import StepRecord
 from toolkit.llm import LLM
 from toolkit.sampling import SamplingParams
 
-PROMPTS = ["Hi", "A hybrid model mixes attention and Mamba layers.",
-           "Continuous batching keeps the GPU busy by mixing prefills with decodes every step.",
-           "Mamba2"]
+DEFAULT_MODEL = "tiny-bamba"
+PROMPTS = ["The ", "A hybrid model mixes attention and Mamba layers. ",
+           "Continuous batching keeps the GPU busy by mixing prefills with decodes every step. ",
+           "def "]
 
 
 def _fmt(values) -> str:
@@ -36,22 +39,29 @@ def print_table(header: list[str], rows: list[list[str]]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m toolkit demo")
-    parser.add_argument("--model", default="tiny-bamba", help="preset name or HF folder")
-    parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=32)
-    parser.add_argument("--max-num-seqs", type=int, default=3)
-    parser.add_argument("--device", default="auto")
-    args = parser.parse_args(argv)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from toolkit.models import PRESETS
+    parser.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME",
+                        help=f"a preset or an HF model folder (config.json + *.safetensors); "
+                             f"default {DEFAULT_MODEL}. Presets: {', '.join(PRESETS)}")
+    parser.add_argument("--max-tokens", type=int, default=24, help="tokens to generate per request (default 24)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=32,
+                        help="token budget of one step; small values chunk the prompts (default 32)")
+    parser.add_argument("--max-num-seqs", type=int, default=3,
+                        help="requests running at once; the 4th waits for a free row (default 3)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda or auto (CUDA when present; default)")
+    parser.add_argument("--progress", action="store_true",
+                        help="show the warmup progress bar even when the output is not a terminal")
 
+
+def run(args: argparse.Namespace) -> int:
     with LLM(args.model, device=args.device, max_num_seqs=args.max_num_seqs,
-             max_num_batched_tokens=args.max_num_batched_tokens) as llm:
+             max_num_batched_tokens=args.max_num_batched_tokens, inspect="off") as llm:
         print(f"model {args.model}: {type(llm.model).__name__}, model state "
               f"{llm.stats()['model_state']}, device {llm.cfg.device}, dtype {llm.cfg.dtype}")
-        timings = llm.warmup()
+        timings = llm.warmup(progress=args.progress or sys.stderr.isatty())
         print("warmup: " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in timings.items()))
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
         ids = [llm.add_request(p, params) for p in PROMPTS]
         rows, outputs = [], {}
         while llm.has_unfinished_requests():
@@ -62,11 +72,21 @@ def main(argv: list[str] | None = None) -> int:
               f"max_num_seqs={args.max_num_seqs}")
         print_table(["step", "prefill/decode", "tokens", "state slots", "query_start_loc", "seq_lens"], rows)
         print()
-        for rid in ids:
-            out = outputs[rid]
-            print(f"request {rid}: {len(out.prompt_token_ids)} prompt tokens -> "
-                  f"{out.outputs[0].token_ids} ({out.outputs[0].finish_reason})")
+        for rid, prompt in zip(ids, PROMPTS):
+            out = outputs[rid].outputs[0]
+            print(f"request {rid}: {prompt!r} -> {out.text!r}")
+            print(f"  {len(outputs[rid].prompt_token_ids)} prompt tokens -> {out.token_ids} ({out.finish_reason})")
         stats = llm.stats()
-        print(f"\nafter: {stats['kv_blocks_free']}/{stats['kv_blocks_total']} KV blocks free, "
-              f"{stats['state_slots_free']}/{stats['state_slots_total']} state slots free")
+        pools = []
+        if stats["kv_blocks_total"]:
+            pools.append(f"{stats['kv_blocks_free']}/{stats['kv_blocks_total']} KV blocks free")
+        if stats["state_slots_total"]:
+            pools.append(f"{stats['state_slots_free']}/{stats['state_slots_total']} state slots free")
+        print(f"\nafter: {', '.join(pools)}, {stats['runner_rows_in_use']} runner rows in use")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`demo` on its own (kept for callers of toolkit.demo.main)."""
+    from toolkit.cli import main as cli_main
+    return cli_main(["demo", *(argv or [])])

@@ -12,7 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from toolkit.config import RunnerConfig, resolve_device_dtype
-from toolkit.errors import CheckpointError, InvalidRequestError
+from toolkit.errors import CheckpointError, InvalidRequestError, NotSupportedYetError
 from toolkit.inspect import checks
 from toolkit.inspect.recorder import MODES, Recorder, warmup_record
 from toolkit.inspect.step_record import ScheduledRequest, StepRecord, snapshot
@@ -37,13 +37,14 @@ class LLM:
                  max_num_batched_tokens: int = 512, block_size: int = 16,
                  max_model_len: int | None = None, num_kv_blocks: int | None = None, seed: int = 0,
                  inspect: str = "metadata", trace_capacity: int | None = 256,
-                 checks: bool | None = None):
+                 checks: bool | None = None, backend: str = "auto"):
         # what Reset in the StepInspector (or a user) needs to build the same engine again
         self.init_args: dict[str, Any] = dict(
             model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, seed=seed, inspect=inspect,
-            trace_capacity=trace_capacity, checks=checks)
+            trace_capacity=trace_capacity, checks=checks, backend=backend)
+        self.backend = resolve_backend(backend)
         if inspect not in MODES:
             raise ValueError(f"inspect={inspect!r}: use one of {MODES}")
         self.trace = Trace(trace_capacity)          # validates the capacity before the model loads
@@ -412,3 +413,23 @@ def scheduled_rows(state) -> list[ScheduledRequest]:
     return [ScheduledRequest(r, int(n), int(c), bool(p), bool(d)) for r, n, c, p, d in zip(
         b.req_ids, b.num_scheduled_tokens, b.num_computed_tokens_np, b.is_prefilling_np,
         b.runs_as_decode_np)]
+
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def resolve_backend(backend: str) -> str:
+    """The ops the model runs: "torch" (the reference ops, every platform) or "triton" (kernels
+    in toolkit.kernels, where triton is installed). "auto" takes torch for now: no op has a Triton
+    kernel yet, so "triton" is refused rather than silently running torch."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: use one of {BACKENDS}")
+    if backend == "triton":
+        try:
+            import triton  # noqa: F401
+        except ImportError as err:
+            raise ValueError("backend='triton' but triton is not installed (no wheels for macOS and "
+                             "Windows); use backend='auto' or 'torch'") from err
+        raise NotSupportedYetError("backend='triton': no Triton kernels are implemented yet; "
+                                   "backend='auto' runs the torch reference ops")
+    return "torch"

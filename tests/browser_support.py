@@ -1,0 +1,333 @@
+"""Helpers for the browser tests (tests/test_browser.py) and scripts/screenshot_views.py:
+a throwaway JupyterLab server, Playwright on Debian's `chromium`, StepInspector actions in Lab,
+and the notebook exported by nbconvert with the widget JS taken from a local npm install.
+
+What they need and scripts/setup_browser_test.sh installs: `chromium` on PATH and
+.browser/node_modules/{@jupyter-widgets/html-manager,requirejs}; `browser_tools()` says which is
+missing. See shared/design/env.md, sections 3 and 4.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOK = REPO / "tests" / "notebooks" / "inspector_browser.ipynb"
+NODE_MODULES = Path(os.environ.get("BROWSER_NODE_MODULES", REPO / ".browser" / "node_modules"))
+WIDGET_JS = NODE_MODULES / "@jupyter-widgets" / "html-manager" / "dist" / "embed-amd.js"
+REQUIRE_JS = NODE_MODULES / "requirejs" / "require.js"
+SETUP = "scripts/setup_browser_test.sh"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
+# the kernel of a notebook: CPU Triton and no hub access, as in tests/conftest.py
+KERNEL_ENV = {"TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+TABS = ("Batch", "Metadata", "KV blocks and slots", "State", "Timeline", "Warmup and memory")
+
+
+class MissingBrowserTools(RuntimeError):
+    pass
+
+
+def browser_tools() -> str:
+    """The chromium executable; raises MissingBrowserTools naming what is missing and how to get it."""
+    missing = []
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        missing.append("Debian's `chromium` (not on PATH)")
+    for path in (WIDGET_JS, REQUIRE_JS):
+        if not path.is_file():
+            missing.append(f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path} (npm)")
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        missing.append("the `playwright` Python package (pip install -e '.[dev]')")
+    if missing:
+        raise MissingBrowserTools("browser tests need " + "; ".join(missing) +
+                                  f": run {SETUP} (`make test` runs it first)")
+    return chromium
+
+
+def prepare_notebook(dest_dir: Path, model: str | None = None, name: str = "inspector.ipynb") -> Path:
+    """Copy the test notebook into `dest_dir` (outputs cleared), with another model if given."""
+    nb = json.loads(NOTEBOOK.read_text())
+    if model is not None:
+        for cell in nb["cells"]:
+            cell["source"] = [line.replace('LLM("tiny-bamba"', f"LLM({json.dumps(model)}")
+                              for line in cell["source"]]
+    dest = Path(dest_dir) / name
+    dest.write_text(json.dumps(nb, indent=1))
+    return dest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class JupyterLab:
+    """`jupyter lab` on 127.0.0.1 and a free port, as root too (--allow-root), with its own
+    config/data/runtime/settings/workspaces dirs under `work_dir`, a random token and the news
+    toast off. Use as a context manager; `stop()` also ends it when the caller failed."""
+
+    def __init__(self, root_dir: Path, work_dir: Path, env: dict | None = None, startup_timeout: float = 90):
+        self.root_dir, self.work_dir = Path(root_dir), Path(work_dir)
+        self.extra_env = dict(env or {})
+        self.startup_timeout = startup_timeout
+        self.token = secrets.token_hex(16)
+        self.port = None
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.work_dir / "jupyterlab.log"
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> "JupyterLab":
+        dirs = {k: self.work_dir / k for k in ("config", "data", "runtime", "settings", "workspaces", "ipython")}
+        for d in dirs.values():
+            d.mkdir(parents=True, exist_ok=True)
+        # user settings: no "get Jupyter news?" toast, no update check (env.md: --LabApp.news_url=None does not)
+        notif = dirs["settings"] / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
+        notif.parent.mkdir(parents=True, exist_ok=True)
+        notif.write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
+        env = dict(os.environ, JUPYTER_CONFIG_DIR=str(dirs["config"]), JUPYTER_DATA_DIR=str(dirs["data"]),
+                   JUPYTER_RUNTIME_DIR=str(dirs["runtime"]), IPYTHONDIR=str(dirs["ipython"]),
+                   JUPYTER_PLATFORM_DIRS="1", **KERNEL_ENV)
+        env.update(self.extra_env)
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "jupyterlab", "--allow-root", "--ServerApp.open_browser=False",
+               "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
+               f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.root_dir}",
+               f"--LabApp.user_settings_dir={dirs['settings']}",
+               f"--LabApp.workspaces_dir={dirs['workspaces']}"]
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=self.root_dir, env=env, stdin=subprocess.DEVNULL,
+                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"jupyter lab exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with self.api("GET", "/api/status", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"jupyter lab did not answer within {self.startup_timeout}s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        """Ask the server to shut down (it ends its kernels), then end its process group:
+        SIGTERM, wait, SIGKILL."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                self.api("POST", "/api/shutdown", timeout=5).close()
+                self.proc.wait(timeout=15)
+            except Exception:
+                pass
+        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+            if self.proc.poll() is not None:
+                break
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # anything left in the group (it shares the server's session)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self._log.close()
+        self.proc = None
+
+    def __enter__(self) -> "JupyterLab":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- access -----------------------------------------------------------------------------------
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def api(self, method: str, path: str, timeout: float = 5):
+        req = urllib.request.Request(self.base + path, method=method,
+                                     headers={"Authorization": f"token {self.token}"})
+        return urllib.request.urlopen(req, timeout=timeout)
+
+    def notebook_url(self, name: str, workspace: str = "browser-test") -> str:
+        """The notebook alone in a fresh workspace (`reset`: no restored tabs)."""
+        return f"{self.base}/lab/workspaces/{workspace}/tree/{name}?reset&token={self.token}"
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+
+def launch_chromium(playwright, chromium: str | None = None):
+    """Debian's chromium through Playwright (no Playwright browser download)."""
+    return playwright.chromium.launch(executable_path=chromium or browser_tools(), headless=True,
+                                      args=CHROMIUM_ARGS)
+
+
+# ---- the StepInspector in JupyterLab ------------------------------------------------------------
+class LabNotebook:
+    """One notebook open in Lab, driven like a user: menus, buttons, tabs, dropdowns. Every locator
+    is `:visible`, because Lab keeps hidden duplicate panels."""
+
+    def __init__(self, page, lab: JupyterLab, name: str, timeout_ms: float = 60_000):
+        self.page, self.lab, self.name = page, lab, name
+        self.timeout = timeout_ms
+        page.set_default_timeout(timeout_ms)
+
+    def open(self) -> "LabNotebook":
+        self.page.goto(self.lab.notebook_url(self.name))
+        self.page.locator(".jp-NotebookPanel:visible .jp-Cell").first.wait_for()
+        self.wait_kernel_idle()
+        return self
+
+    @property
+    def panel(self):
+        return self.page.locator(".jp-NotebookPanel:visible").first
+
+    def wait_kernel_idle(self, timeout_ms: float | None = None) -> None:
+        """The toolbar's kernel status reads Idle (after a start or a run)."""
+        self.page.locator(".jp-NotebookPanel:visible .jp-Notebook-ExecutionIndicator[data-status='idle']") \
+            .first.wait_for(timeout=timeout_ms or self.timeout)
+
+    def run_all(self) -> None:
+        """Run > Run All Cells, then wait until no cell is queued or running and the kernel is idle."""
+        self.page.get_by_role("menuitem", name="Run", exact=True).click()
+        self.page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+        self.wait_cells_done()
+
+    def wait_cells_done(self) -> None:
+        self.page.wait_for_function(
+            """() => {
+                const panel = [...document.querySelectorAll('.jp-NotebookPanel')].find(p => p.offsetParent);
+                if (!panel) return false;
+                const prompts = [...panel.querySelectorAll('.jp-Cell.jp-CodeCell .jp-InputPrompt')];
+                return prompts.length && prompts.every(p => /\\[\\d+\\]/.test(p.textContent));
+            }""", timeout=self.timeout)
+        self.wait_kernel_idle()
+
+    def code_cell(self, index: int):
+        return self.panel.locator(".jp-Cell.jp-CodeCell").nth(index)
+
+    def rerun_cell(self, index: int) -> str:
+        """Run one code cell again (select it, Shift+Enter); returns its output text."""
+        cell = self.code_cell(index)
+        before = cell.locator(".jp-InputPrompt").inner_text()
+        cell.locator(".jp-InputPrompt").click()          # select the cell (command mode)
+        self.page.keyboard.press("Escape")
+        self.page.keyboard.press("Shift+Enter")
+        self.page.wait_for_function(
+            """([el, before]) => { const t = el.textContent; return t !== before && /\\[\\d+\\]/.test(t); }""",
+            arg=[cell.locator(".jp-InputPrompt").element_handle(), before], timeout=self.timeout)
+        self.wait_kernel_idle()
+        return cell.locator(".jp-OutputArea-output").last.inner_text()
+
+    # -- the inspector widget ---------------------------------------------------------------------
+    @property
+    def inspector(self):
+        """The StepInspector's outer box (the widget output holding its Tab)."""
+        return self.panel.locator(".jp-OutputArea-output:has(.widget-tab)").first \
+            .locator(".widget-vbox").first
+
+    def position_text(self) -> str:
+        """'record N/M: ...' next to the history slider."""
+        return self.inspector.locator(".widget-html-content", has_text=re.compile(r"^record \d+/\d+")) \
+            .first.inner_text()
+
+    def click_step(self) -> str:
+        """Click Step and wait until the position label moves to a new record; returns it."""
+        before = self.position_text()
+        self.inspector.locator("button.jupyter-button:visible", has_text=re.compile(r"^\s*Step\s*$")).click()
+        label = self.inspector.locator(".widget-html-content", has_text=re.compile(r"^record \d+/\d+")).first
+        self.page.wait_for_function("([el, before]) => el.textContent !== before",
+                                    arg=[label.element_handle(), before], timeout=self.timeout)
+        return self.position_text()
+
+    def open_tab(self, title: str):
+        """Click the inspector tab `title`; returns its (visible) panel."""
+        self.inspector.locator(".lm-TabBar-tab:visible", has_text=re.compile(rf"^{re.escape(title)}$")).click()
+        index = TABS.index(title)
+        panel = self.inspector.locator(".widget-tab-contents > .widget-box, .widget-tab-contents > *:not(.lm-TabBar)")
+        panel = self.inspector.locator(".widget-tab > .widget-tab-contents").first.locator(":scope > *").nth(index)
+        panel.wait_for(state="visible")
+        return panel
+
+    def metadata_tables(self, panel) -> list[dict]:
+        """The Metadata view as data: [{'title': ..., 'rows': {field: value text}}] per table."""
+        return panel.evaluate(
+            """el => [...el.querySelectorAll('table')].map(t => ({
+                title: t.previousElementSibling ? t.previousElementSibling.innerText : '',
+                header: [...t.querySelectorAll('thead th')].map(th => th.innerText.trim()),
+                rows: [...t.querySelectorAll('tbody tr')].map(
+                    tr => [...tr.querySelectorAll('td')].map(td => td.innerText.trim()))}))""")
+
+
+def metadata_values(tables: list[dict], group_word: str, field: str) -> list[str]:
+    """The value cells of `field` in the common-metadata tables whose title names `group_word`."""
+    out = []
+    for t in tables:
+        if group_word in t["title"] and "common metadata" in t["title"]:
+            col = t["header"].index("value")
+            out += [r[col] for r in t["rows"] if r and r[0] == field]
+    return out
+
+
+# ---- nbconvert's HTML, rendered offline ---------------------------------------------------------
+def export_html(notebook: Path, out_dir: Path, timeout: float = 300, headless_steps: bool = True) -> Path:
+    """Execute `notebook` with nbconvert to HTML, widget state stored, the widget manager and
+    require.js from the local npm install (file://), so that the page renders without a network."""
+    env = dict(os.environ, **KERNEL_ENV)
+    if headless_steps:
+        env["INSPECTOR_NOTEBOOK_HEADLESS"] = "1"
+    cmd = [sys.executable, "-m", "nbconvert", "--to", "html", "--execute",
+           "--ExecutePreprocessor.store_widget_state=True", f"--ExecutePreprocessor.timeout={int(timeout)}",
+           f"--HTMLExporter.widget_renderer_url={WIDGET_JS.as_uri()}",
+           f"--HTMLExporter.require_js_url={REQUIRE_JS.as_uri()}",
+           "--output-dir", str(out_dir), str(notebook)]
+    res = subprocess.run(cmd, cwd=Path(notebook).parent, env=env, capture_output=True, text=True,
+                         timeout=timeout + 60)
+    if res.returncode != 0:
+        raise RuntimeError(f"nbconvert failed ({res.returncode}):\n{res.stderr[-4000:]}")
+    return Path(out_dir) / (Path(notebook).stem + ".html")
+
+
+def block_network(context, seen: list[str] | None = None) -> None:
+    """Abort every request that is not file:// (data: and blob: never reach routes)."""
+    def handler(route):
+        url = route.request.url
+        if url.startswith("file://"):
+            route.continue_()
+        else:
+            if seen is not None:
+                seen.append(url)
+            route.abort()
+    context.route("**/*", handler)
