@@ -215,9 +215,13 @@ class LabNotebook:
         return self.page.locator(".jp-NotebookPanel:visible").first
 
     def wait_kernel_idle(self, timeout_ms: float | None = None) -> None:
-        """The toolbar's kernel status reads Idle (after a start or a run)."""
+        """A kernel is connected and idle: the status bar reads "<kernel name> | Idle" (before the
+        kernel connects it reads "No Kernel | ..." and the toolbar indicator already says idle)."""
+        timeout = timeout_ms or self.timeout
+        self.page.locator(".jp-StatusBar-TextItem:visible",
+                          has_text=re.compile(r"^(?!No Kernel).+ \| Idle$")).first.wait_for(timeout=timeout)
         self.page.locator(".jp-NotebookPanel:visible .jp-Notebook-ExecutionIndicator[data-status='idle']") \
-            .first.wait_for(timeout=timeout_ms or self.timeout)
+            .first.wait_for(timeout=timeout)
 
     def run_all(self) -> None:
         """Run > Run All Cells, then wait until no cell is queued or running and the kernel is idle."""
@@ -273,22 +277,50 @@ class LabNotebook:
         return self.position_text()
 
     def open_tab(self, title: str):
-        """Click the inspector tab `title`; returns its (visible) panel."""
-        self.inspector.locator(".lm-TabBar-tab:visible", has_text=re.compile(rf"^{re.escape(title)}$")).click()
-        index = TABS.index(title)
-        panel = self.inspector.locator(".widget-tab-contents > .widget-box, .widget-tab-contents > *:not(.lm-TabBar)")
-        panel = self.inspector.locator(".widget-tab > .widget-tab-contents").first.locator(":scope > *").nth(index)
+        """Click the inspector's tab `title`; returns its panel once it is shown."""
+        self.inspector.locator("li.lm-TabBar-tab:visible", has_text=re.compile(rf"^{re.escape(title)}$")).click()
+        panel = self.inspector.locator(".widget-tab > .widget-tab-contents > .widget-box").nth(TABS.index(title))
         panel.wait_for(state="visible")
         return panel
 
-    def metadata_tables(self, panel) -> list[dict]:
-        """The Metadata view as data: [{'title': ..., 'rows': {field: value text}}] per table."""
-        return panel.evaluate(
-            """el => [...el.querySelectorAll('table')].map(t => ({
-                title: t.previousElementSibling ? t.previousElementSibling.innerText : '',
-                header: [...t.querySelectorAll('thead th')].map(th => th.innerText.trim()),
-                rows: [...t.querySelectorAll('tbody tr')].map(
-                    tr => [...tr.querySelectorAll('td')].map(td => td.innerText.trim()))}))""")
+    def wait_text(self, scope, text: str) -> None:
+        """Wait until `text` is in the (rendered) text of `scope`: the kernel redraws a view
+        after a click, so its new values arrive a moment later."""
+        self.page.wait_for_function("([el, text]) => el.innerText.includes(text)",
+                                    arg=[scope.element_handle(), text], timeout=self.timeout)
+
+    def pick_state_layer(self, panel, prefer: str = "mamba") -> str:
+        """In the State view, choose a recurrent layer by its <option> in the layer dropdown (one
+        whose name contains `prefer`, other than the one shown), then wait until the note names it
+        and new heatmap <img>s are decoded. Returns the layer name."""
+        note = panel.locator(".widget-html-content").first
+        self.wait_text(note, "state slot")                       # the first draw, for the default layer
+        select = panel.locator(".widget-dropdown", has=self.page.locator("label", has_text=re.compile(r"^layer$"))) \
+            .locator("select")
+        options = select.evaluate("e => [...e.options].map(o => o.value)")
+        current = select.input_value()
+        candidates = [o for o in options if prefer in o] or options
+        choice = next((o for o in reversed(candidates) if o != current), candidates[-1])
+        images = panel.locator(":scope > .widget-vbox").first
+        old = set(loaded_images(images))
+        select.select_option(value=choice)
+        self.wait_text(note, choice)
+        self.page.wait_for_function(
+            """([el, old]) => { const imgs = [...el.querySelectorAll('img')];
+                return imgs.length > 0 && imgs.every(i => i.complete && i.naturalWidth > 0 && !old.includes(i.src)); }""",
+            arg=[images.element_handle(), sorted(old)], timeout=self.timeout)
+        return choice
+
+
+def metadata_tables(panel) -> list[dict]:
+    """The Metadata view as the page shows it: per table its title (the line above it), header
+    and rows of cell texts."""
+    return panel.evaluate(
+        """el => [...el.querySelectorAll('table')].map(t => ({
+            title: t.previousElementSibling ? t.previousElementSibling.innerText : '',
+            header: [...t.querySelectorAll('thead th')].map(th => th.innerText.trim()),
+            rows: [...t.querySelectorAll('tbody tr')].map(
+                tr => [...tr.querySelectorAll('td')].map(td => td.innerText.trim()))}))""")
 
 
 def metadata_values(tables: list[dict], group_word: str, field: str) -> list[str]:
@@ -331,3 +363,38 @@ def block_network(context, seen: list[str] | None = None) -> None:
                 seen.append(url)
             route.abort()
     context.route("**/*", handler)
+
+
+# ---- reading results back -------------------------------------------------------------------------
+RUNNER_VALUES = re.compile(r"RUNNER_VALUES (\{.*\})")
+
+
+def runner_values(text: str) -> dict:
+    """The JSON the notebook's last cell prints ("RUNNER_VALUES {...}")."""
+    m = RUNNER_VALUES.search(text)
+    if m is None:
+        raise AssertionError(f"no RUNNER_VALUES line in the cell output: {text!r}")
+    return json.loads(m.group(1))
+
+
+def loaded_images(scope) -> list[str]:
+    """`src` of the <img>s under `scope` that are shown and decoded (naturalWidth > 0)."""
+    return scope.evaluate("""el => [...el.querySelectorAll('img')]
+        .filter(i => i.complete && i.naturalWidth > 0 && i.offsetParent !== null).map(i => i.src)""")
+
+
+def save_png(path: Path, png: bytes, max_bytes: int | None = None) -> Path:
+    """Write a screenshot; above `max_bytes`, store it with a 256-colour palette (lossless-looking
+    for these flat tables and plots, several times smaller)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if max_bytes is not None and len(png) > max_bytes:
+        import io
+
+        from PIL import Image
+        img = Image.open(io.BytesIO(png)).convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT)
+        buf = io.BytesIO()
+        img.save(buf, format="PNG", optimize=True)
+        png = buf.getvalue()
+    path.write_bytes(png)
+    return path

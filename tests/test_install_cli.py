@@ -36,7 +36,7 @@ def test_help_lists_commands_and_presets():
 
 
 @pytest.mark.parametrize("args, match", [
-    (["--model", "no-such-model"], "neither a preset nor an existing folder"),
+    (["--model", "no-such-model"], "neither a preset.* nor an existing folder"),
     (["--model", "{empty}"], "config.json"),
     (["--max-num-seqs", "0"], "max_num_seqs"),
     (["--device", "tpu"], "device"),

@@ -199,7 +199,9 @@ def _load_reference(llm, reference: Any) -> torch.nn.Module:
             for p in hf.parameters():
                 p.data = p.data.clone()
         return hf.eval()
-    return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval()
+    from toolkit.models import model_folder
+    folder = model_folder(name) or name          # a shipped demo model's folder, or the folder itself
+    return AutoModelForCausalLM.from_pretrained(os.fspath(folder), dtype=torch.float32).eval()
 
 
 def _as_prompt(p: Any) -> Any:

@@ -28,6 +28,9 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
     "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
 )
+# trained byte-level models shipped inside the package (scripts/train_demo_models.py)
+DEMO_ROOT = Path(__file__).resolve().parent / "demo"
+DEMO_MODELS = {"demo-hybrid": DEMO_ROOT / "demo-hybrid", "demo-mamba": DEMO_ROOT / "demo-mamba"}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 # checkpoint entries that are not parameters (old Llama checkpoints store the RoPE buffer)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -72,12 +75,22 @@ def load_model(
         m = cls(config)
         m.init_random_weights(seed)
         return LoadedModel(_finish(m, device, dtype), config, None, None)
-    folder = Path(name)
-    if not folder.is_dir():
+    folder = model_folder(name)
+    if folder is None:
         raise UnknownModelError(
-            f"'{name}' is neither a preset nor an existing folder; presets: {', '.join(PRESETS)}"
+            f"'{name}' is neither a preset, a shipped demo model nor an existing folder; presets: "
+            f"{', '.join(PRESETS)}; demo models: {', '.join(DEMO_MODELS)}"
         )
     return _load_folder(folder, dtype, device)
+
+
+def model_folder(name: str | os.PathLike) -> Path | None:
+    """The HF folder a model name stands for: a shipped demo model or an existing folder."""
+    name = os.fspath(name)
+    if name in DEMO_MODELS and (DEMO_MODELS[name] / "config.json").is_file():
+        return DEMO_MODELS[name]
+    folder = Path(name)
+    return folder if folder.is_dir() else None
 
 
 def _read_config(folder: Path) -> PretrainedConfig:

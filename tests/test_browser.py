@@ -1,0 +1,168 @@
+"""StepInspector in a real browser (Debian's chromium, driven by Playwright), two ways:
+
+- live in JupyterLab: run tests/notebooks/inspector_browser.ipynb, click Step twice, open Metadata
+  and check that it shows the seq_lens_cpu_upper_bound / query_start_loc the runner used (the
+  notebook's last cell, run again after the clicks, prints them); then pick a Mamba layer in the
+  State view and wait for its heatmaps;
+- the notebook exported by nbconvert (widget state stored, widget JS from the local npm install),
+  opened from file:// with every other request aborted: the rendered widget shows the Metadata tab.
+
+Needs chromium and .browser/node_modules: scripts/setup_browser_test.sh installs them (`make test`
+runs it first). Without them these tests fail, saying so; they are not skipped. Screenshots go to
+the test's tmp_path, and the last of each test to tests/output/ (git-ignored).
+"""
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+import browser_support as B
+
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
+
+OUTPUT = Path(__file__).resolve().parent / "output"
+VIEWPORT = {"width": 1400, "height": 1800}
+
+
+def _tools() -> str:
+    try:
+        return B.browser_tools()
+    except B.MissingBrowserTools as err:
+        pytest.fail(str(err), pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """JupyterLab serving a tmp folder holding a copy of the test notebook; ended after the module
+    (also when a test failed)."""
+    root = tmp_path_factory.mktemp("lab_root")
+    B.prepare_notebook(root)
+    server = B.JupyterLab(root, tmp_path_factory.mktemp("lab_state"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _keep(shot: Path, name: str) -> None:
+    OUTPUT.mkdir(exist_ok=True)
+    shutil.copyfile(shot, OUTPUT / name)
+
+
+def _values_as_text(values: list) -> str:
+    return str(values)             # how the Metadata view previews a short int list: "[3, 12]"
+
+
+def test_inspector_live_in_jupyterlab(lab, tmp_path):
+    chromium = _tools()
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = B.launch_chromium(p, chromium)
+        page = browser.new_page(viewport=VIEWPORT)
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        nb = B.LabNotebook(page, lab, "inspector.ipynb")
+        try:
+            nb.open()
+            nb.run_all()
+            page.screenshot(path=tmp_path / "lab_1_ran_all.png")
+            start = nb.position_text()
+            assert re.match(r"record \d+/\d+: warmup/", start), start   # warmed up, nothing stepped yet
+
+            labels = [nb.click_step(), nb.click_step()]
+            assert [re.search(r"step (\d+) \(by step\(\)\)", t) is not None for t in labels] == [True, True], labels
+
+            panel = nb.open_tab("Metadata")
+            nb.wait_text(panel, "seq_lens_cpu_upper_bound")
+            # what the runner used, printed by the notebook's last cell run after the clicks
+            ran = B.runner_values(nb.rerun_cell(-1))
+            m = re.match(r"record (\d+)/(\d+): step (\d+)", labels[-1])
+            assert (ran["record"] + 1, ran["step_index"]) == (int(m.group(1)), int(m.group(3))), (ran, labels)
+            assert ran["seq_lens_cpu_upper_bound"] and ran["query_start_loc"], ran
+
+            tables = B.metadata_tables(panel)
+            bound = _values_as_text(ran["seq_lens_cpu_upper_bound"])
+            qsl = _values_as_text(ran["query_start_loc"])
+            assert B.metadata_values(tables, "Mamba", "seq_lens_cpu_upper_bound") == [bound], tables
+            assert B.metadata_values(tables, "Mamba", "query_start_loc") == [qsl], tables
+            assert B.metadata_values(tables, "Mamba", "query_start_loc_cpu") == [qsl], tables
+            html = panel.inner_html()
+            assert bound in html and qsl in html
+            nb.inspector.screenshot(path=tmp_path / "lab_2_metadata.png")
+
+            panel = nb.open_tab("State")
+            layer = nb.pick_state_layer(panel, prefer="mamba")
+            assert "mamba" in layer
+            heatmaps = B.loaded_images(panel.locator(":scope > .widget-vbox").first)
+            assert heatmaps, "no heatmap <img> in the State view"
+            final = tmp_path / "lab_3_state.png"
+            nb.inspector.screenshot(path=final)
+            _keep(final, "test_browser_lab_state.png")
+            assert not errors, errors
+        except Exception:
+            page.screenshot(path=tmp_path / "lab_failure.png")
+            _keep(tmp_path / "lab_failure.png", "test_browser_lab_failure.png")
+            print("page errors:", errors, "\njupyter lab log:\n", lab.log_tail())
+            raise
+        finally:
+            browser.close()
+
+
+def test_exported_html_renders_the_metadata_view_offline(tmp_path):
+    """The notebook run by nbconvert (it steps twice and selects the Metadata tab itself when
+    INSPECTOR_NOTEBOOK_HEADLESS=1, as nobody clicks there), opened without a network."""
+    chromium = _tools()
+    from playwright.sync_api import sync_playwright
+
+    notebook = B.prepare_notebook(tmp_path)
+    html_path = B.export_html(notebook, tmp_path)
+    source = html_path.read_text()
+    assert B.WIDGET_JS.as_uri() in source and B.REQUIRE_JS.as_uri() in source
+    assert "application/vnd.jupyter.widget-state+json" in source
+
+    with sync_playwright() as p:
+        browser = B.launch_chromium(p, chromium)
+        context = browser.new_context(viewport=VIEWPORT)
+        blocked: list[str] = []
+        B.block_network(context, blocked)
+        page = context.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.set_default_timeout(60_000)
+        try:
+            page.goto(html_path.as_uri())
+            # the tab bar exists only once the widget manager rendered the stored state
+            tab = page.locator(".widget-tab:visible").first
+            tab.wait_for()
+            current = tab.locator("li.lm-TabBar-tab.lm-mod-current")
+            assert current.inner_text().strip() == "Metadata"
+            panel = tab.locator(":scope > .widget-tab-contents > .widget-box").nth(B.TABS.index("Metadata"))
+            assert panel.is_visible()
+            text = panel.inner_text()
+            assert "seq_lens_cpu_upper_bound" in text and "query_start_loc" in text, text[:2000]
+
+            printed = page.locator(".jp-OutputArea-output:visible", has_text="RUNNER_VALUES").first.inner_text()
+            ran = B.runner_values(printed)
+            assert ran["stage"] == "step" and ran["step_index"] == 1, ran
+            tables = B.metadata_tables(panel)
+            assert B.metadata_values(tables, "Mamba", "seq_lens_cpu_upper_bound") == \
+                [_values_as_text(ran["seq_lens_cpu_upper_bound"])], tables
+            assert B.metadata_values(tables, "Mamba", "query_start_loc") == \
+                [_values_as_text(ran["query_start_loc"])], tables
+            final = tmp_path / "export_metadata.png"
+            tab.screenshot(path=final)
+            _keep(final, "test_browser_export_metadata.png")
+            assert not any("html-manager" in u or "require" in u for u in blocked), blocked
+            assert not errors, errors
+        except Exception:
+            page.screenshot(path=tmp_path / "export_failure.png", full_page=True)
+            _keep(tmp_path / "export_failure.png", "test_browser_export_failure.png")
+            print("page errors:", errors, "\nblocked requests:", blocked)
+            raise
+        finally:
+            browser.close()
