@@ -19,17 +19,29 @@ NAN_COLOR, POSINF_COLOR, NEGINF_COLOR = "#ffd400", "#000000", "#7f00ff"
 NULL_COLOR, PAD_COLOR = "#d0d7de", "#ffffff"
 
 
-def _plt():
+def _figure(**kwargs):
+    """A figure drawn by the Agg canvas directly: no pyplot, so the notebook's own matplotlib
+    backend (inline, ipympl) is never switched."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(**kwargs)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _cmap(name: str):
     import matplotlib
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-    return plt
+    return matplotlib.colormaps[name]
+
+
+def _rgba(color: str) -> tuple[float, float, float, float]:
+    from matplotlib.colors import to_rgba
+    return to_rgba(color)
 
 
 def _png(fig) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", facecolor="white")
-    _plt().close(fig)
     return buf.getvalue()
 
 
@@ -61,24 +73,24 @@ def heatmap_png(panels: Sequence[tuple[str, torch.Tensor]], title: str = "", *,
                 shared_scale: int = 2) -> bytes:
     """Side-by-side heatmaps (e.g. before / after / after - before) of same-shaped tensors.
     The first `shared_scale` panels share one symmetric colour scale; the rest get their own."""
-    plt = _plt()
     from matplotlib.colors import TwoSlopeNorm
     arrays = [(name, *as_2d(t)) for name, t in panels]
-    fig, axes = plt.subplots(1, len(arrays), figsize=(3.4 * len(arrays), 3.0), dpi=90, squeeze=False)
+    fig = _figure(figsize=(3.4 * len(arrays), 3.0), dpi=90)
+    axes = fig.subplots(1, len(arrays), squeeze=False)
     finite_shared = [np.abs(a[np.isfinite(a)]) for _, a, _ in arrays[:shared_scale]]
     shared = max([float(f.max()) for f in finite_shared if f.size] + [1e-12])
     for i, (ax, (name, a, fold)) in enumerate(zip(axes[0], arrays)):
         small, cut = downsample(a)
         finite = np.abs(small[np.isfinite(small)])
         scale = shared if i < shared_scale else max(float(finite.max()) if finite.size else 0.0, 1e-12)
-        cmap = plt.get_cmap("RdBu_r")
+        cmap = _cmap("RdBu_r")
         ax.imshow(np.where(np.isfinite(small), small, 0.0), cmap=cmap, aspect="auto",
                   interpolation="nearest", norm=TwoSlopeNorm(0.0, -scale, scale))
         for mask, color in ((np.isnan(small), NAN_COLOR), (np.isposinf(small), POSINF_COLOR),
                             (np.isneginf(small), NEGINF_COLOR)):
             if mask.any():
                 overlay = np.zeros((*small.shape, 4))
-                overlay[mask] = plt.matplotlib.colors.to_rgba(color)
+                overlay[mask] = _rgba(color)
                 ax.imshow(overlay, aspect="auto", interpolation="nearest")
         bad = int((~np.isfinite(a)).sum())
         ax.set_title(f"{name}\n|max| {np.abs(a[np.isfinite(a)]).max() if np.isfinite(a).any() else 0:.3g}"
@@ -96,12 +108,12 @@ def block_grid_png(rows: Sequence[Sequence[int]], row_labels: Sequence[str], tit
     """An integer grid: one row per batch row, one cell per block-table column (or per token of a
     slot mapping). Cells past `used[row]` are drawn as padding; the null id is grey, `pad_id`
     (e.g. PAD_SLOT_ID) white; ids are written in the cells when the grid is small."""
-    plt = _plt()
     grid = np.array([list(r) for r in rows], dtype=np.int64) if len(rows) else np.zeros((0, 0), np.int64)
     n_rows = max(grid.shape[0], 1)
     cols = pick_indices(grid.shape[1] if grid.size else 1, 64)
     grid = grid[:, cols] if grid.size else np.zeros((1, 1), np.int64)
-    fig, ax = plt.subplots(figsize=(min(1.2 + 0.32 * len(cols), 12), 0.6 + 0.32 * n_rows), dpi=90)
+    fig = _figure(figsize=(min(1.2 + 0.32 * len(cols), 12), 0.6 + 0.32 * n_rows), dpi=90)
+    ax = fig.subplots()
     real = grid.astype(float)
     mask_null = grid == null_id
     mask_pad = np.zeros_like(mask_null) if pad_id is None else grid == pad_id
@@ -109,10 +121,10 @@ def block_grid_png(rows: Sequence[Sequence[int]], row_labels: Sequence[str], tit
         for r, n in enumerate(used):
             mask_pad[r, np.searchsorted(cols, n):] = True
     shown = np.ma.masked_array(real, mask=mask_null | mask_pad)
-    cmap = plt.get_cmap("tab20").with_extremes(bad=PAD_COLOR)
+    cmap = _cmap("tab20").with_extremes(bad=PAD_COLOR)
     ax.imshow(shown % 20, cmap=cmap, vmin=0, vmax=19, aspect="auto", interpolation="nearest")
     null_overlay = np.zeros((*grid.shape, 4))
-    null_overlay[mask_null & ~mask_pad] = plt.matplotlib.colors.to_rgba(NULL_COLOR)
+    null_overlay[mask_null & ~mask_pad] = _rgba(NULL_COLOR)
     ax.imshow(null_overlay, aspect="auto", interpolation="nearest")
     if grid.size <= 600:
         for (r, c), v in np.ndenumerate(grid):
@@ -128,9 +140,9 @@ def block_grid_png(rows: Sequence[Sequence[int]], row_labels: Sequence[str], tit
 def timeline_png(records) -> bytes:
     """Three panels over a run: tokens per step (prefill vs decode rows), seconds per stage,
     and each request's life from its first scheduled step to the step it finished."""
-    plt = _plt()
     records = [r for r in records if r.scheduled]
-    fig, axes = plt.subplots(3, 1, figsize=(8, 6.2), dpi=90, sharex=True)
+    fig = _figure(figsize=(8, 6.2), dpi=90)
+    axes = fig.subplots(3, 1, sharex=True)
     xs = np.arange(len(records))
     pre = [sum(s.num_tokens for s in r.scheduled if not s.runs_as_decode) for r in records]
     dec = [sum(s.num_tokens for s in r.scheduled if s.runs_as_decode) for r in records]
@@ -169,8 +181,8 @@ def timeline_png(records) -> bytes:
 
 def norms_png(steps: Sequence[str], norms: dict[str, Sequence[float]], title: str) -> bytes:
     """One line per state tensor: its norm after each of the request's steps."""
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 2.4), dpi=90)
+    fig = _figure(figsize=(6, 2.4), dpi=90)
+    ax = fig.subplots()
     for name, values in norms.items():
         ax.plot(range(len(values)), values, marker="o", ms=3, label=name)
     ax.set_xticks(range(len(steps)), list(steps), fontsize=7)
