@@ -9,13 +9,21 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
-.PHONY: demo test bench
+.PHONY: demo test bench browser-setup notebooks
 demo: $(VENV)/.installed
 	$(PY) -m toolkit demo
 
 # `bin/pytest`, not `python -m pytest`: -m would put the repo root (and its kernels/ folder) on sys.path.
-test: $(VENV)/.installed
+# browser-setup: chromium (apt) and the widget JS (npm, into .browser/) for tests/test_browser.py, if missing.
+test: $(VENV)/.installed browser-setup
 	TRITON_INTERPRET=1 $(VENV)/bin/pytest tests
+
+browser-setup:
+	bash scripts/setup_browser_test.sh
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/decode_throughput.py
+
+# JupyterLab on the tutorials (notebooks/README.md); --allow-root only when run as root (containers)
+notebooks: $(VENV)/.installed
+	$(VENV)/bin/jupyter lab notebooks/ $$( [ "$$(id -u)" = 0 ] && echo --allow-root )

@@ -31,7 +31,7 @@ SETUP = "scripts/setup_browser_test.sh"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
 # the kernel of a notebook: CPU Triton and no hub access, as in tests/conftest.py
 KERNEL_ENV = {"TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-TABS = ("Batch", "Metadata", "KV blocks and slots", "State", "Timeline", "Warmup and memory")
+TABS = ("Batch", "Metadata", "Blocks", "State", "Timeline", "Warmup")
 
 
 class MissingBrowserTools(RuntimeError):
@@ -243,12 +243,15 @@ class LabNotebook:
         return self.panel.locator(".jp-Cell.jp-CodeCell").nth(index)
 
     def rerun_cell(self, index: int) -> str:
-        """Run one code cell again (select it, Shift+Enter); returns its output text."""
+        """Run one code cell again (select it, Ctrl+Enter: run, stay on it, add no cell); returns
+        its output text. A negative index counts from the end, as in Python."""
+        if index < 0:
+            index += self.panel.locator(".jp-Cell.jp-CodeCell").count()
         cell = self.code_cell(index)
         before = cell.locator(".jp-InputPrompt").inner_text()
         cell.locator(".jp-InputPrompt").click()          # select the cell (command mode)
         self.page.keyboard.press("Escape")
-        self.page.keyboard.press("Shift+Enter")
+        self.page.keyboard.press("Control+Enter")
         self.page.wait_for_function(
             """([el, before]) => { const t = el.textContent; return t !== before && /\\[\\d+\\]/.test(t); }""",
             arg=[cell.locator(".jp-InputPrompt").element_handle(), before], timeout=self.timeout)
@@ -269,8 +272,14 @@ class LabNotebook:
 
     def click_step(self) -> str:
         """Click Step and wait until the position label moves to a new record; returns it."""
+        return self.click_and_follow("Step")
+
+    def click_and_follow(self, button: str) -> str:
+        """Click the inspector's button `button` (Step, Run N, Run to end) and wait until the
+        position label moves to a new record; returns the label."""
         before = self.position_text()
-        self.inspector.locator("button.jupyter-button:visible", has_text=re.compile(r"^\s*Step\s*$")).click()
+        self.inspector.locator("button.jupyter-button:visible",
+                               has_text=re.compile(rf"^\s*{re.escape(button)}\s*$")).click()
         label = self.inspector.locator(".widget-html-content", has_text=re.compile(r"^record \d+/\d+")).first
         self.page.wait_for_function("([el, before]) => el.textContent !== before",
                                     arg=[label.element_handle(), before], timeout=self.timeout)
@@ -289,27 +298,41 @@ class LabNotebook:
         self.page.wait_for_function("([el, text]) => el.innerText.includes(text)",
                                     arg=[scope.element_handle(), text], timeout=self.timeout)
 
+    def state_dropdown(self, panel, label: str):
+        """The <select> of the State view's dropdown labelled `label` ("layer" or "request")."""
+        return panel.locator(".widget-dropdown", has=self.page.locator(
+            "label", has_text=re.compile(rf"^{re.escape(label)}$"))).locator("select")
+
     def pick_state_layer(self, panel, prefer: str = "mamba") -> str:
         """In the State view, choose a recurrent layer by its <option> in the layer dropdown (one
         whose name contains `prefer`, other than the one shown), then wait until the note names it
         and new heatmap <img>s are decoded. Returns the layer name."""
         note = panel.locator(".widget-html-content").first
         self.wait_text(note, "state slot")                       # the first draw, for the default layer
-        select = panel.locator(".widget-dropdown", has=self.page.locator("label", has_text=re.compile(r"^layer$"))) \
-            .locator("select")
+        select = self.state_dropdown(panel, "layer")
         options = select.evaluate("e => [...e.options].map(o => o.value)")
         current = select.input_value()
         candidates = [o for o in options if prefer in o] or options
         choice = next((o for o in reversed(candidates) if o != current), candidates[-1])
+        self._select_and_wait(panel, select, choice, choice)
+        return choice
+
+    def pick_state_request(self, panel, request_id: str) -> None:
+        """Choose `request_id` in the State view's request dropdown and wait for its heatmaps."""
+        select = self.state_dropdown(panel, "request")
+        if select.input_value() != request_id:
+            self._select_and_wait(panel, select, request_id, f"request {request_id!r}")
+
+    def _select_and_wait(self, panel, select, value: str, note_text: str) -> None:
+        note = panel.locator(".widget-html-content").first
         images = panel.locator(":scope > .widget-vbox").first
         old = set(loaded_images(images))
-        select.select_option(value=choice)
-        self.wait_text(note, choice)
+        select.select_option(value=value)
+        self.wait_text(note, note_text)
         self.page.wait_for_function(
             """([el, old]) => { const imgs = [...el.querySelectorAll('img')];
                 return imgs.length > 0 && imgs.every(i => i.complete && i.naturalWidth > 0 && !old.includes(i.src)); }""",
             arg=[images.element_handle(), sorted(old)], timeout=self.timeout)
-        return choice
 
 
 def metadata_tables(panel) -> list[dict]:

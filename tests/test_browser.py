@@ -28,10 +28,12 @@ VIEWPORT = {"width": 1400, "height": 1800}
 
 
 def _tools() -> str:
+    """chromium's path; without the tools the test fails (not skips), naming the setup script."""
     try:
         return B.browser_tools()
     except B.MissingBrowserTools as err:
-        pytest.fail(str(err), pytrace=False)
+        missing = str(err)
+    pytest.fail(missing, pytrace=False)
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +55,18 @@ def _keep(shot: Path, name: str) -> None:
     shutil.copyfile(shot, OUTPUT / name)
 
 
+def _forget(name: str) -> None:
+    """Drop a screenshot a previous run left in tests/output (e.g. of a failure since fixed)."""
+    (OUTPUT / name).unlink(missing_ok=True)
+
+
 def _values_as_text(values: list) -> str:
     return str(values)             # how the Metadata view previews a short int list: "[3, 12]"
 
 
 def test_inspector_live_in_jupyterlab(lab, tmp_path):
     chromium = _tools()
+    _forget("test_browser_lab_failure.png")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
@@ -117,6 +125,7 @@ def test_exported_html_renders_the_metadata_view_offline(tmp_path):
     """The notebook run by nbconvert (it steps twice and selects the Metadata tab itself when
     INSPECTOR_NOTEBOOK_HEADLESS=1, as nobody clicks there), opened without a network."""
     chromium = _tools()
+    _forget("test_browser_export_failure.png")
     from playwright.sync_api import sync_playwright
 
     notebook = B.prepare_notebook(tmp_path)

@@ -14,7 +14,7 @@ from toolkit.widgets import (BatchView, BlockTableView, MetadataView, StateView,
                              TimelineView, WarmupMemoryView)
 from toolkit.widgets import plots
 
-TABS = {"Batch": 0, "Metadata": 1, "KV blocks and slots": 2, "State": 3, "Timeline": 4, "Warmup and memory": 5}
+TABS = {"Batch": 0, "Metadata": 1, "Blocks": 2, "State": 3, "Timeline": 4, "Warmup": 5}
 
 
 def make(preset="tiny-bamba", **kw) -> StepInspector:
@@ -101,13 +101,13 @@ def test_blocks_timeline_and_warmup_views():
     ins.run_all_button.click()
     assert not ins.llm.has_unfinished_requests()
     ins.slider.value = ins.slider.max - 1
-    show(ins, "KV blocks and slots")
+    show(ins, "Blocks")
     rec = ins.record
     html = ins.blocks.html.value
     assert html.count("<img") >= 3                        # attention table, slot mapping, state slots
     for rid, held in rec.ledger.holdings.items():
         assert rid in html
-    show(ins, "Warmup and memory")
+    show(ins, "Warmup")
     wm = ins.warmup.html.value
     for stage in [r.stage for r in ins.llm.trace.by_stage("warmup")][:4]:
         assert stage in wm

@@ -7,6 +7,10 @@ class ToolkitError(Exception):
     """Base class of the toolkit's own errors."""
 
 
+class EngineClosedError(ToolkitError, RuntimeError):
+    """A call on an LLM after `shutdown()`: build a new one (`LLM(**llm.init_args)`)."""
+
+
 class UnknownModelError(ToolkitError, ValueError):
     """`LLM(model)` got neither a preset name nor an existing folder."""
 

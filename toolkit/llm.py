@@ -12,7 +12,8 @@ import torch
 from tqdm.auto import tqdm
 
 from toolkit.config import RunnerConfig, resolve_device_dtype
-from toolkit.errors import CheckpointError, InvalidRequestError, NotSupportedYetError
+from toolkit.errors import (CheckpointError, EngineClosedError, InvalidRequestError,
+                            NotSupportedYetError)
 from toolkit.inspect import checks
 from toolkit.inspect.recorder import MODES, Recorder, warmup_record
 from toolkit.inspect.step_record import ScheduledRequest, StepRecord, snapshot
@@ -76,6 +77,7 @@ class LLM:
             max_model_len=max_model_len, groups=[CacheGroupKind(g.kind, g.block_size) for g in groups],
             num_kv_blocks=attn[0].num_blocks if attn else 0)
         self._carried_outputs: list[RequestOutput] = []   # finished inside generate(), not its own
+        self._finished_ids: set[str] = set()              # user request ids are never reused
         self._next_request_id = 0
         self._arrivals = 0            # user requests only: warmup does not shift derived seeds
         self._step_index = 0
@@ -121,6 +123,10 @@ class LLM:
                                       f"got {type(prompt).__name__}")
         if not ids:
             raise InvalidRequestError("the prompt is empty")
+        bad_stops = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stops:
+            raise InvalidRequestError(f"SamplingParams.stop_token_ids {bad_stops[:5]} are outside the "
+                                      f"vocabulary [0, {self.vocab_size}): they could never stop a request")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"token ids {bad[:5]} are out of range [0, {self.vocab_size})")
@@ -141,6 +147,9 @@ class LLM:
             raise InvalidRequestError(f"request_id={request_id!r}: must be a non-empty str")
         elif request_id in self.scheduler.requests or request_id in taken:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        elif request_id in self._finished_ids:
+            raise InvalidRequestError(f"request id {request_id!r} was used by a request that finished; "
+                                      "ids are unique per LLM (the trace refers to them): choose another")
         return Request(request_id, ids, params, frozenset(self.eos_token_ids), prompt=text)
 
     def _auto_request_id(self, taken: set[str]) -> str:
@@ -148,7 +157,7 @@ class LLM:
         while True:
             rid = str(self._next_request_id)
             self._next_request_id += 1
-            if rid not in self.scheduler.requests and rid not in taken:
+            if rid not in self.scheduler.requests and rid not in taken and rid not in self._finished_ids:
                 return rid
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -167,11 +176,15 @@ class LLM:
             self._arrivals += 1
         self.scheduler.add_request(request)
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request; its blocks and state slot are freed. Unknown ids are ignored."""
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request; its blocks and state slot are freed. Returns whether a running or
+        waiting request was aborted (an unknown or finished id changes nothing)."""
         self._check_open()
-        if self.scheduler.abort_request(request_id) is not None:
-            self.model_runner.remove_requests([request_id])
+        if self.scheduler.abort_request(request_id) is None:
+            return False
+        self.model_runner.remove_requests([request_id])
+        self._finished_ids.add(request_id)
+        return True
 
     def has_unfinished_requests(self) -> bool:
         """True while a request runs or waits, or a finished one awaits delivery by step()."""
@@ -213,6 +226,7 @@ class LLM:
             raise
         done = time.perf_counter()
         self.model_runner.remove_requests([r.request_id for r in finished])
+        self._finished_ids.update(r.request_id for r in finished)
         outputs = [self._output(r) for r in finished]
         step_index = None if warm else self._step_index
         if not warm:
@@ -252,9 +266,15 @@ class LLM:
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Run prompts to completion; outputs in prompt order. All prompts are validated before
         any is queued, so a bad one raises and leaves the engine as it was."""
+        self._check_open()
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidRequestError("prompts: a prompt (a str or {'prompt_token_ids': [...]}) or a list "
+                                      f"of them, got {type(prompts).__name__}")
         prompts = list(prompts)
+        if not prompts:
+            raise InvalidRequestError("prompts is empty: nothing to generate")
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(prompts):
                 raise InvalidRequestError(f"{len(sampling_params)} sampling params for "
@@ -371,7 +391,8 @@ class LLM:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("this LLM has been shut down")
+            raise EngineClosedError("this LLM has been shut down: build a new one, e.g. "
+                                    "LLM(**llm.init_args)")
 
     def __enter__(self) -> "LLM":
         return self

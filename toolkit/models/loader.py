@@ -183,6 +183,12 @@ def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> Load
         if k in expected and tuple(t.shape) != expected[k]
     )
     non_float = sorted(k for k, t in state.items() if k in expected and not t.is_floating_point())
+    non_finite = sorted(f"{k} ({int((~torch.isfinite(t)).sum())} of {t.numel()} values)"
+                        for k, t in state.items()
+                        if k in expected and t.is_floating_point() and not bool(torch.isfinite(t).all()))
+    if non_finite:
+        raise CheckpointError(f"{folder}: NaN or Inf weights in {_list(non_finite)}; a model with them "
+                              "runs and emits tokens that mean nothing: re-export the checkpoint")
     if missing or unexpected or misshapen or non_float:
         parts = []
         if missing:

@@ -7,8 +7,8 @@
 
 Controls: Step, Run N, Run to end, Reset (a new LLM from the same arguments), add a request from
 a text box (text, or token ids as "5, 6, 7"); a history slider over `llm.trace` (warmup stages
-included and labelled). Tabs: Batch, Metadata, KV blocks and slots, State, Timeline, Warmup and
-memory. The widget tree is built once; moving the slider or stepping sets values, and only the
+included and labelled). Tabs: Batch, Metadata, Blocks (KV blocks and state slots), State, Timeline, Warmup (and
+memory). The widget tree is built once; moving the slider or stepping sets values, and only the
 visible tab is redrawn (the others when they are opened).
 """
 from __future__ import annotations

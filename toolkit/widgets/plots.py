@@ -95,12 +95,21 @@ def heatmap_png(panels: Sequence[tuple[str, torch.Tensor]], title: str = "", *,
         bad = int((~np.isfinite(a)).sum())
         ax.set_title(f"{name}\n|max| {np.abs(a[np.isfinite(a)]).max() if np.isfinite(a).any() else 0:.3g}"
                      + (f", {bad} non-finite" if bad else ""), fontsize=8)
-        ax.set_xlabel(fold + (" (every n-th shown)" if cut else ""), fontsize=7)
+        ax.set_xlabel(fold + (" (evenly sampled)" if cut else ""), fontsize=7)
+        _index_ticks(ax, a.shape)
         ax.tick_params(labelsize=6)
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return _png(fig)
+
+
+def _index_ticks(ax, shape: tuple[int, int], most: int = 6) -> None:
+    """Integer ticks labelled with the ORIGINAL row / column indices of a downsampled array."""
+    for axis, n in ((ax.yaxis, shape[0]), (ax.xaxis, shape[1])):
+        picked = pick_indices(n)
+        where = np.unique(np.linspace(0, len(picked) - 1, min(most, len(picked))).round().astype(int))
+        axis.set_ticks(where, [str(picked[i]) for i in where])
 
 
 def block_grid_png(rows: Sequence[Sequence[int]], row_labels: Sequence[str], title: str, *,
@@ -110,9 +119,11 @@ def block_grid_png(rows: Sequence[Sequence[int]], row_labels: Sequence[str], tit
     (e.g. PAD_SLOT_ID) white; ids are written in the cells when the grid is small."""
     grid = np.array([list(r) for r in rows], dtype=np.int64) if len(rows) else np.zeros((0, 0), np.int64)
     n_rows = max(grid.shape[0], 1)
+    if used is not None and grid.size:               # columns nobody uses are not worth drawing
+        grid = grid[:, :max(max(used) + 1, 1)]
     cols = pick_indices(grid.shape[1] if grid.size else 1, 64)
     grid = grid[:, cols] if grid.size else np.zeros((1, 1), np.int64)
-    fig = _figure(figsize=(min(1.2 + 0.32 * len(cols), 12), 0.6 + 0.32 * n_rows), dpi=90)
+    fig = _figure(figsize=(max(4.5, min(1.2 + 0.32 * len(cols), 10)), 0.9 + 0.32 * n_rows), dpi=90)
     ax = fig.subplots()
     real = grid.astype(float)
     mask_null = grid == null_id
@@ -132,7 +143,7 @@ def block_grid_png(rows: Sequence[Sequence[int]], row_labels: Sequence[str], tit
                 ax.text(c, r, "null" if v == null_id else str(v), ha="center", va="center", fontsize=6)
     ax.set_yticks(range(len(row_labels)), [str(x) for x in row_labels], fontsize=7)
     ax.set_xticks(range(len(cols)), [str(c) for c in cols], fontsize=6)
-    ax.set_title(title, fontsize=8)
+    ax.set_title(title, fontsize=8, wrap=True)
     fig.tight_layout()
     return _png(fig)
 
@@ -141,7 +152,7 @@ def timeline_png(records) -> bytes:
     """Three panels over a run: tokens per step (prefill vs decode rows), seconds per stage,
     and each request's life from its first scheduled step to the step it finished."""
     records = [r for r in records if r.scheduled]
-    fig = _figure(figsize=(8, 6.2), dpi=90)
+    fig = _figure(figsize=(9.5, 6.2), dpi=90)
     axes = fig.subplots(3, 1, sharex=True)
     xs = np.arange(len(records))
     pre = [sum(s.num_tokens for s in r.scheduled if not s.runs_as_decode) for r in records]
@@ -149,7 +160,7 @@ def timeline_png(records) -> bytes:
     axes[0].bar(xs, pre, color="#4c72b0", label="prefill tokens")
     axes[0].bar(xs, dec, bottom=pre, color="#dd8452", label="decode tokens")
     axes[0].set_ylabel("tokens", fontsize=8)
-    axes[0].legend(fontsize=7, loc="upper right")
+    axes[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     stages = ["schedule", "prepare_inputs", "build_metadata", "forward", "sample", "update"]
     bottom = np.zeros(len(records))
     for stage in stages:
@@ -157,7 +168,7 @@ def timeline_png(records) -> bytes:
         axes[1].bar(xs, ms, bottom=bottom, label=stage)
         bottom += ms
     axes[1].set_ylabel("ms", fontsize=8)
-    axes[1].legend(fontsize=6, ncol=3, loc="upper right")
+    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     first: dict[str, int] = {}
     last: dict[str, int] = {}
     for i, r in enumerate(records):

@@ -24,6 +24,11 @@ from toolkit.widgets import plots
 VIEW_LAYOUT = W.Layout(width="100%")
 
 
+def _column() -> W.Layout:
+    """A column whose images keep their own width (a VBox stretches its children by default)."""
+    return W.Layout(width="100%", align_items="flex-start")
+
+
 def _builder_contracts() -> dict[str, dict[str, Any]]:
     """builder class name -> {field name: FieldSpec} (the contracts the builders declare)."""
     from toolkit.attention.mamba1 import Mamba1MetadataBuilder
@@ -257,8 +262,9 @@ class StateView(_View):
         self.note = W.HTML()
         self.images = W.VBox()
         self.norms = W.Image(format="png")
+        self.images.layout = _column()
         self.widget = W.VBox([W.HBox([self.layer, self.request]), self.note, self.images, self.norms],
-                             layout=VIEW_LAYOUT)
+                             layout=_column())
         self.trace, self.record = trace, None
         self._updating = False
         self.layer.observe(lambda _: self._redraw(), names="value")
@@ -317,7 +323,7 @@ class TimelineView(_View):
     def __init__(self, trace=None):
         self.image = W.Image(format="png")
         self.note = W.HTML()
-        self.widget = W.VBox([self.note, self.image], layout=VIEW_LAYOUT)
+        self.widget = W.VBox([self.note, self.image], layout=_column())
         self.png = b""
         if trace is not None:
             self.show(trace)
@@ -354,4 +360,4 @@ class WarmupMemoryView(_View):
 
 
 def view_names() -> Sequence[str]:
-    return ("Batch", "Metadata", "KV blocks and slots", "State", "Timeline", "Warmup and memory")
+    return ("Batch", "Metadata", "Blocks", "State", "Timeline", "Warmup")
