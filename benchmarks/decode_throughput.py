@@ -18,6 +18,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
+from table import print_markdown_table
 from toolkit import LLM, SamplingParams
 from toolkit.models import save_hf_folder
 
@@ -85,11 +86,7 @@ def main() -> None:
                                  f"{batch / step:,.0f}"])
                     print("  ".join(rows[-1]), flush=True)
     print()
-    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
-    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |")
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for r in rows:
-        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+    print_markdown_table(header, rows)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from table import print_markdown_table
 from toolkit import LLM, SamplingParams
 
 
@@ -86,12 +87,8 @@ def main() -> None:
         for llm in llms.values():
             llm.shutdown()
     header = ["preset", "mode", "decode step ms", "decode tok/s", "vs removed"]
-    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
     print()
-    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |")
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for r in rows:
-        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+    print_markdown_table(header, rows)
 
 
 if __name__ == "__main__":
