@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from toolkit.errors import NotSupportedYetError
+
 
 @dataclass
 class RunnerConfig:
@@ -57,3 +59,23 @@ def resolve_device_dtype(device: str | torch.device, dtype: str | torch.dtype
             raise ValueError(f"dtype={dtype!r}: use 'auto' or one of {sorted(names)}")
         dtype = names[dtype]
     return device, dtype
+
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def resolve_backend(backend: str) -> str:
+    """The ops the model runs: "torch" (the reference ops, every platform) or "triton" (kernels
+    in toolkit.kernels, where triton is installed). "auto" takes torch for now: no op has a Triton
+    kernel yet, so "triton" is refused rather than silently running torch."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: use one of {BACKENDS}")
+    if backend == "triton":
+        try:
+            import triton  # noqa: F401
+        except ImportError as err:
+            raise ValueError("backend='triton' but triton is not installed (no wheels for macOS and "
+                             "Windows); use backend='auto' or 'torch'") from err
+        raise NotSupportedYetError("backend='triton': no Triton kernels are implemented yet; "
+                                   "backend='auto' runs the torch reference ops")
+    return "torch"

@@ -3,21 +3,18 @@ shutdown(). It owns a Scheduler (who runs, which blocks) and a ModelRunner (what
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
-from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 from tqdm.auto import tqdm
 
-from toolkit.config import RunnerConfig, resolve_device_dtype
-from toolkit.errors import (CheckpointError, EngineClosedError, InvalidRequestError,
-                            NotSupportedYetError)
+from toolkit.config import RunnerConfig, resolve_backend, resolve_device_dtype
+from toolkit.errors import EngineClosedError, InvalidRequestError
 from toolkit.inspect import checks
+from toolkit.inspect.memory import MemoryReport, TensorWatch, collect, graph_bytes, object_bytes
 from toolkit.inspect.recorder import MODES, Recorder, warmup_record
 from toolkit.inspect.step_record import ScheduledRequest, StepRecord, snapshot
-from toolkit.inspect.memory import MemoryReport, TensorWatch, collect, graph_bytes, object_bytes
 from toolkit.inspect.trace import Trace
 from toolkit.kv_cache_manager import CacheGroupKind
 from toolkit.models import load_model
@@ -25,7 +22,7 @@ from toolkit.request import CompletionOutput, Request, RequestOutput
 from toolkit.runner.model_runner import ModelRunner
 from toolkit.sampling import MAX_SEED, SamplingParams, derive_seed
 from toolkit.scheduler import Scheduler
-from toolkit.tokenizer import HFTokenizer, load_tokenizer
+from toolkit.tokenizer import collect_eos_token_ids, load_tokenizer
 
 Prompt = str | dict
 
@@ -401,31 +398,6 @@ class LLM:
         self.shutdown()
 
 
-def collect_eos_token_ids(hf_config: Any, folder: str | None, tokenizer: Any) -> tuple[int, ...]:
-    """Every id that ends generation, as vLLM gathers them: the config's `eos_token_id` (an int or
-    a list, e.g. Llama 3's [128001, 128008, 128009]), `generation_config.json`'s in a model folder,
-    and an HF tokenizer's eos (the byte fallback's id 2 is a convention, not the model's)."""
-    ids: list[int] = []             # in the order found, without repeats
-
-    def add(value: Any) -> None:
-        if isinstance(value, int) and not isinstance(value, bool):
-            if value not in ids:
-                ids.append(value)
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                add(v)
-
-    add(getattr(hf_config, "eos_token_id", None))
-    if folder is not None and (Path(folder) / "generation_config.json").is_file():
-        try:
-            add(json.loads((Path(folder) / "generation_config.json").read_text()).get("eos_token_id"))
-        except (json.JSONDecodeError, AttributeError) as err:
-            raise CheckpointError(f"{folder}/generation_config.json is not a JSON object: {err}")
-    if isinstance(tokenizer, HFTokenizer):
-        add(tokenizer.eos_token_id)
-    return tuple(ids)
-
-
 def scheduled_rows(state) -> list[ScheduledRequest]:
     """The batch's rows as the runner ran them (batch order), from its ExecuteModelState."""
     if state is None:
@@ -435,22 +407,3 @@ def scheduled_rows(state) -> list[ScheduledRequest]:
         b.req_ids, b.num_scheduled_tokens, b.num_computed_tokens_np, b.is_prefilling_np,
         b.runs_as_decode_np)]
 
-
-BACKENDS = ("auto", "torch", "triton")
-
-
-def resolve_backend(backend: str) -> str:
-    """The ops the model runs: "torch" (the reference ops, every platform) or "triton" (kernels
-    in toolkit.kernels, where triton is installed). "auto" takes torch for now: no op has a Triton
-    kernel yet, so "triton" is refused rather than silently running torch."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}: use one of {BACKENDS}")
-    if backend == "triton":
-        try:
-            import triton  # noqa: F401
-        except ImportError as err:
-            raise ValueError("backend='triton' but triton is not installed (no wheels for macOS and "
-                             "Windows); use backend='auto' or 'torch'") from err
-        raise NotSupportedYetError("backend='triton': no Triton kernels are implemented yet; "
-                                   "backend='auto' runs the torch reference ops")
-    return "torch"

@@ -6,7 +6,11 @@ the special ids and shows ids past the byte range as `<|id|>`.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
+
+from toolkit.errors import CheckpointError
 
 
 class ByteTokenizer:
@@ -51,3 +55,28 @@ class HFTokenizer:
 def load_tokenizer(tokenizer_dir: str | Path | None, vocab_size: int) -> ByteTokenizer | HFTokenizer:
     """`tokenizer_dir`: the model folder when the loader found tokenizer files in it, else None."""
     return HFTokenizer(tokenizer_dir) if tokenizer_dir is not None else ByteTokenizer(vocab_size)
+
+
+def collect_eos_token_ids(hf_config: Any, folder: str | None, tokenizer: Any) -> tuple[int, ...]:
+    """Every id that ends generation, as vLLM gathers them: the config's `eos_token_id` (an int or
+    a list, e.g. Llama 3's [128001, 128008, 128009]), `generation_config.json`'s in a model folder,
+    and an HF tokenizer's eos (the byte fallback's id 2 is a convention, not the model's)."""
+    ids: list[int] = []             # in the order found, without repeats
+
+    def add(value: Any) -> None:
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value not in ids:
+                ids.append(value)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                add(v)
+
+    add(getattr(hf_config, "eos_token_id", None))
+    if folder is not None and (Path(folder) / "generation_config.json").is_file():
+        try:
+            add(json.loads((Path(folder) / "generation_config.json").read_text()).get("eos_token_id"))
+        except (json.JSONDecodeError, AttributeError) as err:
+            raise CheckpointError(f"{folder}/generation_config.json is not a JSON object: {err}")
+    if isinstance(tokenizer, HFTokenizer):
+        add(tokenizer.eos_token_id)
+    return tuple(ids)
