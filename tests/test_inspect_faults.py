@@ -96,3 +96,17 @@ def test_checks_off_lets_a_fault_through_silently():
             llm.warmup(progress=False)
             llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY)
             assert all(not r.violations for r in llm.trace)
+
+
+def test_a_warmup_stage_that_raises_is_in_the_trace():
+    from toolkit import MetadataContractError
+    with faults.inject("missing_seq_lens_cpu_upper_bound"):
+        llm = LLM("tiny-bamba", device="cpu", dtype="float32", max_num_seqs=2, max_num_batched_tokens=8)
+        with pytest.raises(MetadataContractError):
+            llm.warmup(progress=False)
+    last = llm.trace[-1]
+    assert last.stage == "warmup/dummy batch 1 reqs x 1 tokens"
+    assert last.violations[0].field == "seq_lens_cpu_upper_bound"
+    assert last.violations[0].check == "MetadataContractError" and "Builder" in last.violations[0].where
+    llm.warmup(progress=False)                      # fault gone: the same engine warms up
+    llm.shutdown()

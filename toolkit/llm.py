@@ -10,10 +10,10 @@ import torch
 from tqdm.auto import tqdm
 
 from toolkit.config import RunnerConfig, resolve_backend, resolve_device_dtype
-from toolkit.errors import EngineClosedError, InvalidRequestError
+from toolkit.errors import EngineClosedError, InvalidRequestError, ToolkitError
 from toolkit.inspect import checks
 from toolkit.inspect.memory import MemoryReport, TensorWatch, collect, graph_bytes, object_bytes
-from toolkit.inspect.recorder import MODES, Recorder, warmup_record
+from toolkit.inspect.recorder import MODES, Recorder, failed_stage_record, warmup_record
 from toolkit.inspect.step_record import ScheduledRequest, StepRecord, snapshot
 from toolkit.inspect.trace import Trace
 from toolkit.kv_cache_manager import CacheGroupKind
@@ -323,7 +323,12 @@ class LLM:
         stages += [("real prefill + decode", self._warmup_requests)]
         for name, fn in tqdm(stages, desc="warmup", disable=not progress):
             start = time.perf_counter()
-            exec_state = fn()
+            try:
+                exec_state = fn()
+            except ToolkitError as err:       # e.g. a metadata contract: the stage is in the trace
+                if self._recorder is not None:
+                    self.trace.append(failed_stage_record(f"warmup/{name}", err))
+                raise
             timings[name] = time.perf_counter() - start
             if exec_state is not None and self._recorder is not None:
                 record = warmup_record(f"warmup/{name}", exec_state, self.checks)

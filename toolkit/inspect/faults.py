@@ -154,7 +154,8 @@ def _plant_prefill_before_decode(stack: contextlib.ExitStack) -> None:
 _CATALOGUE = [
     Fault("missing_seq_lens_cpu_upper_bound",
           "the hybrid model state computes seq_lens_cpu_upper_bound but does not forward it to the "
-          "metadata builders; the Mamba builders cannot split decodes from prefills",
+          "metadata builders that require it (the Mamba family, which splits decodes from prefills "
+          "with it, and here the paged-attention builder too)",
           "vLLM #46759 (the seed bug: MRV2 warmup crash for Mamba hybrids)",
           "MetadataContractError at warmup naming the field, the builder and MambaHybridModelState",
           "MetadataContractError", _plant_missing_upper_bound),
@@ -177,8 +178,10 @@ _CATALOGUE = [
           "InvariantError (initial_state_flag) naming step, request and has_initial_states_p",
           "initial_state_flag", _plant_initial_state_flag),
     Fault("slot_not_zeroed_on_reuse",
-          "a state slot freed by a finished request is handed to a new one without zeroing: the new "
-          "request starts from the old request's conv/SSM state",
+          "a state slot freed by a finished request is handed to a new one without zeroing: the old "
+          "request's conv/SSM state sits there, and any path that reads a fresh request's slot (a "
+          "wrong initial-state flag, a prefix-cache or spec-decode path) starts from it; alone it is "
+          "latent, which is why the check looks at the slot itself",
           "vLLM #56524 / #35219 (stale Mamba state in reused slots)",
           "InvariantError (fresh_slot_is_zero) before the forward, naming request, layer and slot",
           "fresh_slot_is_zero", _plant_slot_not_zeroed),

@@ -113,3 +113,14 @@ def warmup_record(stage: str, exec_state, checks_on: bool) -> StepRecord:
     if checks_on:
         record.violations = checks.check_dummy_metadata(groups, stage)
     return record
+
+
+def failed_stage_record(stage: str, err: Exception) -> StepRecord:
+    """A warmup stage that raised before it had a batch to show: the record carries the error as a
+    violation (field and builder of a MetadataContractError where it has them)."""
+    field = getattr(err, "field", "") or type(err).__name__
+    where = f"{stage}, {getattr(err, 'builder', '') or 'the stage'}"
+    return StepRecord(step_index=None, scheduled=[], preempted_request_ids=[], input_batch=None,
+                      attn_metadata=[], logits=None, sampled_token_ids={}, kept_token_ids={},
+                      outputs=[], stage=stage,
+                      violations=[Violation(type(err).__name__, where, field, str(err))])

@@ -173,7 +173,8 @@ def warmup_html(records) -> str:
             continue
         b = rec.input_batch
         shape = f"{b.num_reqs} rows x {b.num_tokens} tokens" if b is not None else "-"
-        groups = ", ".join(g.builder for g in rec.attn_metadata) or "none (profile run)"
+        groups = ", ".join(g.builder for g in rec.attn_metadata) or (
+            "- (the stage raised)" if rec.input_batch is None else "none (profile run)")
         total = R.total_seconds(rec.timings)
         bad = "; ".join(str(v) for v in rec.violations)
         rows.append([R.escape(rec.stage), R.escape(shape), R.escape(groups),
