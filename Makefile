@@ -1,4 +1,4 @@
-# `make demo`: the main job on the built-in tiny-bamba preset. `make test`: the whole test suite.
+# `make demo`: the main job on the shipped demo-hybrid model (no download). `make test`: the whole test suite.
 # Both create .venv if it is missing (pip takes a CPU torch wheel on disk when there is one: see README, Install).
 VENV ?= .venv
 PY := $(VENV)/bin/python

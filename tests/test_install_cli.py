@@ -109,7 +109,10 @@ def test_wheel_installs_into_a_fresh_venv_and_runs_the_demo(tmp_path):
     assert where.returncode == 0 and str(venv) in where.stdout, where.stdout + where.stderr
     demo = run([str(vpy), "-m", "toolkit", "demo", "--max-tokens", "4", "--device", "cpu"], cwd=tmp_path)
     assert demo.returncode == 0, demo.stderr
-    assert "request 3:" in demo.stdout
+    assert "request 3:" in demo.stdout and "model demo-hybrid" in demo.stdout
+    shipped = run([str(vpy), "-c", "from toolkit.models import model_folder; print(model_folder('demo-hybrid'))"],
+                  cwd=tmp_path)
+    assert str(venv) in shipped.stdout, shipped.stdout + shipped.stderr   # package data, from the wheel
 
 
 def _readme_block(title: str) -> str:

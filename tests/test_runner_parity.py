@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from harness import F32, PRESETS, assert_matches_hf, load_hf, run_by_hand
 from toolkit import LLM, SamplingParams
 from toolkit.models import PRESETS as PRESET_CONFIGS
-from toolkit.models import save_hf_folder
+from toolkit.models import DEMO_MODELS, model_folder, save_hf_folder
 
 MAX_TOKENS = 6
 BATCH_PROMPT_LENS = [1, 60, 17, 33, 5]     # 5 requests, 1..60 tokens
@@ -22,10 +22,12 @@ def prompts_of(lengths, vocab, seed=0):
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-@pytest.fixture(scope="module", params=PRESETS + [f"hf-random-{p}" for p in PRESETS])
+@pytest.fixture(scope="module", params=PRESETS + [f"hf-random-{p}" for p in PRESETS] + list(DEMO_MODELS))
 def model_pair(request, tmp_path_factory):
     """(LLM model argument, HF folder with the same weights)."""
     name = request.param
+    if name in DEMO_MODELS:                  # the trained demo models: their shipped folder
+        return name, model_folder(name)
     folder = tmp_path_factory.mktemp(name)
     if name.startswith("hf-random-"):
         cfg = PRESET_CONFIGS[name.removeprefix("hf-random-")]()

@@ -13,7 +13,7 @@ from toolkit.inspect.step_record import StepRecord
 from toolkit.llm import LLM
 from toolkit.sampling import SamplingParams
 
-DEFAULT_MODEL = "tiny-bamba"
+DEFAULT_MODEL = "demo-hybrid"
 PROMPTS = ["The ", "A hybrid model mixes attention and Mamba layers. ",
            "Continuous batching keeps the GPU busy by mixing prefills with decodes every step. ",
            "def "]
@@ -40,9 +40,10 @@ def print_table(header: list[str], rows: list[list[str]]) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from toolkit.models import PRESETS
+    from toolkit.models import DEMO_MODELS, PRESETS
     parser.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME",
-                        help=f"a preset or an HF model folder (config.json + *.safetensors); "
+                        help=f"a trained demo model ({', '.join(DEMO_MODELS)}), a preset (random "
+                             f"weights) or an HF model folder (config.json + *.safetensors); "
                              f"default {DEFAULT_MODEL}. Presets: {', '.join(PRESETS)}")
     parser.add_argument("--max-tokens", type=int, default=24, help="tokens to generate per request (default 24)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=32,
