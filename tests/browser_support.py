@@ -4,7 +4,10 @@ and the notebook exported by nbconvert with the widget JS taken from a local npm
 
 What they need and scripts/setup_browser_test.sh installs: `chromium` on PATH and
 .browser/node_modules/{@jupyter-widgets/html-manager,requirejs}; `browser_tools()` says which is
-missing. See shared/design/env.md, sections 3 and 4.
+missing. Facts these helpers rely on: JupyterLab refuses to run as root without --allow-root;
+its news toast is switched off through a user-settings override; Lab keeps hidden duplicate
+panels (hence `:visible` locators); nbconvert's HTML loads the widget manager from a CDN unless
+pointed at local files, which is what lets the exported page render offline.
 """
 from __future__ import annotations
 
