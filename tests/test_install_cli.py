@@ -137,3 +137,22 @@ def test_nothing_points_outside_the_repository():
         if p.is_file() and p.name != "test_install_cli.py" and "shared/" in p.read_text(errors="ignore"):
             hits.append(str(p.relative_to(REPO)))
     assert not hits, hits
+
+
+def _readme_blocks(title: str) -> list[str]:
+    section = (REPO / "README.md").read_text().split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+    return [b.split("```", 1)[0] for b in section.split("```python\n")[1:]]
+
+
+def test_readme_inspect_and_widgets_examples_run_as_written(tmp_path):
+    trace_block, fault_block, compare_block = _readme_blocks("Inspect")
+    proc = run([PY, "-c", trace_block + "\n" + compare_block], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "first divergence at step" in proc.stdout and "layer 2 (model.layers.2)" in proc.stdout
+    assert "traces agree" in proc.stdout and (tmp_path / "run1" / "tensors.safetensors").is_file()
+    fault = run([PY, "-c", fault_block], cwd=tmp_path)     # the example ends in the error it shows
+    assert fault.returncode != 0 and "InvariantError" in fault.stderr and "fresh_slot_is_zero" in fault.stderr
+    (widgets_block,) = _readme_blocks("Widgets")
+    shown = run([PY, "-c", widgets_block.replace("StepInspector(llm)", "print(repr(StepInspector(llm)))")],
+                cwd=tmp_path)
+    assert shown.returncode == 0 and "StepInspector('tiny-bamba'" in shown.stdout, shown.stderr
