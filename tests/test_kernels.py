@@ -1,0 +1,67 @@
+"""Triton kernels against their torch references, under TRITON_INTERPRET=1 on the CPU (set in
+conftest before any kernel is defined): small shapes, fp32 / fp16 / bf16, padded rows, the
+non-contiguous views the runner passes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
+from toolkit.kernels import causal_conv1d as conv  # noqa: E402
+from toolkit.kernels import kv_cache  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kv_cache_write_equals_reference(dtype):
+    g = torch.Generator().manual_seed(0)
+    blocks, bs, heads, d = 6, 4, 2, 16
+    qkv = torch.randn(9, 3, heads, d, generator=g).to(dtype)       # k, v are views of a fused tensor
+    k, v = qkv[:, 1], qkv[:, 2]
+    slots = torch.tensor([5, -1, 0 + 4, 17, -1, 22, 8, 9, 23])       # two padded tokens
+    ours = torch.zeros(blocks, 2, bs, heads, d, dtype=dtype)
+    ref = ours.clone()
+    kv_cache.write_kv_cache(ours, k, v, slots)
+    kv_cache.reference(ref, k, v, slots)
+    assert torch.equal(ours, ref)
+    assert ours.abs().sum() > 0
+
+
+def test_kv_cache_launcher_names_what_is_wrong():
+    cache = torch.zeros(4, 2, 4, 2, 8)
+    with pytest.raises(ValueError, match=r"k must be \[N=3, Hkv=2, D=8\]"):
+        kv_cache.write_kv_cache(cache, torch.zeros(3, 2, 4), torch.zeros(3, 2, 8), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="slot_mapping must be int32/int64"):
+        kv_cache.write_kv_cache(cache, torch.zeros(3, 2, 8), torch.zeros(3, 2, 8), torch.zeros(3))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k_width, with_bias, activation", [(4, True, "silu"), (3, False, None), (2, True, "silu")])
+def test_causal_conv1d_update_equals_reference(dtype, k_width, with_bias, activation):
+    g = torch.Generator().manual_seed(1)
+    slots_total, dim = 6, 40                         # dim not a power of two: masked lanes
+    xz = torch.randn(5, 2 * dim, generator=g).to(dtype)
+    x = xz[:, :dim]                                  # a view, as the mixers pass it
+    state = torch.randn(slots_total, k_width - 1, dim, generator=g).to(dtype)
+    weight = torch.randn(dim, k_width, generator=g).to(dtype)
+    bias = torch.randn(dim, generator=g).to(dtype) if with_bias else None
+    idx = torch.tensor([3, -1, 1, 5, -1], dtype=torch.int32)
+    ours_state, ref_state = state.clone(), state.clone()
+    ours = conv.causal_conv1d_update(x, ours_state, idx, weight, bias, activation)
+    ref = conv.reference(x, ref_state, idx, weight, bias, activation)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(ours, ref, **tol)
+    assert torch.equal(ours_state, ref_state)                    # the shift is a copy: bit-exact
+    assert torch.equal(ours_state[[0, 2, 4]], state[[0, 2, 4]])  # slots of padded rows untouched
+    assert (ours[[1, 4]] == 0).all()
+
+
+def test_causal_conv1d_launcher_names_what_is_wrong():
+    x, state, w = torch.zeros(2, 8), torch.zeros(3, 3, 8), torch.zeros(8, 4)
+    with pytest.raises(ValueError, match=r"weight must be \[Dc=8, K=4\]"):
+        conv.causal_conv1d_update(x, state, torch.zeros(2, dtype=torch.long), torch.zeros(8, 3), None)
+    with pytest.raises(ValueError, match=r"state_indices must be int32/int64 \[B=2\]"):
+        conv.causal_conv1d_update(x, state, torch.zeros(3, dtype=torch.long), w, None)
+    with pytest.raises(ValueError, match="activation='gelu'"):
+        conv.causal_conv1d_update(x, state, torch.zeros(2, dtype=torch.long), w, None, "gelu")
