@@ -65,3 +65,38 @@ def test_causal_conv1d_launcher_names_what_is_wrong():
         conv.causal_conv1d_update(x, state, torch.zeros(3, dtype=torch.long), w, None)
     with pytest.raises(ValueError, match="activation='gelu'"):
         conv.causal_conv1d_update(x, state, torch.zeros(2, dtype=torch.long), w, None, "gelu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("groups, with_d", [(1, True), (2, False)])
+def test_selective_state_update_equals_reference(dtype, groups, with_d):
+    from toolkit.kernels import selective_state_update as ssu
+    g = torch.Generator().manual_seed(2)
+    slots, heads, head_dim, d_state, b = 5, 4, 12, 16, 4         # head_dim not a power of two
+    state = torch.randn(slots, heads, head_dim, d_state, generator=g)   # the fp32 state cache
+    xbc = torch.randn(b, heads * head_dim + 2 * groups * d_state, generator=g).to(dtype)
+    x = xbc[:, :heads * head_dim].view(b, heads, head_dim)        # views into one projection
+    B = xbc[:, heads * head_dim:heads * head_dim + groups * d_state].view(b, groups, d_state)
+    C = xbc[:, heads * head_dim + groups * d_state:].view(b, groups, d_state)
+    dt = torch.nn.functional.softplus(torch.randn(b, heads, generator=g))
+    A = -torch.rand(heads, generator=g) - 0.5
+    D = torch.randn(heads, generator=g) if with_d else None
+    idx = torch.tensor([2, -1, 4, 1])
+    ours_state, ref_state = state.clone(), state.clone()
+    y = ssu.selective_state_update(ours_state, x, dt, A, B, C, D, idx)
+    y_ref = ssu.reference(ref_state, x, dt, A, B, C, D, idx)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)      # fp32 math on both sides
+    torch.testing.assert_close(ours_state, ref_state, atol=1e-6, rtol=1e-6)
+    assert torch.equal(ours_state[[0, 3]], state[[0, 3]]) and (y[1] == 0).all()
+
+
+def test_selective_state_update_launcher_names_what_is_wrong():
+    from toolkit.kernels import selective_state_update as ssu
+    state = torch.zeros(3, 4, 8, 16)
+    x, dt, A = torch.zeros(2, 4, 8), torch.zeros(2, 4), torch.zeros(4)
+    B = torch.zeros(2, 3, 16)
+    with pytest.raises(ValueError, match="not a multiple of the 3 groups"):
+        ssu.selective_state_update(state, x, dt, A, B, B, None, torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"x must be \[B, H=4, P=8\]"):
+        ssu.selective_state_update(state, torch.zeros(2, 8, 4), dt, A, B[:, :1], B[:, :1], None,
+                                   torch.zeros(2, dtype=torch.long))

@@ -1,0 +1,102 @@
+"""Mamba2 selective state update (the decode step), in place at state indices: the Triton kernel,
+its launcher and the torch reference it must equal.
+
+state [S, H, P, N] (fp32 cache); x [B, H, P]; dt [B, H] (already softplus'ed and clamped, > 0);
+A [H] (negative); B, C [B, G, N] (head h reads group h // (H // G)); D [H] or None;
+state_indices int [B] (PAD_SLOT_ID = -1: a padded row, nothing read or written). For each real row:
+    state[slot] = state[slot] * exp(dt * A) + (dt * x) outer B ;   y = state[slot] . C + D * x
+Returns y fp32 [B, H, P] (padded rows 0).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from toolkit.layers.mamba2_mixer import ssm_step
+
+
+def reference(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+              C: torch.Tensor, D: torch.Tensor | None, state_indices: torch.Tensor) -> torch.Tensor:
+    """The torch path the Mamba2 mixer uses (gather, ssm_step, scatter), padded rows skipped."""
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    real = state_indices >= 0
+    if bool(real.any()):
+        slots = state_indices[real].long()
+        y_real, new = ssm_step(state[slots], x[real], dt[real], A, B[real], C[real], D)
+        y[real] = y_real
+        state[slots] = new.to(state.dtype)
+    return y
+
+
+@triton.jit
+def _ssu_kernel(state_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, idx_ptr, y_ptr,
+                heads_per_group, head_dim, d_state,
+                s_slot, s_head, s_p, x_b, x_h, dt_b, bc_b, bc_g, y_b, y_h,
+                HAS_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (row, head, block of P): one [BLOCK_P, N] tile of the state."""
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    mp, mn = p < head_dim, n < d_state
+    slot = tl.load(idx_ptr + row).to(tl.int64)
+    if slot < 0:
+        tl.store(y_ptr + row * y_b + h * y_h + p, tl.zeros([BLOCK_P], dtype=tl.float32), mask=mp)
+        return
+    g = h // heads_per_group
+    x = tl.load(x_ptr + row * x_b + h * x_h + p, mask=mp, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + row * dt_b + h).to(tl.float32)
+    dA = tl.exp(dt * tl.load(a_ptr + h).to(tl.float32))
+    Bv = tl.load(b_ptr + row * bc_b + g * bc_g + n, mask=mn, other=0.0).to(tl.float32)
+    Cv = tl.load(c_ptr + row * bc_b + g * bc_g + n, mask=mn, other=0.0).to(tl.float32)
+    tile = state_ptr + slot * s_slot + h * s_head + p[:, None] * s_p + n[None, :]
+    m2 = mp[:, None] & mn[None, :]
+    s = tl.load(tile, mask=m2, other=0.0).to(tl.float32)
+    s = s * dA + (dt * x)[:, None] * Bv[None, :]
+    tl.store(tile, s.to(state_ptr.dtype.element_ty), mask=m2)
+    y = tl.sum(s * Cv[None, :], axis=1)
+    if HAS_D:
+        y += tl.load(d_ptr + h).to(tl.float32) * x
+    tl.store(y_ptr + row * y_b + h * y_h + p, y, mask=mp)
+
+
+def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                           B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None,
+                           state_indices: torch.Tensor) -> torch.Tensor:
+    """Launcher: checks shapes, dtypes and strides; updates `state` in place; returns y fp32."""
+    if state.dim() != 4:
+        raise ValueError(f"state must be [S, H, P, N], got {tuple(state.shape)}")
+    _, heads, head_dim, d_state = state.shape
+    if x.dim() != 3 or tuple(x.shape[1:]) != (heads, head_dim):
+        raise ValueError(f"x must be [B, H={heads}, P={head_dim}], got {tuple(x.shape)}")
+    b = x.shape[0]
+    if tuple(dt.shape) != (b, heads):
+        raise ValueError(f"dt must be [B={b}, H={heads}], got {tuple(dt.shape)}")
+    if tuple(A.shape) != (heads,) or (D is not None and tuple(D.shape) != (heads,)):
+        raise ValueError(f"A and D must be [H={heads}], got {tuple(A.shape)} and "
+                         f"{None if D is None else tuple(D.shape)}")
+    if B.shape != C.shape or B.dim() != 3 or B.shape[0] != b or B.shape[2] != d_state:
+        raise ValueError(f"B and C must be [B={b}, G, N={d_state}], got {tuple(B.shape)} and {tuple(C.shape)}")
+    groups = B.shape[1]
+    if heads % groups:
+        raise ValueError(f"H={heads} is not a multiple of the {groups} groups of B and C")
+    if tuple(state_indices.shape) != (b,) or state_indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"state_indices must be int32/int64 [B={b}], got {state_indices.dtype} "
+                         f"{tuple(state_indices.shape)}")
+    for name, t in (("state", state), ("x", x), ("B", B), ("C", C)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension, strides {t.stride()}")
+    if B.stride() != C.stride():
+        raise ValueError(f"B and C must share strides, got {B.stride()} and {C.stride()}")
+    y = torch.empty(b, heads, head_dim, dtype=torch.float32, device=x.device)
+    if b == 0:
+        return y
+    block_p = min(triton.next_power_of_2(head_dim), 32)
+    _ssu_kernel[(b, heads, triton.cdiv(head_dim, block_p))](
+        state, x, dt, A, B, C, D if D is not None else A, state_indices, y,
+        heads // groups, head_dim, d_state,
+        state.stride(0), state.stride(1), state.stride(2), x.stride(0), x.stride(1), dt.stride(0),
+        B.stride(0), B.stride(1), y.stride(0), y.stride(1),
+        HAS_D=D is not None, BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(d_state))
+    return y
