@@ -162,3 +162,33 @@ def test_calls_after_shutdown_raise_engine_closed():
         with pytest.raises(EngineClosedError, match="shut down"):
             call()
     assert llm.memory_report().marks["shutdown"]["weights"] == 0
+
+
+def test_warmup_twice_works():
+    """Found by the property suite: warmup's own request ids must not count as used ids."""
+    with LLM("tiny-mamba2", **ARGS) as llm:
+        llm.warmup(progress=False)
+        llm.warmup(progress=False)
+        assert llm.stats()["state_slots_free"] == llm.stats()["state_slots_total"]
+
+
+def test_interrupted_generate_keeps_its_request_ids_used(monkeypatch):
+    """Found by the property suite: an interrupted generate() aborts its requests like
+    abort_request does, so their ids stay used (the trace refers to them)."""
+    from toolkit.runner.model_runner import ModelRunner
+    original, calls = ModelRunner.sample_tokens, {"n": 0}
+
+    def interrupted(self):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return original(self)
+    with LLM("tiny-mamba2", **ARGS) as llm:
+        monkeypatch.setattr(ModelRunner, "sample_tokens", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(GOOD_PROMPT, GREEDY)
+        monkeypatch.undo()
+        with pytest.raises(InvalidRequestError, match="was used by a request that finished"):
+            llm.add_request(GOOD_PROMPT, GREEDY, request_id="0")
+        stats = llm.stats()
+        assert stats["num_waiting"] == stats["num_running"] == stats["runner_rows_in_use"] == 0

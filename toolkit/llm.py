@@ -223,7 +223,8 @@ class LLM:
             raise
         done = time.perf_counter()
         self.model_runner.remove_requests([r.request_id for r in finished])
-        self._finished_ids.update(r.request_id for r in finished)
+        if not warm:                    # warmup's own ids ("warmup-<i>") may be used again
+            self._finished_ids.update(r.request_id for r in finished)
         outputs = [self._output(r) for r in finished]
         step_index = None if warm else self._step_index
         if not warm:
@@ -301,7 +302,7 @@ class LLM:
         except BaseException:
             # interrupted (e.g. KeyboardInterrupt in a notebook): nobody will collect these
             for rid in wanted - done.keys():
-                self.scheduler.abort_request(rid)
+                self.abort_request(rid)         # frees its blocks and row; the id stays used
             raise
         return [done[i] for i in ids]
 
