@@ -282,9 +282,14 @@ class LLM:
             params_list = [sampling_params] * len(prompts)
         taken: set[str] = set()
         requests = []
-        for p, sp in zip(prompts, params_list):
-            requests.append(self._make_request(p, sp, None, taken))
-            taken.add(requests[-1].request_id)
+        next_id = self._next_request_id
+        try:
+            for p, sp in zip(prompts, params_list):
+                requests.append(self._make_request(p, sp, None, taken))
+                taken.add(requests[-1].request_id)
+        except InvalidRequestError:
+            self._next_request_id = next_id     # a refused call uses up no automatic ids
+            raise
         for r in requests:
             self._enqueue(r)
         ids = [r.request_id for r in requests]
