@@ -31,8 +31,9 @@ What is checked
   that seed explicitly, so the arrival counter is checked too).
 
 Profiles (registered here, chosen with HYPOTHESIS_PROFILE): "runnerscope-ci" (the default: 100
-examples per family, 700 in all, about a minute) and "long" (1000 per family). Failing examples
-persist in tests/.hypothesis/ (commit it); bugs found are pinned with @example below.
+examples per family, 700 in all, about a minute), "long" (1000 per family, about 10 minutes) and
+"replay" (only the @example pins and the saved failures, no shrinking). Failing examples persist
+in tests/.hypothesis/ (commit it); bugs found are pinned with @example below.
 """
 from __future__ import annotations
 
@@ -84,8 +85,13 @@ class FailuresOnlyDatabase(ExampleDatabase):
 DATABASE = FailuresOnlyDatabase(Path(__file__).parent / ".hypothesis")
 _COMMON = dict(deadline=None, database=DATABASE, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("runnerscope-ci", max_examples=100, **_COMMON)
+# CI draws the same examples every run (derandomize): a run that passed keeps passing, and new
+# programs are explored by the "long" profile, whose failures land in tests/.hypothesis.
+settings.register_profile("runnerscope-ci", max_examples=100, derandomize=True,
+                          **(_COMMON | dict(database=None)))
 settings.register_profile("long", max_examples=1000, **_COMMON)
+# only the pinned examples and the failures saved in tests/.hypothesis, without shrinking
+settings.register_profile("replay", phases=[Phase.explicit, Phase.reuse], **_COMMON)
 PROFILE = settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "runnerscope-ci"))
 
 FAMILIES = ["tiny-llama", "tiny-mamba", "tiny-falcon-mamba", "tiny-mamba2", "tiny-bamba",
@@ -575,14 +581,19 @@ def run_program(preset: str, config: EngineConfig, ops: list, repeat_warmup: boo
 
 # ---- the tests --------------------------------------------------------------------------------
 @pytest.mark.parametrize("preset", FAMILIES)
+@pytest.mark.timeout(600 if PROFILE.max_examples <= 100 else 3600)   # long: shrinking may be slow
 @PROFILE
-@example(config=EngineConfig(1, 1, 2, 25),      # the known bugs' examples (stepped around)
+@example(config=EngineConfig(1, 1, 2, 25),      # the fixed engine bugs' examples (see the flags)
          ops=[Add((3,), Params("greedy", max_tokens=1)), Add((3,), Params("greedy", max_tokens=1)),
               Warmup(drain=True), Warmup(drain=False)])
 @example(config=EngineConfig(1, 1, 2, 25),
          ops=[Add((3,), Params("greedy", max_tokens=1)), Add((3,), Params("greedy", max_tokens=1)),
               Generate(((3,),), Params("greedy", max_tokens=1), fail_at=1),
               Add((3,), Params("greedy", max_tokens=1), request_id="2")])
+@example(config=EngineConfig(1, 4, 8, 4),       # a refused generate() used up an automatic id
+         ops=[Add((3,), Params("greedy", max_tokens=1)), Add((3,), Params("greedy", max_tokens=1)),
+              Generate(((3,), tuple(range(3, 43))), Params("greedy", max_tokens=8)),
+              Add((4,), Params("greedy", max_tokens=1))])
 @example(config=EngineConfig(1, 1, 2, 25),      # a model bug of this test: outputs carried twice
          ops=[Add((3,), Params("greedy", max_tokens=1)), Add((3,), Params("greedy", max_tokens=1)),
               Generate(((3,),), Params("greedy", max_tokens=1)),
