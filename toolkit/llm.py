@@ -210,7 +210,7 @@ class LLM:
         start = time.perf_counter()
         sched_out = self.scheduler.schedule()
         scheduled_at = time.perf_counter()
-        ledger = checks.ledger_of(self.scheduler) if recorder is not None else None
+        ledger = checks.ledger_of(self.scheduler) if self.checks else None   # what check_metadata compares
         if recorder is not None:
             recorder.begin(where)
         try:

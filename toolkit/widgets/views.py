@@ -203,54 +203,49 @@ class _View:
         return bundle
 
 
-class BatchView(_View):
+class _HtmlView(_View):
+    """A view that is one HTML pane: subclasses turn their arguments into HTML in `render`."""
+
+    def __init__(self, *args, **kwargs):
+        self.html = W.HTML(layout=VIEW_LAYOUT)
+        self.widget = W.VBox([self.html], layout=VIEW_LAYOUT)
+        if args and args[0] is not None:
+            self.show(*args, **kwargs)
+
+    def show(self, *args, **kwargs) -> None:
+        self.html.value = self.render(*args, **kwargs)
+
+    def render(self, *args, **kwargs) -> str:
+        raise NotImplementedError
+
+    def _static_html(self) -> str:
+        return self.html.value
+
+
+class BatchView(_HtmlView):
     """The step's requests in batch order: phase, computed and scheduled tokens, state slot, KV
     blocks, sampled token (and its text with `decode`)."""
 
     def __init__(self, record=None, decode: Callable[[list[int]], str] | None = None):
         self.decode = decode
-        self.html = W.HTML(layout=VIEW_LAYOUT)
-        self.widget = W.VBox([self.html], layout=VIEW_LAYOUT)
-        self.record = None
-        if record is not None:
-            self.show(record)
+        super().__init__(record)
 
-    def show(self, record) -> None:
-        self.record = record
-        head = R.step_record_repr(record)
-        self.html.value = R.wrap(R.title(head) + R.batch_table_html(record, self.decode))
-
-    def _static_html(self) -> str:
-        return self.html.value
+    def render(self, record) -> str:
+        return R.wrap(R.title(R.step_record_repr(record)) + R.batch_table_html(record, self.decode))
 
 
-class MetadataView(_View):
+class MetadataView(_HtmlView):
     def __init__(self, record=None, previous=None):
-        self.html = W.HTML(layout=VIEW_LAYOUT)
-        self.widget = W.VBox([self.html], layout=VIEW_LAYOUT)
-        if record is not None:
-            self.show(record, previous)
+        super().__init__(record, previous)
 
-    def show(self, record, previous=None) -> None:
-        self.html.value = metadata_html(record, previous)
-
-    def _static_html(self) -> str:
-        return self.html.value
+    def render(self, record, previous=None) -> str:
+        return metadata_html(record, previous)
 
 
-class BlockTableView(_View):
-    def __init__(self, record=None):
-        self.html = W.HTML(layout=VIEW_LAYOUT)
-        self.widget = W.VBox([self.html], layout=VIEW_LAYOUT)
-        if record is not None:
-            self.show(record)
-
-    def show(self, record) -> None:
-        self.html.value = block_tables_html(record) if record.attn_metadata else \
+class BlockTableView(_HtmlView):
+    def render(self, record) -> str:
+        return block_tables_html(record) if record.attn_metadata else \
             R.wrap(R.span("no block tables in this step", R.MUTED))
-
-    def _static_html(self) -> str:
-        return self.html.value
 
 
 class StateView(_View):
@@ -343,21 +338,15 @@ class TimelineView(_View):
         return _img_html(self.png, "timeline") if self.png else self.note.value
 
 
-class WarmupMemoryView(_View):
+class WarmupMemoryView(_HtmlView):
     def __init__(self, trace=None, memory=None):
-        self.html = W.HTML(layout=VIEW_LAYOUT)
-        self.widget = W.VBox([self.html], layout=VIEW_LAYOUT)
-        if trace is not None:
-            self.show(trace, memory)
+        super().__init__(trace, memory)
 
-    def show(self, trace, memory=None) -> None:
+    def render(self, trace, memory=None) -> str:
         body = R.title("warmup stages") + warmup_html(trace)
         if memory is not None:
             body += R.title("memory ledger") + memory._repr_html_()
-        self.html.value = R.wrap(body)
-
-    def _static_html(self) -> str:
-        return self.html.value
+        return R.wrap(body)
 
 
 def view_names() -> Sequence[str]:
