@@ -14,22 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from toolkit.layers.causal_conv1d import causal_conv1d_step
-
-PAD_SLOT_ID = -1
-
-
-def reference(x: torch.Tensor, conv_state: torch.Tensor, state_indices: torch.Tensor,
-              weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None) -> torch.Tensor:
-    """The torch path the models use (gather, step, scatter), with padded rows skipped."""
-    out = torch.zeros_like(x)
-    real = state_indices >= 0
-    if bool(real.any()):
-        slots = state_indices[real].long()
-        y, new = causal_conv1d_step(x[real], conv_state[slots], weight, bias, activation)
-        out[real] = y
-        conv_state[slots] = new
-    return out
+from toolkit.layers.causal_conv1d import PAD_SLOT_ID  # noqa: F401
+from toolkit.layers.causal_conv1d import conv_update_at_slots as reference  # noqa: F401  (torch reference)
 
 
 @triton.jit

@@ -123,6 +123,12 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) 
     return -torch.log(-torch.log(u))
 
 
+def gumbel_argmax_ref(scaled: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """scaled: float32 [B, V] (temperature applied, filtered tokens -inf); seeds int64 [B, 2];
+    positions int [B] -> int64 [B] = argmax_v(scaled + gumbel_noise) (first index on ties)."""
+    return (scaled + gumbel_noise(seeds, positions, scaled.shape[-1])).argmax(dim=-1)
+
+
 def split_seed(seed: int) -> tuple[int, int]:
     return seed & _M32, (seed >> 32) & _M32
 
@@ -142,8 +148,9 @@ class Sampler:
     """Per-row sampling parameters, indexed by the request's persistent row (req_idx), kept in
     host arrays so the per-step choices (any random row? any top-k?) need no device sync."""
 
-    def __init__(self, max_num_reqs: int, device: torch.device):
+    def __init__(self, max_num_reqs: int, device: torch.device, gumbel_argmax=None):
         self.device = device
+        self.gumbel_argmax = gumbel_argmax or gumbel_argmax_ref   # the backend's op (toolkit/layers/ops.py)
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)   # 0: greedy
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)           # 0: off
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)          # 1: off
@@ -183,7 +190,7 @@ class Sampler:
             scaled = apply_top_k_top_p(scaled, torch.from_numpy(top_k).to(dev),
                                        torch.from_numpy(top_p).to(dev))
         seeds = torch.from_numpy(self.seeds[idx_mapping_np]).to(dev)
-        sampled = (scaled + gumbel_noise(seeds, positions, logits.shape[-1])).argmax(dim=-1)
+        sampled = self.gumbel_argmax(scaled, seeds, positions)
         return torch.where(torch.from_numpy(random_rows).to(dev), sampled, greedy)
 
 

@@ -1,4 +1,4 @@
-"""Decoder self-attention over a paged KV cache (torch reference path).
+"""Decoder self-attention over a paged KV cache: the module and the torch reference ops.
 
 Cache layout (see toolkit/attention/paged_attn.py): kv [num_blocks, 2, block_size, num_kv_heads,
 head_dim], index 1 = 0 for K, 1 for V. Token slot s lives in block s // block_size at offset
@@ -98,6 +98,33 @@ def decode_attention_ref(
     return out.reshape(rows, hq, dim).to(q.dtype)
 
 
+def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, md, scale: float) -> torch.Tensor:
+    """Causal GQA attention of a mixed batch over the paged cache (this step's K/V already written).
+
+    q [T, Hq, D]; md: PagedAttentionMetadata (query_start_loc [B+1], seq_lens [B], block_table
+    [B, M], and their host copies). Row i's queries are tokens query_start_loc[i] .. [i+1] at
+    positions seq_len - q_len .. seq_len - 1. Tokens past num_actual_tokens (padding) get 0.
+    Returns [T, Hq, D] in q.dtype.
+    """
+    out = torch.zeros_like(q)
+    qsl = md.query_start_loc_cpu.tolist()
+    seq_lens = md.seq_lens_cpu.tolist()
+    rows = md.single_token_rows
+    if len(rows):                   # one-token rows (decodes) in one batched op
+        tok = md.query_start_loc[rows].to(torch.int64)
+        out[tok] = decode_attention_ref(q[tok], kv_cache, md.block_table[rows], md.seq_lens[rows],
+                                        md.single_token_max_seq_len, scale)
+    for i in range(int(md.num_reqs)):
+        qs, qe = qsl[i], qsl[i + 1]
+        q_len = qe - qs
+        if q_len <= 1:
+            continue
+        seq_len = seq_lens[i]
+        kc, vc = gather_kv(kv_cache, md.block_table[i], seq_len)
+        out[qs:qe] = causal_attention_ref(q[qs:qe], kc, vc, seq_len - q_len, scale)
+    return out
+
+
 class PagedAttention(nn.Module):
     """q/k/v/o projections (HF names), optional per-head q/k RMSNorm, GQA, RoPE, paged KV cache.
 
@@ -149,6 +176,8 @@ class PagedAttention(nn.Module):
             self.add_module(qk_norm_names[1], RMSNorm(head_dim, eps=qk_norm_eps))
         self.rotary = rotary
         self.kv_cache: torch.Tensor | None = None
+        from toolkit.layers.ops import TORCH_OPS   # ops imports this module's reference functions
+        self.ops = TORCH_OPS                        # set_ops() swaps in the Triton kernels
 
     @property
     def output_proj(self) -> nn.Linear:
@@ -188,28 +217,13 @@ class PagedAttention(nn.Module):
             k = getattr(self, self._qk_norm_names[1])(k)
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
-        out = torch.zeros_like(q)
-        if attn_metadata is not None:
+        if attn_metadata is None:
+            out = torch.zeros_like(q)
+        else:
             md = attn_metadata[self.layer_name]
             if self.kv_cache is None:
                 raise RuntimeError(f"{self.layer_name}: no KV cache bound (call bind_kv_cache first)")
             n = min(int(md.num_actual_tokens), t)
-            slots = md.slot_mapping[:n]
-            write_kv_cache(self.kv_cache, k[:n], v[:n], slots)
-            qsl = md.query_start_loc_cpu.tolist()
-            seq_lens = md.seq_lens_cpu.tolist()
-            rows = md.single_token_rows
-            if len(rows):                   # one-token rows (decodes) in one batched op
-                tok = md.query_start_loc[rows].to(torch.int64)
-                out[tok] = decode_attention_ref(q[tok], self.kv_cache, md.block_table[rows],
-                                                md.seq_lens[rows], md.single_token_max_seq_len,
-                                                self.scale)
-            for i in range(int(md.num_reqs)):
-                qs, qe = qsl[i], qsl[i + 1]
-                q_len = qe - qs
-                if q_len <= 1:
-                    continue
-                seq_len = seq_lens[i]
-                kc, vc = gather_kv(self.kv_cache, md.block_table[i], seq_len)
-                out[qs:qe] = causal_attention_ref(q[qs:qe], kc, vc, seq_len - q_len, self.scale)
+            self.ops.write_kv_cache(self.kv_cache, k[:n], v[:n], md.slot_mapping[:n])
+            out = self.ops.paged_attention(q, self.kv_cache, md, self.scale)
         return self.output_proj(out.reshape(t, self.num_heads * self.head_dim))

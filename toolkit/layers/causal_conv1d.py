@@ -82,3 +82,51 @@ def causal_conv1d_step(
         out = out + bias.to(torch.float32)
     out = _act(out, activation).to(x.dtype)
     return out, win[:, 1:].to(conv_state.dtype)
+
+
+# ---- in place at state indices (the signatures of the kernels in toolkit/kernels/causal_conv1d.py)
+PAD_SLOT_ID = -1
+
+
+def initial_states_at(cache: torch.Tensor, state_indices: torch.Tensor,
+                    has_initial_state: torch.Tensor | None) -> torch.Tensor:
+    """cache[state_indices] where the row has an initial state (and is not padded), else 0."""
+    idx = state_indices.to(torch.int64)
+    has = idx >= 0
+    if has_initial_state is not None:
+        has = has & has_initial_state.to(device=idx.device, dtype=torch.bool)
+    rows = cache[idx.clamp(min=0)]
+    return torch.where(has.view(-1, *(1,) * (rows.dim() - 1)), rows, torch.zeros((), dtype=cache.dtype,
+                                                                                  device=cache.device))
+
+
+def write_states_at(cache: torch.Tensor, state_indices: torch.Tensor, new: torch.Tensor) -> None:
+    """cache[state_indices[i]] = new[i] (cast to the cache dtype), padded rows skipped."""
+    idx = state_indices.to(torch.int64)
+    real = idx >= 0
+    if bool(real.all()):
+        cache[idx] = new.to(cache.dtype)
+    else:
+        cache[idx[real]] = new[real].to(cache.dtype)
+
+
+def conv_update_at_slots(x: torch.Tensor, conv_state: torch.Tensor, state_indices: torch.Tensor,
+                         weight: torch.Tensor, bias: torch.Tensor | None,
+                         activation: str | None = "silu") -> torch.Tensor:
+    """x [B, Dc], conv_state [S, K-1, Dc] (updated in place), state_indices int [B] -> out [B, Dc].
+    Padded rows (state index -1) get out = 0 and touch no state."""
+    out, new = causal_conv1d_step(x, initial_states_at(conv_state, state_indices, None), weight, bias, activation)
+    write_states_at(conv_state, state_indices, new)
+    return torch.where((state_indices >= 0).view(-1, 1), out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def conv_prefill_at_slots(x: torch.Tensor, conv_state: torch.Tensor, state_indices: torch.Tensor,
+                          has_initial_state: torch.Tensor, cu_seqlens: torch.Tensor, weight: torch.Tensor,
+                          bias: torch.Tensor | None, activation: str | None = "silu") -> torch.Tensor:
+    """x [T, Dc] (P sequences back to back, cu_seqlens int [P+1]); sequence i starts from
+    conv_state[state_indices[i]] if has_initial_state[i] else zeros, and its final state (the last
+    K-1 inputs of [initial; x_i]) is written back there. Returns out [T, Dc] in x.dtype."""
+    init = initial_states_at(conv_state, state_indices, has_initial_state)
+    out, final = causal_conv1d_varlen(x, weight, bias, cu_seqlens, init, activation)
+    write_states_at(conv_state, state_indices, final)
+    return out

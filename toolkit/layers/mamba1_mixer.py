@@ -26,10 +26,10 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from toolkit.layers.causal_conv1d import causal_conv1d_step, causal_conv1d_varlen
+from toolkit.layers.causal_conv1d import initial_states_at, write_states_at
 from toolkit.layers.mlp import get_activation
 from toolkit.layers.norms import RMSNorm
-from toolkit.layers.state_mixer import InitStates, States, StateSlotMixer
+from toolkit.layers.state_mixer import States, StateSlotMixer
 from toolkit.runner.kv_cache_spec import MambaSpec
 
 BCDT_NORMS = (None, "weightless", "weighted")
@@ -127,6 +127,28 @@ def selective_scan_varlen(
     if D is not None:
         y = y + uf * D.to(f32)[None]
     return y, state
+
+
+def mamba1_update_at_slots(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                           B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None,
+                           state_indices: torch.Tensor) -> torch.Tensor:
+    """`selective_state_update` in place at state indices: ssm_state [S, Di, N] (row i reads and
+    writes slot state_indices[i]; -1: padded row, y = 0, nothing touched). Returns y fp32 [B, Di]."""
+    y, new = selective_state_update(initial_states_at(ssm_state, state_indices, None), x, dt, A, B, C, D)
+    write_states_at(ssm_state, state_indices, new)
+    return torch.where((state_indices >= 0).view(-1, 1), y, torch.zeros((), dtype=y.dtype, device=y.device))
+
+
+def mamba1_scan_at_slots(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                         D: torch.Tensor | None, cu_seqlens: torch.Tensor, ssm_state: torch.Tensor,
+                         state_indices: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
+    """`selective_scan_varlen` in place at state indices: sequence i starts from
+    ssm_state[state_indices[i]] if has_initial_state[i] else zeros; its final state is written
+    back there. Returns y fp32 [T, Di]."""
+    init = initial_states_at(ssm_state, state_indices, has_initial_state)
+    y, final = selective_scan_varlen(x, dt, A, B, C, D, cu_seqlens, init)
+    write_states_at(ssm_state, state_indices, final)
+    return y
 
 
 # --------------------------------------------------------------------------------------------
@@ -236,19 +258,18 @@ class Mamba1Mixer(StateSlotMixer):
         A = -torch.exp(self.A_log.to(torch.float32))
         y = torch.zeros(t, di, device=hidden.device, dtype=torch.float32)
 
-        def decode(tok: slice, states: States) -> tuple[torch.Tensor, States]:
+        def decode(tok: slice, states: States, idx: torch.Tensor) -> torch.Tensor:
             conv_state, ssm_state = states
-            xc, new_conv = causal_conv1d_step(x[tok], conv_state, weight, bias, self.activation)
+            xc = self.ops.conv_update(x[tok], conv_state, idx, weight, bias, self.activation)
             dt, B, C = self._ssm_params(xc)
-            y_d, new_ssm = selective_state_update(ssm_state, xc, dt, A, B, C, self.D)
-            return y_d, (new_conv, new_ssm)
+            return self.ops.mamba1_update(ssm_state, xc, dt, A, B, C, self.D, idx)
 
-        def prefill(tok: slice, init: InitStates, cu: torch.Tensor, md) -> tuple[torch.Tensor, States]:
-            init_conv, init_ssm = init
-            xc, final_conv = causal_conv1d_varlen(x[tok], weight, bias, cu, init_conv, self.activation)
+        def prefill(tok: slice, states: States, idx: torch.Tensor, has_init: torch.Tensor,
+                    cu: torch.Tensor, md) -> torch.Tensor:
+            conv_state, ssm_state = states
+            xc = self.ops.conv_prefill(x[tok], conv_state, idx, has_init, cu, weight, bias, self.activation)
             dt, B, C = self._ssm_params(xc)
-            y_p, final_ssm = selective_scan_varlen(xc, dt, A, B, C, self.D, cu, init_ssm)
-            return y_p, (final_conv, final_ssm)
+            return self.ops.mamba1_scan(xc, dt, A, B, C, self.D, cu, ssm_state, idx, has_init)
 
         y = self.run_state_slots(attn_metadata, y, decode, prefill)
         y = y * F.silu(z.to(torch.float32))

@@ -22,10 +22,10 @@ from torch import nn
 import torch.nn.functional as F
 
 from toolkit.attention.mamba2 import compute_chunk_metadata
-from toolkit.layers.causal_conv1d import causal_conv1d_step, causal_conv1d_varlen
+from toolkit.layers.causal_conv1d import initial_states_at, write_states_at
 from toolkit.layers.mlp import get_activation
 from toolkit.layers.norms import RMSNormGated
-from toolkit.layers.state_mixer import InitStates, States, StateSlotMixer
+from toolkit.layers.state_mixer import States, StateSlotMixer
 from toolkit.runner.kv_cache_spec import MambaSpec
 
 
@@ -225,6 +225,30 @@ def ssd_chunk_scan_varlen(
     return y_tok, finals
 
 
+def mamba2_update_at_slots(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                           B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None,
+                           state_indices: torch.Tensor) -> torch.Tensor:
+    """`ssm_step` in place at state indices: ssm_state [S, H, P, N] (row i reads and writes slot
+    state_indices[i]; -1: padded row, y = 0, nothing touched). Returns y fp32 [B, H, P]."""
+    y, new = ssm_step(initial_states_at(ssm_state, state_indices, None), x, dt, A, B, C, D)
+    write_states_at(ssm_state, state_indices, new)
+    return torch.where((state_indices >= 0).view(-1, 1, 1), y, torch.zeros((), dtype=y.dtype, device=y.device))
+
+
+def ssd_scan_at_slots(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                      D: torch.Tensor | None, cu_chunk_seqlens: torch.Tensor, seq_idx: torch.Tensor,
+                      last_chunk_indices: torch.Tensor, chunk_size: int, ssm_state: torch.Tensor,
+                      state_indices: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
+    """`ssd_chunk_scan_varlen` in place at state indices: sequence i starts from
+    ssm_state[state_indices[i]] if has_initial_state[i] else zeros; its final state is written
+    back there. Returns y fp32 [T, H, P]."""
+    init = initial_states_at(ssm_state, state_indices, has_initial_state)
+    y, final = ssd_chunk_scan_varlen(x, dt, A, B, C, D, cu_chunk_seqlens, seq_idx, last_chunk_indices,
+                                     chunk_size, init)
+    write_states_at(ssm_state, state_indices, final)
+    return y
+
+
 # --------------------------------------------------------------------------------------------
 # module
 # --------------------------------------------------------------------------------------------
@@ -334,16 +358,17 @@ class Mamba2Mixer(StateSlotMixer):
         H, P = self.num_heads, self.head_dim
         y = torch.zeros(t, H, P, device=hidden.device, dtype=torch.float32)
 
-        def decode(tok: slice, states: States) -> tuple[torch.Tensor, States]:
+        def decode(tok: slice, states: States, idx: torch.Tensor) -> torch.Tensor:
             conv_state, ssm_state = states
-            xbc_d, new_conv = causal_conv1d_step(xbc[tok], conv_state, weight, bias, self.activation)
+            xbc_d = self.ops.conv_update(xbc[tok], conv_state, idx, weight, bias, self.activation)
             x, B, C = self._split_xbc(xbc_d)
-            y_d, new_ssm = ssm_step(ssm_state, x, dt[tok], A, B, C, self.D)
-            return y_d, (new_conv, new_ssm)
+            return self.ops.mamba2_update(ssm_state, x, dt[tok], A, B, C, self.D, idx)
 
-        def prefill(tok: slice, init: InitStates, cu_seqlens: torch.Tensor, md) -> tuple[torch.Tensor, States]:
-            init_conv, init_ssm = init
-            xbc_p, final_conv = causal_conv1d_varlen(xbc[tok], weight, bias, cu_seqlens, init_conv, self.activation)
+        def prefill(tok: slice, states: States, idx: torch.Tensor, has_init: torch.Tensor,
+                    cu_seqlens: torch.Tensor, md) -> torch.Tensor:
+            conv_state, ssm_state = states
+            xbc_p = self.ops.conv_prefill(xbc[tok], conv_state, idx, has_init, cu_seqlens, weight, bias,
+                                          self.activation)
             x, B, C = self._split_xbc(xbc_p)
             if md is None:  # profile run: one sequence
                 cu, sidx, last = (torch.from_numpy(a).to(hidden.device) for a in
@@ -351,8 +376,7 @@ class Mamba2Mixer(StateSlotMixer):
                 chunks = (cu, sidx, last, self.chunk_size)
             else:
                 chunks = (md.cu_chunk_seqlen_p, md.seq_idx_p, md.last_chunk_indices_p, int(md.chunk_size))
-            y_p, final_ssm = ssd_chunk_scan_varlen(x, dt[tok], A, B, C, self.D, *chunks, init_ssm)
-            return y_p, (final_conv, final_ssm)
+            return self.ops.ssd_scan(x, dt[tok], A, B, C, self.D, *chunks, ssm_state, idx, has_init)
 
         y = self.run_state_slots(attn_metadata, y, decode, prefill)
         out = self.norm(y.reshape(t, self.intermediate_size), gate)

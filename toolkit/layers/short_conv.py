@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from toolkit.layers.causal_conv1d import causal_conv1d_step, causal_conv1d_varlen
-from toolkit.layers.state_mixer import InitStates, States, StateSlotMixer
+from toolkit.layers.state_mixer import States, StateSlotMixer
 from toolkit.runner.kv_cache_spec import MambaSpec
 
 
@@ -69,15 +68,12 @@ class ShortConv(StateSlotMixer):
         bias = self.conv.bias
         v = torch.zeros_like(u)
 
-        def decode(tok: slice, states: States) -> tuple[torch.Tensor, States]:
-            (conv_state,) = states
-            v_d, new_state = causal_conv1d_step(u[tok], conv_state, weight, bias, activation=None)
-            return v_d, (new_state,)
+        def decode(tok: slice, states: States, idx: torch.Tensor) -> torch.Tensor:
+            return self.ops.conv_update(u[tok], states[0], idx, weight, bias, None)
 
-        def prefill(tok: slice, init: InitStates, cu_seqlens: torch.Tensor, md) -> tuple[torch.Tensor, States]:
-            (init_state,) = init
-            v_p, final = causal_conv1d_varlen(u[tok], weight, bias, cu_seqlens, init_state, activation=None)
-            return v_p, (final,)
+        def prefill(tok: slice, states: States, idx: torch.Tensor, has_init: torch.Tensor,
+                    cu_seqlens: torch.Tensor, md) -> torch.Tensor:
+            return self.ops.conv_prefill(u[tok], states[0], idx, has_init, cu_seqlens, weight, bias, None)
 
         v = self.run_state_slots(attn_metadata, v, decode, prefill)
         return self.out_proj(C * v)

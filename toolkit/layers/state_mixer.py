@@ -9,24 +9,25 @@ per request slot (vLLM "SD" layout).
 Token order (BaseMambaAttentionMetadata contract): [decode tokens | prefill tokens | padding].
 A subclass's forward computes its per-token inputs, allocates a zero output buffer `out`
 [T, ...], and calls `run_state_slots(attn_metadata, out, decode, prefill)` with two closures
-holding only its own math:
+holding only its own math, written with the ops of `self.ops` (toolkit/layers/ops.py), which
+read and write the state caches in place at state indices:
 
-    decode(tokens, states) -> (y, new_states)
+    decode(tokens, states, state_indices) -> y
         tokens      slice(0, nd) of the step's tokens
-        states      k tensors [nd, *state_shape_i]: the decode rows' states (gathered copies)
-        y           [nd, ...] output rows; new_states: k tensors [nd, *state_shape_i]
+        states      the k bound cache tensors [S, *state_shape_i]; row r's state is
+                    states[i][state_indices[r]], updated in place
+        y           [nd, ...] output rows
 
-    prefill(tokens, init_states, cu_seqlens, md) -> (y, final_states)
+    prefill(tokens, states, state_indices, has_initial_state, cu_seqlens, md) -> y
         tokens      slice(nd, nd + npf), or slice(0, T) in a profile run
-        init_states k tensors [P, *state_shape_i], zero for rows without an initial state, or
-                    k Nones in a profile run (= zero state)
-        cu_seqlens  int32 [P+1] sequence boundaries within `tokens` (md.query_start_loc_p);
-                    [0, T] in a profile run
+        states      as for decode; sequence r starts from its slot's state if
+                    has_initial_state[r] (else zeros) and leaves its final state there
+        cu_seqlens  int32 [P+1] sequence boundaries within `tokens` (md.query_start_loc_p)
         md          the layer's metadata (e.g. Mamba2's chunk fields), None in a profile run
-        y           [len(tokens), ...]; final_states: k tensors [P, *state_shape_i]
+        y           [len(tokens), ...]
 
-States are gathered in their cache dtype and written back cast to it (the math functions compute
-in fp32 themselves).
+A profile run (attn_metadata None) runs prefill over the whole batch as one sequence on scratch
+zero states, so the caches are never touched.
 """
 from __future__ import annotations
 
@@ -38,9 +39,9 @@ import torch
 from torch import nn
 
 States = tuple[torch.Tensor, ...]
-InitStates = tuple[torch.Tensor | None, ...]
-DecodeFn = Callable[[slice, States], tuple[torch.Tensor, States]]
-PrefillFn = Callable[[slice, InitStates, torch.Tensor, Any], tuple[torch.Tensor, States]]
+DecodeFn = Callable[[slice, States, torch.Tensor], torch.Tensor]
+PrefillFn = Callable[[slice, States, torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
+
 
 class StateSlotMixer(nn.Module, ABC):
     """Base class of a layer holding per-request recurrent state in bound cache tensors.
@@ -54,12 +55,18 @@ class StateSlotMixer(nn.Module, ABC):
 
     def __init__(self, layer_name: str) -> None:
         super().__init__()
+        from toolkit.layers.ops import TORCH_OPS   # ops imports the mixers' reference functions
         self.layer_name = layer_name
+        self.ops = TORCH_OPS                        # set_ops() swaps in the Triton kernels
         self.unbind_kv_cache()
 
     @abstractmethod
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
         """Per-slot shape of each state tensor, in `state_names` order."""
+
+    def state_dtypes(self) -> tuple[torch.dtype, ...]:
+        """Cache dtype of each state tensor, in `state_names` order."""
+        return tuple(self.get_kv_cache_spec().dtypes)
 
     # -- cache plumbing -------------------------------------------------------------------
     def bind_kv_cache(self, caches: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
@@ -102,9 +109,11 @@ class StateSlotMixer(nn.Module, ABC):
         """
         t = out.shape[0]
         if attn_metadata is None:
+            scratch = tuple(torch.zeros(1, *shape, dtype=dtype, device=out.device)
+                            for shape, dtype in zip(self.state_shapes(), self.state_dtypes()))
+            one_slot = torch.zeros(1, dtype=torch.int32, device=out.device)
             cu = torch.tensor([0, t], device=out.device, dtype=torch.int32)
-            y, _ = prefill(slice(0, t), (None,) * len(self.state_names), cu, None)
-            return y
+            return prefill(slice(0, t), scratch, one_slot, one_slot.bool(), cu, None)
         md = attn_metadata[self.layer_name]
         states = self._bound_states()
         nd = int(md.num_decode_tokens)
@@ -113,25 +122,8 @@ class StateSlotMixer(nn.Module, ABC):
             if nd != int(md.num_decodes):
                 raise ValueError(f"{self.layer_name}: one token per decode row expected, got "
                                  f"{nd} tokens for {md.num_decodes} decodes")
-            idx = md.state_indices_tensor_d[:nd].to(torch.int64)
-            y_d, new_states = decode(slice(0, nd), tuple(s[idx] for s in states))
-            _write_states(states, idx, new_states)
-            out[:nd] = y_d
+            out[:nd] = decode(slice(0, nd), states, md.state_indices_tensor_d[:nd])
         if int(md.num_prefills) > 0 and npf > 0:
-            idx = md.state_indices_tensor_p.to(torch.int64)
-            has = md.has_initial_states_p.to(device=out.device, dtype=torch.bool)
-            init = tuple(
-                torch.where(has.view(-1, *(1,) * (s.dim() - 1)), s[idx],
-                            torch.zeros((), dtype=s.dtype, device=out.device))
-                for s in states
-            )
-            y_p, final_states = prefill(slice(nd, nd + npf), init, md.query_start_loc_p, md)
-            _write_states(states, idx, final_states)
-            out[nd : nd + npf] = y_p
+            out[nd : nd + npf] = prefill(slice(nd, nd + npf), states, md.state_indices_tensor_p,
+                                         md.has_initial_states_p, md.query_start_loc_p, md)
         return out
-
-
-def _write_states(states: States, idx: torch.Tensor, new_states: States) -> None:
-    """states[i][idx] = new_states[i] (cast to the cache dtype) for every state tensor."""
-    for state, new in zip(states, new_states):
-        state[idx] = new.to(state.dtype)

@@ -1,0 +1,111 @@
+"""The ops a model's forward calls, as one of two interchangeable sets with the same signatures:
+`TORCH_OPS` (plain torch, every platform: the references) and the Triton kernels in
+`toolkit.kernels` (`triton_ops()`). `set_ops(model, ops)` hands a set to every layer.
+
+Recurrent-state ops work *in place at state indices*, as vLLM's kernels do: they read a row's
+initial state from `cache[state_indices[row]]` and write its new state back there. A state index of
+PAD_SLOT_ID (-1) marks a padded row: nothing is read or written and its output is 0.
+
+    conv_update(x [B, Dc], conv_state [S, K-1, Dc], state_indices [B], weight [Dc, K], bias, act)
+        -> out [B, Dc] (x.dtype)                                      one token per row
+    conv_prefill(x [T, Dc], conv_state, state_indices [P], has_initial_state [P], cu_seqlens [P+1],
+                 weight, bias, act) -> out [T, Dc]                    P sequences back to back
+    mamba1_update(ssm_state [S, Di, N], x [B, Di], dt [B, Di], A [Di, N], B [B, N], C [B, N], D,
+                  state_indices) -> y fp32 [B, Di]
+    mamba1_scan(x [T, Di], dt [T, Di], A, B [T, N], C [T, N], D, cu_seqlens [P+1],
+                ssm_state, state_indices [P], has_initial_state [P]) -> y fp32 [T, Di]
+    mamba2_update(ssm_state [S, H, P, N], x [B, H, P], dt [B, H], A [H], B [B, G, N], C, D,
+                  state_indices) -> y fp32 [B, H, P]
+    ssd_scan(x [T, H, P], dt [T, H], A, B [T, G, N], C, D, cu_chunk_seqlens [C+1], seq_idx [C],
+             last_chunk_indices [P], chunk_size, ssm_state, state_indices [P],
+             has_initial_state [P]) -> y fp32 [T, H, P]
+    write_kv_cache(kv_cache, k [N, Hkv, D], v, slot_mapping [N]) -> None
+    paged_attention(q [T, Hq, D], kv_cache, md: PagedAttentionMetadata, scale) -> out [T, Hq, D]
+    gumbel_argmax(scaled [B, V] fp32, seeds int64 [B, 2], positions [B]) -> int64 [B]
+        argmax(scaled + gumbel(seed, position, token)) (see toolkit/sampling.py)
+
+dt is already softplus'ed (and clamped); A is already -exp(A_log). SSM math is fp32.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from toolkit.layers import attention as attn
+from toolkit.layers import causal_conv1d as conv
+from toolkit.layers import mamba1_mixer as m1
+from toolkit.layers import mamba2_mixer as m2
+from toolkit import sampling
+
+PAD_SLOT_ID = -1
+
+
+@dataclass(frozen=True)
+class Ops:
+    name: str                    # "torch" or "triton": what the StepRecord reports
+    conv_update: Callable
+    conv_prefill: Callable
+    mamba1_update: Callable
+    mamba1_scan: Callable
+    mamba2_update: Callable
+    ssd_scan: Callable
+    write_kv_cache: Callable
+    paged_attention: Callable
+    gumbel_argmax: Callable
+
+
+TORCH_OPS = Ops(
+    name="torch",
+    conv_update=conv.conv_update_at_slots,
+    conv_prefill=conv.conv_prefill_at_slots,
+    mamba1_update=m1.mamba1_update_at_slots,
+    mamba1_scan=m1.mamba1_scan_at_slots,
+    mamba2_update=m2.mamba2_update_at_slots,
+    ssd_scan=m2.ssd_scan_at_slots,
+    write_kv_cache=attn.write_kv_cache,
+    paged_attention=attn.paged_attention_ref,
+    gumbel_argmax=sampling.gumbel_argmax_ref,
+)
+
+
+def triton_ops(device: torch.device) -> Ops:
+    """The Triton kernels. On a CPU they run under the Triton interpreter (TRITON_INTERPRET=1), slow
+    and meant for tests; the variable must be set before the kernels are defined, so it is set here
+    when `toolkit.kernels` has not been imported yet."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as err:
+        raise ValueError("backend='triton' but triton is not installed (no wheels for macOS and "
+                         "Windows); use backend='auto' or 'torch'") from err
+    import sys
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        if any(name.startswith("toolkit.kernels.") for name in sys.modules):
+            raise ValueError("backend='triton' on the CPU needs TRITON_INTERPRET=1 before "
+                             "toolkit.kernels is imported; it was imported without it. Set the "
+                             "variable at the top of the script or notebook.")
+        os.environ["TRITON_INTERPRET"] = "1"
+    from toolkit.kernels import (causal_conv1d, kv_cache, paged_attention, gumbel, selective_scan,
+                                 selective_state_update, ssd_scan)
+    return Ops(
+        name="triton",
+        conv_update=causal_conv1d.causal_conv1d_update,
+        conv_prefill=causal_conv1d.causal_conv1d_prefill,
+        mamba1_update=selective_scan.selective_state_update,
+        mamba1_scan=selective_scan.selective_scan,
+        mamba2_update=selective_state_update.selective_state_update,
+        ssd_scan=ssd_scan.ssd_scan,
+        write_kv_cache=kv_cache.write_kv_cache,
+        paged_attention=paged_attention.paged_attention,
+        gumbel_argmax=gumbel.gumbel_argmax,
+    )
+
+
+def set_ops(model: nn.Module, ops: Ops) -> None:
+    """Give every layer that calls ops (it has an `ops` attribute) this set."""
+    for module in model.modules():
+        if hasattr(module, "ops"):
+            module.ops = ops
