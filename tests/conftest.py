@@ -1,12 +1,15 @@
 import os
 
+import torch  # noqa: E402  (defines no Triton kernel)
+
 # Triton reads TRITON_INTERPRET when a kernel is decorated, so set it before anything imports one.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# Without a GPU the kernels run under the interpreter; on a GPU they compile.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 # model_helpers holds test checks (ModelParitySuite): rewrite its asserts as pytest does a test's
 pytest.register_assert_rewrite("model_helpers")

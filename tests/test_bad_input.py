@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from toolkit import (LLM, CheckpointError, EngineClosedError, InvalidRequestError, NotSupportedYetError,
+from toolkit import (LLM, CheckpointError, EngineClosedError, InvalidRequestError,
                      SamplingParams, UnknownModelError, UnsupportedArchitectureError)
 from toolkit.models import save_hf_folder
 
@@ -110,8 +110,7 @@ CASES = [
                                                              max_num_batched_tokens=4),
      ValueError, "max_num_batched_tokens=4 must be >= max_num_seqs=8"),
     ("unknown inspect mode", lambda llm, f, t: LLM("tiny-llama", inspect="all"), ValueError, "inspect='all'"),
-    ("backend='triton' before kernels exist", lambda llm, f, t: LLM("tiny-llama", backend="triton"),
-     (NotSupportedYetError, ValueError), "triton"),
+    ("unknown backend", lambda llm, f, t: LLM("tiny-llama", backend="cuda"), ValueError, "backend='cuda'"),
     ("warmup with requests running", lambda llm, f, t: llm.warmup(progress=False), RuntimeError, "idle engine"),
 ]
 

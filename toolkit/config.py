@@ -5,7 +5,6 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkit.errors import NotSupportedYetError
 
 
 @dataclass
@@ -18,6 +17,7 @@ class RunnerConfig:
     max_model_len: int              # prompt + output tokens of one request
     num_kv_blocks: int | None       # None: enough for max_num_seqs full-length requests
     seed: int
+    backend: str = "torch"          # "torch" or "triton" (resolved: see resolve_backend)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
@@ -64,18 +64,22 @@ def resolve_device_dtype(device: str | torch.device, dtype: str | torch.dtype
 BACKENDS = ("auto", "torch", "triton")
 
 
-def resolve_backend(backend: str) -> str:
-    """The ops the model runs: "torch" (the reference ops, every platform) or "triton" (kernels
-    in toolkit.kernels, where triton is installed). "auto" takes torch for now: no op has a Triton
-    kernel yet, so "triton" is refused rather than silently running torch."""
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The ops the model runs (toolkit/layers/ops.py): "torch", the reference ops, on every platform,
+    or "triton", the kernels in toolkit.kernels. "auto" is Triton on CUDA (where triton is
+    installed) and torch on the CPU. "triton" on the CPU runs the kernels under the Triton
+    interpreter: slow, meant for tests."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: use one of {BACKENDS}")
-    if backend == "triton":
-        try:
-            import triton  # noqa: F401
-        except ImportError as err:
-            raise ValueError("backend='triton' but triton is not installed (no wheels for macOS and "
-                             "Windows); use backend='auto' or 'torch'") from err
-        raise NotSupportedYetError("backend='triton': no Triton kernels are implemented yet; "
-                                   "backend='auto' runs the torch reference ops")
-    return "torch"
+    if backend == "torch":
+        return "torch"
+    try:
+        import triton  # noqa: F401
+    except ImportError as err:
+        if backend == "auto":
+            return "torch"
+        raise ValueError("backend='triton' but triton is not installed (no wheels for macOS and "
+                         "Windows); use backend='auto' or 'torch'") from err
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return "triton"

@@ -42,13 +42,13 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, seed=seed, inspect=inspect,
             trace_capacity=trace_capacity, checks=checks, backend=backend)
-        self.backend = resolve_backend(backend)
         if inspect not in MODES:
             raise ValueError(f"inspect={inspect!r}: use one of {MODES}")
         self.trace = Trace(trace_capacity)          # validates the capacity before the model loads
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
             raise ValueError(f"seed={seed!r}: must be an int in [0, {MAX_SEED}]")
         dev, dt = resolve_device_dtype(device, dtype)
+        self.backend = resolve_backend(backend, dev)      # "torch" or "triton"
         loaded = load_model(model, dtype=dt, device=dev, seed=seed)
         hf_config = loaded.config
         limit = getattr(hf_config, "max_position_embeddings", None)
@@ -59,7 +59,8 @@ class LLM:
                              f"max_position_embeddings={limit}")
         self.cfg = RunnerConfig(device=dev, dtype=dt, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                                max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, seed=seed)
+                                max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, seed=seed,
+                                backend=self.backend)
         self.hf_config = hf_config
         self.model_name = model
         self.vocab_size = int(hf_config.vocab_size)
@@ -232,7 +233,7 @@ class LLM:
         if recorder is None and not want_record:
             return None, outputs
         record = StepRecord(
-            step_index=step_index, stage=stage, scheduled=scheduled_rows(state),
+            step_index=step_index, stage=stage, backend=self.backend, scheduled=scheduled_rows(state),
             preempted_request_ids=list(sched_out.preempted_req_ids),
             finished_request_ids=[r.request_id for r in finished],
             input_batch=snapshot(state.input_batch) if state else None,
@@ -334,11 +335,13 @@ class LLM:
             except ToolkitError as err:       # e.g. a metadata contract: the stage is in the trace
                 if self._recorder is not None:
                     self.trace.append(failed_stage_record(f"warmup/{name}", err))
+                    self.trace[-1].backend = self.backend
                 raise
             timings[name] = time.perf_counter() - start
             if exec_state is not None and self._recorder is not None:
                 record = warmup_record(f"warmup/{name}", exec_state, self.checks)
                 record.timings = {"total": timings[name]}
+                record.backend = self.backend
                 self.trace.append(record)
                 checks.raise_if_any(record.violations)
         self._memory_marks["warmup"] = self._measure_memory()

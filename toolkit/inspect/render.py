@@ -469,7 +469,8 @@ def batch_table_html(rec: Any, decode: Callable[[list[int]], str] | None = None)
 
 def _header_lines(rec: Any) -> str:
     facts = [_step_name(rec).capitalize(), rec.stage, f"{rec.num_tokens} tokens",
-             f"{rec.num_prefills} prefill + {rec.num_decodes} decode rows"]
+             f"{rec.num_prefills} prefill + {rec.num_decodes} decode rows",
+             f"{getattr(rec, 'backend', 'torch')} ops"]
     lines = [f'<div style="font-size:13px;font-weight:600;color:{_FG}">{_esc(" · ".join(facts))}</div>']
     extra = []
     if rec.timings:

@@ -122,6 +122,7 @@ class StepRecord:
     top_logit_ids: torch.Tensor | None = None    # int64 [B, k], inspect="full" only
     top_logit_values: torch.Tensor | None = None  # float32 [B, k]
     violations: list[Violation] = field(default_factory=list)       # runtime checks that failed
+    backend: str = "torch"                       # the ops that ran: "torch" or "triton"
 
     @property
     def is_warmup(self) -> bool:

@@ -25,6 +25,8 @@ lfm2-350m-shape: LiquidAI/LFM2-350M -- hidden 1024, 16 layers, attention at 2, 5
 FFN of 4608, vocab 65536, tied, RoPE theta 1e6, eos 7 (354.5M parameters).
 mamba-130m-shape: state-spaces/mamba-130m(-hf) -- hidden 768, 24 layers, d_state 16, expand 2,
 conv 4, time_step_rank 48 ("auto"), vocab 50280, tied, pad/bos/eos 0/0/0 (129.1M parameters).
+mamba2-130m-shape: state-spaces/mamba2-130m, as in the H200 HF baseline -- hidden 768, 24 layers,
+24 heads x 64, d_state 128, n_groups 1, expand 2, conv 4, chunk 256, vocab 50288, tied.
 """
 from __future__ import annotations
 
@@ -179,6 +181,27 @@ def tiny_jamba() -> JambaConfig:
     )
 
 
+def mamba2_130m_shape() -> Mamba2Config:
+    return Mamba2Config(
+        vocab_size=50288,
+        hidden_size=768,
+        num_hidden_layers=24,
+        num_heads=24,
+        head_dim=64,
+        state_size=128,
+        n_groups=1,
+        expand=2,
+        conv_kernel=4,
+        chunk_size=256,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+        initializer_range=0.1,
+        architectures=["Mamba2ForCausalLM"],
+    )
+
+
 def mamba_130m_shape() -> MambaConfig:
     return MambaConfig(
         vocab_size=50280,
@@ -208,6 +231,7 @@ PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
     "tiny-falcon-mamba": tiny_falcon_mamba,
     "tiny-jamba": tiny_jamba,
     "mamba-130m-shape": mamba_130m_shape,
+    "mamba2-130m-shape": mamba2_130m_shape,
     "tiny-lfm2": tiny_lfm2,
     "lfm2-350m-shape": lfm2_350m_shape,
 }

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from toolkit.config import RunnerConfig
+from toolkit.layers.ops import TORCH_OPS, set_ops, triton_ops
 from toolkit.runner.attn_utils import AttnMetadata, init_attn_groups
 from toolkit.runner.block_table import PAD_SLOT_ID, BlockTables
 from toolkit.runner.input_batch import InputBatch, InputBuffers, make_dummy, prepare_inputs, sort_batch
@@ -49,6 +50,8 @@ class ModelRunner:
         self.cfg = cfg
         self.device = cfg.device
         self.model = model
+        self.ops = TORCH_OPS if cfg.backend == "torch" else triton_ops(cfg.device)
+        set_ops(model, self.ops)
         self.model_state = init_model_state(model, cfg)
         self.kv_cache_groups = make_kv_cache_groups(model.kv_cache_specs(), cfg)
         self.kv_caches = allocate_kv_caches(self.kv_cache_groups, cfg.device)
@@ -60,7 +63,7 @@ class ModelRunner:
                                         [g.width for g in self.kv_cache_groups],
                                         cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.device)
         self.input_buffers = InputBuffers(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.device)
-        self.sampler = Sampler(cfg.max_num_seqs, cfg.device)
+        self.sampler = Sampler(cfg.max_num_seqs, cfg.device, self.ops.gumbel_argmax)
         self.cudagraph_manager = None    # CUDA-graph capture is not implemented yet: eager only
         self.execute_state: ExecuteModelState | None = None
         self.observer: StepObserver | None = None
