@@ -1,12 +1,29 @@
-"""Causal conv1d decode update, in place at state indices (Mamba1 / Mamba2 / short-conv decode):
-the Triton kernel, its launcher and the torch reference it must equal.
+"""Causal conv1d (Mamba1 / Mamba2 / short-conv front end), in place at state indices: the decode
+update and the varlen prefill, their Triton kernels, launchers and the torch references they must equal.
 
-x [B, Dc] (one new token per row); conv_state [S, K-1, Dc] (vLLM "SD" layout, oldest first);
-state_indices int [B] (a row's slot; PAD_SLOT_ID = -1: a padded row, nothing read or written);
-weight [Dc, K]; bias [Dc] or None. For each real row:
+Shared: conv_state [S, K-1, Dc] (vLLM "SD" layout, oldest first) in the model dtype;
+weight [Dc, K] (e.g. the view conv1d.weight[:, 0, :]; the update needs unit stride along K, the
+prefill takes any strides); bias [Dc] or None;
+activation None or "silu" ("swish" is silu). Math in fp32; out in x.dtype; the state keeps its dtype.
+PAD_SLOT_ID = -1 marks a padded row / sequence.
+
+causal_conv1d_update (decode, reference `conv_update_at_slots`):
+x [B, Dc] (one new token per row); state_indices int [B] (a row's slot; -1: nothing read or written,
+out = 0). For each real row:
     out = act(bias + sum_k weight[:, k] * window[k]),  window = [conv_state[slot]; x]  (K inputs)
     conv_state[slot] = window[1:]
-Math in fp32; out in x.dtype; the state keeps its dtype. Padded rows get out = 0.
+
+causal_conv1d_prefill (varlen prefill, reference `conv_prefill_at_slots`):
+x [T, Dc] (P sequences back to back, row stride may exceed Dc); cu_seqlens int32/int64 [P+1]
+(cu_seqlens[0] = 0, cu_seqlens[P] <= T); state_indices int32/int64 [P]; has_initial_state bool [P]
+or None (None: every real sequence has one). Sequence i reads u = [init; x_i] with
+init = conv_state[state_indices[i]] if has_initial_state[i] and state_indices[i] >= 0 else zeros:
+    out[t] = act(bias + sum_k weight[:, k] * u[t - (K-1) + k])          (every token of x_i)
+    conv_state[state_indices[i]] = the last K-1 entries of u   (a copy, cast to the cache dtype;
+                                   a sequence shorter than K-1 keeps part of its initial state)
+A padded sequence (state index -1) still gets outputs, from a zero initial state (as the reference
+does: the profile run passes one), and writes no state. Rows of x past cu_seqlens[P] get no output
+(out there is uninitialised).
 """
 from __future__ import annotations
 
@@ -16,6 +33,7 @@ import triton.language as tl
 
 from toolkit.layers.causal_conv1d import PAD_SLOT_ID  # noqa: F401
 from toolkit.layers.causal_conv1d import conv_update_at_slots as reference  # noqa: F401  (torch reference)
+from toolkit.layers.causal_conv1d import conv_prefill_at_slots as prefill_reference  # noqa: F401  (torch reference)
 
 
 @triton.jit
@@ -81,4 +99,135 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, state_indice
         x, conv_state, state_indices, weight, bias if bias is not None else x, out, dim,
         x.stride(0), conv_state.stride(0), conv_state.stride(1), weight.stride(0), out.stride(0),
         KM1=km1, HAS_BIAS=bias is not None, SILU=activation is not None, BLOCK_D=block)
+    return out
+
+
+# ---- varlen prefill -------------------------------------------------------------------------------
+# One program per (sequence, block of channels, token split). Split j handles the sequence's token
+# blocks j, j + splits, j + 2 * splits, ...; only split 0 touches the state slot: the first K-1 tokens
+# (the only ones that read the initial state) lie in token block 0, and split 0 also writes the final
+# state, after a CTA barrier that orders every read of the slot before the write (the initial state
+# and the final state share the slot). The grid depends on shapes only: P, Dc and T.
+_PREFILL_BLOCK_T = 32
+_PREFILL_MAX_PROGRAMS = 512      # splits per (sequence, channel block): until about this many programs
+
+
+@triton.jit
+def _conv_prefill_kernel(x_ptr, state_ptr, idx_ptr, has_init_ptr, cu_ptr, w_ptr, b_ptr, out_ptr, dim,
+                         stride_xt, stride_ss, stride_sk, stride_wd, stride_wk, stride_ot,
+                         KM1: tl.constexpr, BLOCK_KM1: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (sequence, block of channels, token split): conv over its token blocks; split 0 also
+    reads the initial state and writes the final state."""
+    seq = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    split = tl.program_id(2)
+    splits = tl.num_programs(2)
+    md = d < dim
+    start = tl.load(cu_ptr + seq).to(tl.int64)
+    seqlen = (tl.load(cu_ptr + seq + 1).to(tl.int64) - start).to(tl.int32)
+    slot = tl.load(idx_ptr + seq).to(tl.int64)
+    # masks are built from integer bounds: the interpreter cannot `&` a scalar bool with a block of bools
+    # the state is read at input positions p in [init_lo, 0): -(K-1) with an initial state, else none
+    init_lo = tl.where(slot >= 0, -KM1, 0)
+    if HAS_INIT_FLAGS:
+        init_lo = tl.where(tl.load(has_init_ptr + seq) != 0, init_lo, 0)
+    state = state_ptr + tl.maximum(slot, 0) * stride_ss + d[None, :]       # [1, BLOCK_D]; slot 0 if padded
+    xcol = x_ptr + d[None, :]
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + d, mask=md, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros([BLOCK_D], dtype=tl.float32)
+
+    offs_t = tl.arange(0, BLOCK_T)
+    for tb in range(split, tl.cdiv(seqlen, BLOCK_T), splits):
+        t = tb * BLOCK_T + offs_t                                           # position in the sequence
+        mt = t < seqlen
+        acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32) + bias[None, :]
+        for k in tl.static_range(KM1 + 1):
+            p = t - KM1 + k                                                 # input position: < 0 is the state
+            in_x = (mt & (p >= 0))[:, None] & md[None, :]
+            in_s = (mt & (p >= init_lo) & (p < 0))[:, None] & md[None, :]
+            xv = tl.load(xcol + (start + tl.maximum(p, 0))[:, None] * stride_xt, mask=in_x, other=0.0)
+            sv = tl.load(state + tl.maximum(p + KM1, 0)[:, None] * stride_sk, mask=in_s, other=0.0)
+            u = tl.where(in_x, xv.to(tl.float32), sv.to(tl.float32))
+            wk = tl.load(w_ptr + d * stride_wd + k * stride_wk, mask=md, other=0.0).to(tl.float32)
+            acc += u * wk[None, :]
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
+        tl.store(out_ptr + (start + t)[:, None] * stride_ot + d[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=mt[:, None] & md[None, :])
+
+    # final state: the last K-1 entries of [init; x_i], read into registers, then written after a barrier
+    j = tl.arange(0, BLOCK_KM1)
+    p = seqlen - KM1 + j                                                    # input position, < 0: the state
+    n_write = tl.where(split == 0, tl.where(slot >= 0, KM1, 0), 0)         # rows of the state split 0 writes
+    rows = j < n_write
+    in_x = (rows & (p >= 0))[:, None] & md[None, :]
+    in_s = (rows & (p >= init_lo) & (p < 0))[:, None] & md[None, :]
+    xv = tl.load(xcol + (start + tl.maximum(p, 0))[:, None] * stride_xt, mask=in_x, other=0.0)
+    sv = tl.load(state + tl.maximum(p + KM1, 0)[:, None] * stride_sk, mask=in_s, other=0.0)
+    final = tl.where(in_x, xv.to(tl.float32).to(state_ptr.dtype.element_ty), sv)   # zeros where no init
+    tl.debug_barrier()                  # every thread's reads of the slot happen before any write to it
+    tl.store(state + j[:, None] * stride_sk, final, mask=rows[:, None] & md[None, :])
+
+
+def causal_conv1d_prefill(x: torch.Tensor, conv_state: torch.Tensor, state_indices: torch.Tensor,
+                          has_initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor,
+                          weight: torch.Tensor, bias: torch.Tensor | None,
+                          activation: str | None = "silu") -> torch.Tensor:
+    """Launcher: checks shapes, dtypes, devices and strides; writes the P final states into
+    `conv_state` in place; returns out [T, Dc] in x.dtype."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, Dc], got {tuple(x.shape)}")
+    t, dim = x.shape
+    if conv_state.dim() != 3 or conv_state.shape[2] != dim:
+        raise ValueError(f"conv_state must be [S, K-1, Dc={dim}], got {tuple(conv_state.shape)}")
+    km1 = conv_state.shape[1]
+    if km1 < 1:
+        raise ValueError("a conv kernel of width 1 has no state")
+    if tuple(weight.shape) != (dim, km1 + 1):
+        raise ValueError(f"weight must be [Dc={dim}, K={km1 + 1}] (K-1 from conv_state), got {tuple(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (dim,):
+        raise ValueError(f"bias must be [Dc={dim}], got {tuple(bias.shape)}")
+    if state_indices.dim() != 1 or state_indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"state_indices must be int32/int64 [P], got {state_indices.dtype} "
+                         f"{tuple(state_indices.shape)}")
+    p = state_indices.shape[0]
+    if tuple(cu_seqlens.shape) != (p + 1,) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be int32/int64 [P+1={p + 1}], got {cu_seqlens.dtype} "
+                         f"{tuple(cu_seqlens.shape)}")
+    if has_initial_state is not None and (tuple(has_initial_state.shape) != (p,)
+                                          or has_initial_state.dtype != torch.bool):
+        raise ValueError(f"has_initial_state must be bool [P={p}], got {has_initial_state.dtype} "
+                         f"{tuple(has_initial_state.shape)}")
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"activation={activation!r}: the kernel has None and 'silu'")
+    named = [("x", x), ("conv_state", conv_state), ("state_indices", state_indices),
+             ("cu_seqlens", cu_seqlens), ("weight", weight), ("bias", bias), ("has_initial_state", has_initial_state)]
+    for name, v in named:
+        if v is not None and v.device != x.device:
+            raise ValueError(f"{name} is on {v.device}, x on {x.device}: all must be on one device")
+    for name, v in (("x", x), ("conv_state", conv_state)):
+        if v.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension, strides {tuple(v.stride())}")
+    if bias is not None and bias.stride(0) != 1:
+        raise ValueError(f"bias must be contiguous, stride {bias.stride(0)}")
+    for name, v in (("state_indices", state_indices), ("cu_seqlens", cu_seqlens),
+                    ("has_initial_state", has_initial_state)):
+        if v is not None and v.numel() > 1 and v.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous, stride {v.stride(0)}")
+    out = torch.empty(t, dim, dtype=x.dtype, device=x.device)
+    if p == 0 or t == 0:
+        return out
+    block_d = min(triton.next_power_of_2(dim), 128)
+    n_d = triton.cdiv(dim, block_d)
+    splits = max(1, min(triton.cdiv(t, _PREFILL_BLOCK_T), _PREFILL_MAX_PROGRAMS // (p * n_d)))
+    flags = has_initial_state.view(torch.uint8) if has_initial_state is not None else state_indices
+    _conv_prefill_kernel[(p, n_d, splits)](
+        x, conv_state, state_indices, flags, cu_seqlens, weight, bias if bias is not None else x, out, dim,
+        x.stride(0), conv_state.stride(0), conv_state.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
+        KM1=km1, BLOCK_KM1=triton.next_power_of_2(km1), HAS_INIT_FLAGS=has_initial_state is not None,
+        HAS_BIAS=bias is not None, SILU=activation is not None, BLOCK_T=_PREFILL_BLOCK_T, BLOCK_D=block_d)
     return out

@@ -1,6 +1,7 @@
 """RunnerConfig: the engine limits, validated once when the LLM is built."""
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -73,13 +74,11 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         raise ValueError(f"backend={backend!r}: use one of {BACKENDS}")
     if backend == "torch":
         return "torch"
-    try:
-        import triton  # noqa: F401
-    except ImportError as err:
+    if importlib.util.find_spec("triton") is None:    # found without importing it (see ops.triton_ops)
         if backend == "auto":
             return "torch"
         raise ValueError("backend='triton' but triton is not installed (no wheels for macOS and "
-                         "Windows); use backend='auto' or 'torch'") from err
+                         "Windows); use backend='auto' or 'torch'")
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
     return "triton"

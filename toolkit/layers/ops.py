@@ -4,7 +4,8 @@
 
 Recurrent-state ops work *in place at state indices*, as vLLM's kernels do: they read a row's
 initial state from `cache[state_indices[row]]` and write its new state back there. A state index of
-PAD_SLOT_ID (-1) marks a padded row: nothing is read or written and its output is 0.
+PAD_SLOT_ID (-1) marks a padded row: no state is read or written; a padded decode row's output is 0,
+a padded prefill sequence is computed from a zero state (the profile run relies on it).
 
     conv_update(x [B, Dc], conv_state [S, K-1, Dc], state_indices [B], weight [Dc, K], bias, act)
         -> out [B, Dc] (x.dtype)                                      one token per row
@@ -74,19 +75,18 @@ TORCH_OPS = Ops(
 
 def triton_ops(device: torch.device) -> Ops:
     """The Triton kernels. On a CPU they run under the Triton interpreter (TRITON_INTERPRET=1), slow
-    and meant for tests; the variable must be set before the kernels are defined, so it is set here
-    when `toolkit.kernels` has not been imported yet."""
-    try:
-        import triton  # noqa: F401
-    except ImportError as err:
-        raise ValueError("backend='triton' but triton is not installed (no wheels for macOS and "
-                         "Windows); use backend='auto' or 'torch'") from err
+    and meant for tests. Triton reads the variable when it is imported, so it is set here when
+    nothing has imported triton yet, and refused with the reason when something has."""
+    import importlib.util
     import sys
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError("backend='triton' but triton is not installed (no wheels for macOS and "
+                         "Windows); use backend='auto' or 'torch'")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        if any(name.startswith("toolkit.kernels.") for name in sys.modules):
-            raise ValueError("backend='triton' on the CPU needs TRITON_INTERPRET=1 before "
-                             "toolkit.kernels is imported; it was imported without it. Set the "
-                             "variable at the top of the script or notebook.")
+        if "triton" in sys.modules:
+            raise ValueError("backend='triton' on the CPU runs the Triton interpreter, which needs "
+                             "TRITON_INTERPRET=1 before triton is imported; triton was imported without "
+                             "it. Set the variable at the top of the script or notebook.")
         os.environ["TRITON_INTERPRET"] = "1"
     from toolkit.kernels import (causal_conv1d, kv_cache, paged_attention, gumbel, selective_scan,
                                  selective_state_update, ssd_scan)

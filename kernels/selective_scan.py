@@ -1,0 +1,207 @@
+"""Mamba1 selective scan (varlen prefill) and selective state update (decode), in place at state
+indices: the Triton kernels, their launchers and the torch references they must equal.
+
+Notation: S state slots, Di = d_inner (channels), N = d_state, T tokens, P prefill sequences,
+Bt decode rows.
+
+selective_state_update (decode, one token per row):
+    ssm_state [S, Di, N] fp32 cache (updated in place); x [Bt, Di]; dt [Bt, Di] (already softplus'ed);
+    A [Di, N] (negative); B, C [Bt, N]; D [Di] or None; state_indices int [Bt] (PAD_SLOT_ID = -1:
+    a padded row, nothing read or written, y = 0). For each real row, with h = ssm_state[slot]:
+        h = exp(dt * A) * h + (dt * B) * x ;   y = h . C + D * x
+    Returns y fp32 [Bt, Di].
+
+selective_scan (varlen prefill, P sequences back to back):
+    x [T, Di]; dt [T, Di]; A [Di, N]; B, C [T, N]; D [Di] or None; cu_seqlens int [P+1]
+    (cu[0] == 0, cu[P] == T, non-decreasing: sequence i is tokens cu[i] .. cu[i+1]-1);
+    ssm_state [S, Di, N] fp32 cache; state_indices int [P]; has_initial_state bool [P] or None
+    (None: every sequence with a slot reads it). Sequence i starts from ssm_state[state_indices[i]]
+    if has_initial_state[i] (and its slot is not -1) else from zeros, runs the recurrence above token
+    by token (y for every token), and writes its final state back to its slot (not for slot -1; a
+    zero-length sequence writes its initial state). Returns y fp32 [T, Di].
+
+x, B, C may be row-strided views (the conv output; B and C column slices of the x_proj output) in
+fp32 / fp16 / bf16; every input is read as fp32 and all math is fp32. Each last dimension must be
+contiguous. Slots must lie in [-1, S) and differ between rows: the launchers cannot check values
+without synchronising host and device.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from toolkit.layers.causal_conv1d import PAD_SLOT_ID  # noqa: F401
+from toolkit.layers.mamba1_mixer import mamba1_scan_at_slots as scan_reference  # noqa: F401  (torch reference)
+from toolkit.layers.mamba1_mixer import mamba1_update_at_slots as reference  # noqa: F401  (torch reference)
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_INTS = (torch.int32, torch.int64)
+
+
+@triton.jit
+def _update_kernel(state_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, idx_ptr, y_ptr,
+                   dim, d_state, s_slot, s_sd, x_b, dt_b, a_d, b_b, c_b, y_b,
+                   HAS_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (row, block of channels): one [BLOCK_D, N] state tile advanced by one token."""
+    row = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    md, mn = d < dim, n < d_state
+    m2 = md[:, None] & mn[None, :]
+    slot = tl.load(idx_ptr + row).to(tl.int64)
+    if slot < 0:
+        tl.store(y_ptr + row * y_b + d, tl.zeros([BLOCK_D], dtype=tl.float32), mask=md)
+        return
+    x = tl.load(x_ptr + row * x_b + d, mask=md, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + row * dt_b + d, mask=md, other=0.0).to(tl.float32)
+    Bv = tl.load(b_ptr + row * b_b + n, mask=mn, other=0.0).to(tl.float32)
+    Cv = tl.load(c_ptr + row * c_b + n, mask=mn, other=0.0).to(tl.float32)
+    A = tl.load(a_ptr + d[:, None] * a_d + n[None, :], mask=m2, other=0.0).to(tl.float32)
+    tile = state_ptr + slot * s_slot + d[:, None] * s_sd + n[None, :]
+    h = tl.load(tile, mask=m2, other=0.0)
+    h = tl.exp(dt[:, None] * A) * h + (dt[:, None] * Bv[None, :]) * x[:, None]
+    tl.store(tile, h, mask=m2)
+    y = tl.sum(h * Cv[None, :], axis=1)
+    if HAS_D:
+        y += tl.load(d_ptr + d, mask=md, other=0.0).to(tl.float32) * x
+    tl.store(y_ptr + row * y_b + d, y, mask=md)
+
+
+@triton.jit
+def _scan_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, cu_ptr, state_ptr, idx_ptr, init_ptr, y_ptr,
+                 dim, d_state, x_t, dt_t, a_d, b_t, c_t, s_slot, s_sd, y_t,
+                 HAS_D: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (sequence, block of channels): a [BLOCK_D, N] state tile in registers, carried through
+    the sequence's tokens one by one (the next token's inputs loaded ahead), then written back once."""
+    seq = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    md, mn = d < dim, n < d_state
+    m2 = md[:, None] & mn[None, :]
+    start = tl.load(cu_ptr + seq).to(tl.int64)
+    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    slot = tl.load(idx_ptr + seq).to(tl.int64)
+    # scalar conditions enter masks as bounds (d < where(cond, dim, 0)): the interpreter rejects a
+    # scalar bool broadcast into a block mask
+    has_slot = slot >= 0
+    read = has_slot
+    if HAS_INIT_FLAGS:
+        read = read & (tl.load(init_ptr + seq) != 0)
+    tile = state_ptr + tl.maximum(slot, 0) * s_slot + d[:, None] * s_sd + n[None, :]
+    h = tl.load(tile, mask=(d < tl.where(read, dim, 0))[:, None] & mn[None, :], other=0.0)
+    A = tl.load(a_ptr + d[:, None] * a_d + n[None, :], mask=m2, other=0.0).to(tl.float32)
+    if HAS_D:
+        Dv = tl.load(d_ptr + d, mask=md, other=0.0).to(tl.float32)
+    # token `start`'s inputs (nothing when the sequence is empty)
+    live = start < end
+    md_t, mn_t = d < tl.where(live, dim, 0), n < tl.where(live, d_state, 0)
+    x = tl.load(x_ptr + start * x_t + d, mask=md_t, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + start * dt_t + d, mask=md_t, other=0.0).to(tl.float32)
+    Bv = tl.load(b_ptr + start * b_t + n, mask=mn_t, other=0.0).to(tl.float32)
+    Cv = tl.load(c_ptr + start * c_t + n, mask=mn_t, other=0.0).to(tl.float32)
+    for t in range(start, end):
+        nxt = t + 1
+        more = nxt < end
+        md_t, mn_t = d < tl.where(more, dim, 0), n < tl.where(more, d_state, 0)
+        x_n = tl.load(x_ptr + nxt * x_t + d, mask=md_t, other=0.0).to(tl.float32)
+        dt_n = tl.load(dt_ptr + nxt * dt_t + d, mask=md_t, other=0.0).to(tl.float32)
+        B_n = tl.load(b_ptr + nxt * b_t + n, mask=mn_t, other=0.0).to(tl.float32)
+        C_n = tl.load(c_ptr + nxt * c_t + n, mask=mn_t, other=0.0).to(tl.float32)
+        h = tl.exp(dt[:, None] * A) * h + (dt[:, None] * Bv[None, :]) * x[:, None]
+        y = tl.sum(h * Cv[None, :], axis=1)
+        if HAS_D:
+            y += Dv * x
+        tl.store(y_ptr + t * y_t + d, y, mask=md)
+        x, dt, Bv, Cv = x_n, dt_n, B_n, C_n
+    tl.store(tile, h, mask=(d < tl.where(has_slot, dim, 0))[:, None] & mn[None, :])
+
+
+def _check_common(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                  B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None, rows: str) -> tuple[int, int, int]:
+    """Shapes, dtypes, devices and strides shared by both launchers; returns (rows, Di, N)."""
+    if ssm_state.dim() != 3:
+        raise ValueError(f"ssm_state must be [S, Di, N], got {tuple(ssm_state.shape)}")
+    if ssm_state.dtype != torch.float32:
+        raise ValueError(f"ssm_state must be float32 (the SSM state cache), got {ssm_state.dtype}")
+    _, di, n = ssm_state.shape
+    if x.dim() != 2 or x.shape[1] != di:
+        raise ValueError(f"x must be [{rows}, Di={di}], got {tuple(x.shape)}")
+    t = x.shape[0]
+    if tuple(dt.shape) != (t, di):
+        raise ValueError(f"dt must be [{rows}={t}, Di={di}], got {tuple(dt.shape)}")
+    if tuple(A.shape) != (di, n):
+        raise ValueError(f"A must be [Di={di}, N={n}], got {tuple(A.shape)}")
+    for name, v in (("B", B), ("C", C)):
+        if tuple(v.shape) != (t, n):
+            raise ValueError(f"{name} must be [{rows}={t}, N={n}], got {tuple(v.shape)}")
+    if D is not None and tuple(D.shape) != (di,):
+        raise ValueError(f"D must be [Di={di}] or None, got {tuple(D.shape)}")
+    named = [("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)] + ([("D", D)] if D is not None else [])
+    for name, v in named:
+        if v.dtype not in _FLOATS:
+            raise ValueError(f"{name} must be float32/float16/bfloat16, got {v.dtype}")
+    for name, v in named + [("ssm_state", ssm_state)]:
+        if v.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension, strides {v.stride()}")
+        if v.device != ssm_state.device:
+            raise ValueError(f"{name} is on {v.device}, ssm_state on {ssm_state.device}")
+    return t, di, n
+
+
+def _check_index(name: str, v: torch.Tensor, length: int, what: str, dtypes: tuple[torch.dtype, ...],
+                 device: torch.device) -> None:
+    if tuple(v.shape) != (length,) or v.dtype not in dtypes:
+        kinds = "/".join(str(dt).removeprefix("torch.") for dt in dtypes)
+        raise ValueError(f"{name} must be {kinds} [{what}={length}], got {v.dtype} {tuple(v.shape)}")
+    if v.device != device:
+        raise ValueError(f"{name} is on {v.device}, ssm_state on {device}")
+    if length > 1 and v.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous, strides {v.stride()}")
+
+
+def selective_state_update(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                           B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None,
+                           state_indices: torch.Tensor) -> torch.Tensor:
+    """Launcher (decode): checks shapes, dtypes, devices and strides; updates `ssm_state` in place at
+    `state_indices`; returns y fp32 [Bt, Di] (padded rows 0)."""
+    b, di, n = _check_common(ssm_state, x, dt, A, B, C, D, "Bt")
+    _check_index("state_indices", state_indices, b, "Bt", _INTS, ssm_state.device)
+    y = torch.empty(b, di, dtype=torch.float32, device=x.device)
+    if b == 0 or di == 0:
+        return y
+    block_d = min(triton.next_power_of_2(di), 64)
+    _update_kernel[(b, triton.cdiv(di, block_d))](
+        ssm_state, x, dt, A, B, C, D if D is not None else A, state_indices, y,
+        di, n, ssm_state.stride(0), ssm_state.stride(1), x.stride(0), dt.stride(0), A.stride(0),
+        B.stride(0), C.stride(0), y.stride(0),
+        HAS_D=D is not None, BLOCK_D=block_d, BLOCK_N=triton.next_power_of_2(n))
+    return y
+
+
+def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                   D: torch.Tensor | None, cu_seqlens: torch.Tensor, ssm_state: torch.Tensor,
+                   state_indices: torch.Tensor, has_initial_state: torch.Tensor | None) -> torch.Tensor:
+    """Launcher (varlen prefill): checks shapes, dtypes, devices and strides; runs each sequence from its
+    initial state, writes its final state to its slot in place; returns y fp32 [T, Di]."""
+    t, di, n = _check_common(ssm_state, x, dt, A, B, C, D, "T")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
+        raise ValueError(f"cu_seqlens must be int32/int64 [P+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    p = cu_seqlens.shape[0] - 1
+    _check_index("cu_seqlens", cu_seqlens, p + 1, "P+1", _INTS, ssm_state.device)
+    _check_index("state_indices", state_indices, p, "P", _INTS, ssm_state.device)
+    if has_initial_state is not None:
+        _check_index("has_initial_state", has_initial_state, p, "P", (torch.bool,) + _INTS, ssm_state.device)
+    y = torch.empty(t, di, dtype=torch.float32, device=x.device)
+    if p == 0 or di == 0:
+        return y
+    block_d = min(triton.next_power_of_2(di), 32)
+    _scan_kernel[(p, triton.cdiv(di, block_d))](
+        x, dt, A, B, C, D if D is not None else A, cu_seqlens, ssm_state, state_indices,
+        has_initial_state if has_initial_state is not None else state_indices, y,
+        di, n, x.stride(0), dt.stride(0), A.stride(0), B.stride(0), C.stride(0),
+        ssm_state.stride(0), ssm_state.stride(1), y.stride(0),
+        HAS_D=D is not None, HAS_INIT_FLAGS=has_initial_state is not None,
+        BLOCK_D=block_d, BLOCK_N=triton.next_power_of_2(n))
+    return y

@@ -1,0 +1,122 @@
+"""The varlen causal conv1d prefill kernel against its torch reference, under TRITON_INTERPRET=1 on the
+CPU (set in conftest before any kernel is defined): small shapes, fp32 / fp16 / bf16, sequence lengths
+around the kernel's token block, with and without initial state, padded sequences, the views the
+mixers pass (x a column slice of the projection, weight = conv1d.weight[:, 0, :])."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
+from toolkit.kernels import causal_conv1d as conv  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# both sides compute in fp32 and round once to the output dtype: allow about one ulp of it
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+       torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
+
+
+def _case(g, dtype, dim, k_width, with_bias, lens, slots_total, state_dtype=None, device="cpu"):
+    """x: a column slice of a wider projection; weight: the [Dc, K] view of a [Dc, 1, K] conv weight."""
+    t = sum(lens)
+    proj = torch.randn(t, dim + 24, generator=g).to(dtype).to(device)
+    x = proj[:, 8:8 + dim]
+    state = torch.randn(slots_total, k_width - 1, dim, generator=g).to(state_dtype or dtype).to(device)
+    weight = torch.randn(dim, 1, k_width, generator=g).to(dtype).to(device)[:, 0, :]
+    bias = torch.randn(dim, generator=g).to(dtype).to(device) if with_bias else None
+    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    return x, state, weight, bias, cu
+
+
+def _run_both(x, state, idx, has_init, cu, weight, bias, activation):
+    ours_state, ref_state = state.clone(), state.clone()
+    ours = conv.causal_conv1d_prefill(x, ours_state, idx, has_init, cu, weight, bias, activation)
+    ref = conv.prefill_reference(x, ref_state, idx, has_init, cu, weight, bias, activation)
+    return ours, ours_state, ref, ref_state
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k_width, with_bias, activation", [(4, True, "silu"), (3, False, None), (2, True, "swish")])
+def test_causal_conv1d_prefill_equals_reference(dtype, k_width, with_bias, activation):
+    g = torch.Generator().manual_seed(3)
+    bt = conv._PREFILL_BLOCK_T
+    # lengths 1, 2 (shorter than K-1 = 3 for K=4: the final state keeps part of the initial state),
+    # block-1, block, block+1, longer than two blocks; one padded sequence (-1) in the middle
+    lens = [1, bt - 1, bt, 2, bt + 1, 2 * bt + 6, 3]
+    idx = torch.tensor([7, 2, 0, 5, -1, 3, 9], dtype=torch.int32)
+    has_init = torch.tensor([True, False, True, True, True, True, False])
+    x, state, weight, bias, cu = _case(g, dtype, 40, k_width, with_bias, lens, 11)   # Dc not a power of two
+    ours, ours_state, ref, ref_state = _run_both(x, state, idx, has_init, cu, weight, bias, activation)
+    torch.testing.assert_close(ours, ref, **TOL[dtype])
+    assert torch.equal(ours_state, ref_state)                     # final states are copies: bit-exact
+    untouched = [1, 4, 6, 8, 10]                                  # slots no sequence names
+    assert torch.equal(ours_state[untouched], state[untouched])
+    # the padded sequence's outputs come from a zero initial state, as the reference computes them
+    pad = slice(sum(lens[:4]), sum(lens[:5]))
+    assert ours[pad].abs().sum() > 0
+
+
+@pytest.mark.parametrize("x_dtype, state_dtype",
+                         [(torch.bfloat16, torch.float32), (torch.float32, torch.float16)])
+def test_causal_conv1d_prefill_state_dtype_differs(x_dtype, state_dtype):
+    """A cache dtype other than x's: states are cast once, exactly as the reference casts them;
+    int64 indices and cu_seqlens, has_initial_state None (every real sequence reads its slot)."""
+    g = torch.Generator().manual_seed(4)
+    lens = [5, 1, 40]
+    idx = torch.tensor([1, 3, 0])
+    x, state, weight, bias, cu = _case(g, x_dtype, 24, 4, True, lens, 4, state_dtype)
+    ours, ours_state, ref, ref_state = _run_both(x, state, idx, None, cu.long(), weight, bias, "silu")
+    torch.testing.assert_close(ours, ref, **TOL[x_dtype])
+    assert torch.equal(ours_state, ref_state)
+    assert torch.equal(ours_state[2], state[2])
+
+
+def test_causal_conv1d_prefill_all_padded_and_empty():
+    """The profile run's shape: one sequence at slot -1 (zero state, no write); and P = 0."""
+    g = torch.Generator().manual_seed(5)
+    x, state, weight, bias, cu = _case(g, torch.float32, 16, 3, False, [37], 2)
+    idx = torch.tensor([-1], dtype=torch.int32)
+    ours, ours_state, ref, _ = _run_both(x, state, idx, torch.tensor([True]), cu, weight, bias, None)
+    torch.testing.assert_close(ours, ref, **TOL[torch.float32])
+    assert torch.equal(ours_state, state)
+    out = conv.causal_conv1d_prefill(x[:0], state, idx[:0], torch.zeros(0, dtype=torch.bool),
+                                     cu[:1], weight, bias, None)
+    assert out.shape == (0, 16)
+
+
+def test_causal_conv1d_prefill_launcher_names_what_is_wrong():
+    x, state, w = torch.zeros(5, 8), torch.zeros(3, 3, 8), torch.zeros(8, 4)
+    idx, has = torch.zeros(2, dtype=torch.int32), torch.ones(2, dtype=torch.bool)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"weight must be \[Dc=8, K=4\]"):
+        conv.causal_conv1d_prefill(x, state, idx, has, cu, torch.zeros(8, 3), None)
+    with pytest.raises(ValueError, match=r"cu_seqlens must be int32/int64 \[P\+1=3\], got torch.int32 \(2,\)"):
+        conv.causal_conv1d_prefill(x, state, idx, has, cu[:2], w, None)
+    with pytest.raises(ValueError, match=r"state_indices must be int32/int64 \[P\], got torch.float32"):
+        conv.causal_conv1d_prefill(x, state, idx.float(), has, cu, w, None)
+    with pytest.raises(ValueError, match=r"has_initial_state must be bool \[P=2\], got torch.int64"):
+        conv.causal_conv1d_prefill(x, state, idx, has.long(), cu, w, None)
+    with pytest.raises(ValueError, match=r"conv_state must be \[S, K-1, Dc=8\], got \(3, 3, 6\)"):
+        conv.causal_conv1d_prefill(x, torch.zeros(3, 3, 6), idx, has, cu, w, None)
+    with pytest.raises(ValueError, match="activation='gelu'"):
+        conv.causal_conv1d_prefill(x, state, idx, has, cu, w, None, "gelu")
+    with pytest.raises(ValueError, match="x must be contiguous in its last dimension"):
+        conv.causal_conv1d_prefill(torch.zeros(8, 5).t(), state, idx, has, cu, w, None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: real shapes")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim, k_width, with_bias, activation",
+                         [(1536 + 2 * 128, 4, True, "silu"),      # mamba2-130m xBC conv
+                          (1024, 3, False, None)])                # lfm2-350m short conv
+def test_causal_conv1d_prefill_real_shapes(dtype, dim, k_width, with_bias, activation):
+    g = torch.Generator().manual_seed(6)
+    lens = [64, 300, 129, 1, 2, 97, 211]
+    idx = torch.tensor([12, 3, -1, 7, 0, 30, 5], dtype=torch.int32, device="cuda")
+    has_init = torch.tensor([True, True, True, True, False, False, True], device="cuda")
+    x, state, weight, bias, cu = _case(g, dtype, dim, k_width, with_bias, lens, 32, device="cuda")
+    ours, ours_state, ref, ref_state = _run_both(x, state, idx, has_init, cu, weight, bias, activation)
+    torch.testing.assert_close(ours, ref, **TOL[dtype])
+    assert torch.equal(ours_state, ref_state)
+    untouched = [s for s in range(32) if s not in (12, 3, 7, 0, 30, 5)]
+    assert torch.equal(ours_state[untouched], state[untouched])
