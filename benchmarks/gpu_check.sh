@@ -7,22 +7,30 @@
 #      tests/harness.py);
 #   4. the kernel micro-benchmarks (bandwidth vs the measured copy bandwidth; SSD layer prefill vs HF);
 #   5. a decode-throughput table, runner vs HF generate, bf16, shape-true presets.
-# Needs torch with CUDA, triton, transformers, safetensors, tqdm and pytest importable (the GPU image has
-# all but pytest: pip install pytest, or carry its wheel). Runs from the source tree, no install.
+# Needs torch with CUDA, triton, transformers >= 5.24, safetensors, tqdm and pytest (the GPU image has all,
+# but its transformers 5.17 lacks Mamba2's grouped gated norm: carry the 5.24 wheel in .whl/, which this
+# script installs into /tmp/site when present:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform any -d .whl transformers==5.24.0        # then run with carry [".whl"]
+# Runs from the source tree, no install of the project.
 # Steps 1-2 run to the end even if one fails, so one run shows every result.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" RUNNERSCOPE_TEST_DEVICE=cuda PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
-python -c "import torch, triton, transformers; assert torch.cuda.is_available(), 'no CUDA device'; \
+python3 -c "import torch, triton, transformers; assert torch.cuda.is_available(), 'no CUDA device'; \
 print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__, \
 'transformers', transformers.__version__)"
 status=0
-python -m pytest tests/test_kernels*.py -q -p no:cacheprovider -rs || status=1
-python -m pytest tests/test_backend_triton.py -q -p no:cacheprovider -x || status=1
-python -m pytest tests/test_runner_parity.py tests/test_zoo_runner.py -q -p no:cacheprovider || status=1
-python benchmarks/kernel_bench.py --dtype bfloat16 || status=1
-python benchmarks/decode_throughput.py --device cuda --dtype bfloat16 \
+python3 -m pytest tests/test_kernels*.py -q -p no:cacheprovider -rs || status=1
+python3 -m pytest tests/test_backend_triton.py -q -p no:cacheprovider -x || status=1
+python3 -m pytest tests/test_runner_parity.py tests/test_zoo_runner.py -q -p no:cacheprovider || status=1
+python3 benchmarks/kernel_bench.py --dtype bfloat16 || status=1
+python3 benchmarks/decode_throughput.py --device cuda --dtype bfloat16 \
     --presets mamba2-130m-shape mamba-130m-shape lfm2-350m-shape tiny-bamba --batches 1 32 128 --new-tokens 32 \
     || status=1
 exit $status

@@ -33,7 +33,7 @@ def check_invariants(llm: LLM, rec) -> None:
 
 
 @pytest.mark.parametrize("preset, seed", [("tiny-bamba", 0), ("tiny-jamba", 1), ("tiny-lfm2", 2),
-                                          ("tiny-mamba2", 3)])
+                                          ("tiny-mamba2", 3), ("tiny-nemotron-h", 4)])
 def test_random_engine_traffic_keeps_books_and_outputs(preset, seed):
     rng = random.Random(seed)
     with LLM(preset, device="cpu", dtype="float32", max_num_seqs=3, max_num_batched_tokens=20,

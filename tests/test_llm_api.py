@@ -24,7 +24,12 @@ def small(preset, **kw):
 
 @pytest.mark.parametrize("preset, state", [("tiny-llama", DefaultModelState),
                                            ("tiny-mamba2", MambaHybridModelState),
-                                           ("tiny-bamba", MambaHybridModelState)])
+                                           ("tiny-bamba", MambaHybridModelState),
+                                           ("tiny-nemotron-h", MambaHybridModelState),
+                                           ("tiny-granite-hybrid", MambaHybridModelState),
+                                           ("tiny-qwen3-next", MambaHybridModelState),
+                                           ("tiny-zamba2", MambaHybridModelState),
+                                           ("tiny-falcon-h1", MambaHybridModelState)])
 def test_routing(preset, state):
     with small(preset) as llm:
         assert type(llm.model_runner.model_state) is state

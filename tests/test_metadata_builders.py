@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from toolkit.attention.common import CommonAttentionMetadata
+from toolkit.attention.gdn import GDNMetadataBuilder
 from toolkit.attention.mamba2 import Mamba2MetadataBuilder, compute_chunk_metadata
 from toolkit.attention.paged_attn import PagedAttentionMetadataBuilder
 from toolkit.errors import MetadataContractError
@@ -53,14 +54,19 @@ def test_single_token_prompt_is_a_prefill_without_initial_state():
     assert md.state_indices_tensor_d is None
 
 
-@pytest.mark.parametrize("builder", [Mamba2MetadataBuilder(16), PagedAttentionMetadataBuilder(16)])
-def test_missing_upper_bound_names_field_builder_and_producer(builder):
-    c = common([3], [0], [True], [1]).replace(seq_lens_cpu_upper_bound=None)
+@pytest.mark.parametrize("builder, field", [
+    (Mamba2MetadataBuilder(16), "seq_lens_cpu_upper_bound"),
+    (PagedAttentionMetadataBuilder(16), "seq_lens_cpu_upper_bound"),
+    # the GDN builder, with every field it requires (the base Mamba set)
+    *[(GDNMetadataBuilder(), spec.name) for spec in GDNMetadataBuilder.required_fields]],
+    ids=lambda v: v if isinstance(v, str) else type(v).__name__)
+def test_missing_upper_bound_names_field_builder_and_producer(builder, field):
+    c = common([3], [0], [True], [1]).replace(**{field: None})
     with pytest.raises(MetadataContractError) as err:
         builder.build(c, producer="SomeState.prepare_attn")
     msg = str(err.value)
-    assert "seq_lens_cpu_upper_bound" in msg and type(builder).__name__ in msg
-    assert "SomeState.prepare_attn" in msg and err.value.field == "seq_lens_cpu_upper_bound"
+    assert field in msg and type(builder).__name__ in msg
+    assert "SomeState.prepare_attn" in msg and err.value.field == field
 
 
 @pytest.mark.parametrize("bad, problem", [

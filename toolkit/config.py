@@ -19,6 +19,7 @@ class RunnerConfig:
     num_kv_blocks: int | None       # None: enough for max_num_seqs full-length requests
     seed: int
     backend: str = "torch"          # "torch" or "triton" (resolved: see resolve_backend)
+    cudagraph_mode: str = "none"    # "full_decode", "padded_eager" or "none" (runner/cudagraph.py)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
@@ -65,6 +66,15 @@ def resolve_device_dtype(device: str | torch.device, dtype: str | torch.dtype
 BACKENDS = ("auto", "torch", "triton")
 
 
+def triton_installed() -> bool:
+    """Whether triton can be imported, found without importing it: Triton reads TRITON_INTERPRET
+    when it is imported (see toolkit.layers.ops.triton_ops)."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except ImportError:
+        return False
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
     """The ops the model runs (toolkit/layers/ops.py): "torch", the reference ops, on every platform,
     or "triton", the kernels in toolkit.kernels. "auto" is Triton on CUDA (where triton is
@@ -74,7 +84,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         raise ValueError(f"backend={backend!r}: use one of {BACKENDS}")
     if backend == "torch":
         return "torch"
-    if importlib.util.find_spec("triton") is None:    # found without importing it (see ops.triton_ops)
+    if not triton_installed():
         if backend == "auto":
             return "torch"
         raise ValueError("backend='triton' but triton is not installed (no wheels for macOS and "

@@ -10,6 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from toolkit.config import RunnerConfig, resolve_backend, resolve_device_dtype
+from toolkit.runner.cudagraph import resolve_mode as resolve_cudagraph_mode
 from toolkit.errors import EngineClosedError, InvalidRequestError, ToolkitError
 from toolkit.inspect import checks
 from toolkit.inspect.memory import MemoryReport, TensorWatch, collect, graph_bytes, object_bytes
@@ -35,13 +36,15 @@ class LLM:
                  max_num_batched_tokens: int = 512, block_size: int = 16,
                  max_model_len: int | None = None, num_kv_blocks: int | None = None, seed: int = 0,
                  inspect: str = "metadata", trace_capacity: int | None = 256,
-                 checks: bool | None = None, backend: str = "auto"):
+                 checks: bool | None = None, backend: str = "auto", enforce_eager: bool = False,
+                 cudagraph_mode: str = "auto"):
         # what Reset in the StepInspector (or a user) needs to build the same engine again
         self.init_args: dict[str, Any] = dict(
             model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, seed=seed, inspect=inspect,
-            trace_capacity=trace_capacity, checks=checks, backend=backend)
+            trace_capacity=trace_capacity, checks=checks, backend=backend, enforce_eager=enforce_eager,
+            cudagraph_mode=cudagraph_mode)
         if inspect not in MODES:
             raise ValueError(f"inspect={inspect!r}: use one of {MODES}")
         self.trace = Trace(trace_capacity)          # validates the capacity before the model loads
@@ -49,6 +52,7 @@ class LLM:
             raise ValueError(f"seed={seed!r}: must be an int in [0, {MAX_SEED}]")
         dev, dt = resolve_device_dtype(device, dtype)
         self.backend = resolve_backend(backend, dev)      # "torch" or "triton"
+        self.cudagraph_mode = resolve_cudagraph_mode(cudagraph_mode, enforce_eager, dev, self.backend)
         loaded = load_model(model, dtype=dt, device=dev, seed=seed)
         hf_config = loaded.config
         limit = getattr(hf_config, "max_position_embeddings", None)
@@ -60,7 +64,7 @@ class LLM:
         self.cfg = RunnerConfig(device=dev, dtype=dt, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                                 max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, seed=seed,
-                                backend=self.backend)
+                                backend=self.backend, cudagraph_mode=self.cudagraph_mode)
         self.hf_config = hf_config
         self.model_name = model
         self.vocab_size = int(hf_config.vocab_size)
@@ -80,6 +84,7 @@ class LLM:
         self._arrivals = 0            # user requests only: warmup does not shift derived seeds
         self._step_index = 0
         self._closed = False
+        self.cudagraph_report = None      # CaptureReport after warmup() captured graphs (CUDA)
         self.inspect = inspect
         self.checks = (inspect != "off") if checks is None else bool(checks)
         self._recorder: Recorder | None = None
@@ -234,6 +239,7 @@ class LLM:
             return None, outputs
         record = StepRecord(
             step_index=step_index, stage=stage, backend=self.backend, scheduled=scheduled_rows(state),
+            graph=state.graph if state else "eager", padded_size=state.padded_size if state else None,
             preempted_request_ids=list(sched_out.preempted_req_ids),
             finished_request_ids=[r.request_id for r in finished],
             input_batch=snapshot(state.input_batch) if state else None,
@@ -328,6 +334,8 @@ class LLM:
         stages += [(f"dummy batch {r} reqs x {t} tokens",
                     lambda r=r, t=t: runner.dummy_run(r, t)) for r, t in dummy_shapes]
         stages += [("real prefill + decode", self._warmup_requests)]
+        if self.cudagraph_mode == "full_decode":       # CUDA: after the kernels have compiled
+            stages += [("capture CUDA graphs", lambda: self._capture(progress))]
         for name, fn in tqdm(stages, desc="warmup", disable=not progress):
             start = time.perf_counter()
             try:
@@ -346,6 +354,13 @@ class LLM:
                 checks.raise_if_any(record.violations)
         self._memory_marks["warmup"] = self._measure_memory()
         return timings
+
+    def _capture(self, progress: bool) -> None:
+        report = self.model_runner.capture_cudagraphs(progress)
+        self.cudagraph_report = report
+        if progress:
+            print(f"captured {len(report.sizes)} decode graphs (sizes {report.sizes}) in "
+                  f"{report.seconds:.1f} s, {report.graph_bytes / 2**20:.1f} MiB")
 
     def _warmup_requests(self) -> None:
         """Real requests through real steps (stage "warmup/requests"). They do not count: the

@@ -16,6 +16,8 @@ Some checks read device tensors (a host sync): they run only when checks are on.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -94,7 +96,24 @@ def check_metadata(groups, scheduled, ledger: CacheLedger, where: str) -> list[V
                 if got != list(want):
                     out.append(Violation("block_table_matches_ledger", f"{label}, request {rid!r} (row {row})",
                                          "block_table_tensor", f"row starts {got}, ledger has {want}"))
+        n, num_tokens = len(rids), sum(sc.num_tokens for sc in scheduled)
+        if table.shape[0] > n:          # a padded decode batch: its padded rows as a dummy batch's
+            padded = GroupView(gm.group_id, gm.builder, table[n:], gm.common.slot_mapping[num_tokens:])
+            out += check_dummy_metadata([padded], f"{where}, padded rows {n}..{table.shape[0] - 1}")
     return out
+
+
+@dataclass
+class GroupView:
+    """The padded rows of one group's metadata, shaped as check_dummy_metadata reads a group."""
+    group_id: int
+    builder: str
+    block_table_tensor: torch.Tensor
+    slot_mapping: torch.Tensor
+
+    @property
+    def common(self) -> "GroupView":
+        return self
 
 
 def check_dummy_metadata(groups, where: str) -> list[Violation]:

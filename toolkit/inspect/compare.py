@@ -18,8 +18,9 @@ each `modeling_*.py`):
     module of the same path (parameter names, hence module paths, equal the checkpoint's).
   - Mamba, Mamba2, FalconMamba (hand-written loop in `MambaModel.forward` etc.): NO embeddings
     entry; entry i = output of layer i for i < L, entry L = output of `norm_f`.
-Both have L + 1 entries; which one a model follows is detected per run (is entry 0 the input
-embedding of the tokens?), so an older transformers whose Mamba puts the embeddings first works too.
+Both have L + 1 entries; which one a model follows is detected per run (is entry 0 the input of
+the first block, i.e. the embeddings, times a multiplier in Falcon-H1 and Granite?), so an older
+transformers whose Mamba puts the embeddings first works too.
 """
 from __future__ import annotations
 
@@ -231,6 +232,16 @@ def _run_hf(hf: torch.nn.Module, tokens: list[int], layer_paths: list[str]) -> t
             def grab(_m, _a, out):
                 captured[L - 1] = (out[0] if isinstance(out, tuple) else out)[0].float().cpu()
             handles.append(last.register_forward_hook(grab))
+        try:        # the first block's input: the embeddings, times a multiplier in some models
+            first = hf.get_submodule(layer_paths[0])
+        except AttributeError:
+            first = None
+        if first is not None:
+            def grab_input(_m, args, kwargs):
+                h = args[0] if args else kwargs.get("hidden_states")
+                if isinstance(h, torch.Tensor):
+                    captured[-1] = h[0].float().cpu()
+            handles.append(first.register_forward_pre_hook(grab_input, with_kwargs=True))
         out = hf(ids, use_cache=False, output_hidden_states=True)
     finally:
         for h in handles:
@@ -238,8 +249,8 @@ def _run_hf(hf: torch.nn.Module, tokens: list[int], layer_paths: list[str]) -> t
     hs = [h[0].float().cpu() for h in out.hidden_states]
     if len(hs) != L + 1:
         raise RuntimeError(f"HF returned {len(hs)} hidden states for {L} layers; expected {L + 1}")
-    emb = hf.get_input_embeddings()(ids)[0].float().cpu()
-    if torch.allclose(hs[0], emb, rtol=0, atol=1e-6 * max(1.0, _absmax(emb))):
+    emb = captured.get(-1, hf.get_input_embeddings()(ids)[0].float().cpu())
+    if hs[0].shape == emb.shape and torch.allclose(hs[0], emb, rtol=0, atol=1e-6 * max(1.0, _absmax(emb))):
         # embeddings first: entry i+1 = layer i's output for i < L-1, last = final norm
         layers: list[torch.Tensor | None] = [hs[i + 1] for i in range(L - 1)] + [captured.get(L - 1)]
         conv = ("hidden_states[0] = embeddings, [i+1] = layer i (i < L-1), [-1] = final norm; "

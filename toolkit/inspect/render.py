@@ -471,6 +471,8 @@ def _header_lines(rec: Any) -> str:
     facts = [_step_name(rec).capitalize(), rec.stage, f"{rec.num_tokens} tokens",
              f"{rec.num_prefills} prefill + {rec.num_decodes} decode rows",
              f"{getattr(rec, 'backend', 'torch')} ops"]
+    if getattr(rec, "padded_size", None) is not None:
+        facts.append(f"{rec.graph}, padded to {rec.padded_size} rows")
     lines = [f'<div style="font-size:13px;font-weight:600;color:{_FG}">{_esc(" · ".join(facts))}</div>']
     extra = []
     if rec.timings:

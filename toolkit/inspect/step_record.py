@@ -123,6 +123,8 @@ class StepRecord:
     top_logit_values: torch.Tensor | None = None  # float32 [B, k]
     violations: list[Violation] = field(default_factory=list)       # runtime checks that failed
     backend: str = "torch"                       # the ops that ran: "torch" or "triton"
+    graph: str = "eager"                         # the forward: "eager", "padded eager" or "graph"
+    padded_size: int | None = None               # rows it ran (a padded decode batch), else None
 
     @property
     def is_warmup(self) -> bool:

@@ -254,6 +254,23 @@ def ssd_scan_at_slots(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: tor
 # --------------------------------------------------------------------------------------------
 
 
+class RMSNormThenGate(RMSNormGated):
+    """Grouped RMS norm that normalises BEFORE gating (mamba_ssm `RMSNormGated(norm_before_gate=True)`,
+    HF `FalconH1RMSNormGated` with `mamba_norm_before_gate`): weight * normalize_per_group(x), then
+    * silu(gate); math in fp32, result in x.dtype. A RMSNormGated subclass only so that
+    `init_random_weights` treats its weight as a norm weight."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        in_dtype = x.dtype
+        *lead, d = x.shape
+        xg = x.to(torch.float32).reshape(*lead, d // self.group_size, self.group_size)
+        xg = xg * torch.rsqrt(xg.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * xg.reshape(*lead, d)
+        if gate is not None:
+            out = out * F.silu(gate.to(torch.float32))
+        return out.to(in_dtype)
+
+
 class Mamba2Mixer(StateSlotMixer):
     """Mamba2 mixer; parameter names match HF (in_proj, conv1d, dt_bias, A_log, D, norm, out_proj).
 
@@ -263,6 +280,11 @@ class Mamba2Mixer(StateSlotMixer):
 
     State per request slot: conv_state [K-1, Dc] (model dtype), ssm_state [H, P, N] (fp32); slot
     dispatch and cache binding: see state_mixer.py.
+
+    Options (defaults: plain Mamba2 / Bamba; Falcon-H1 uses them): out_proj_bias (None: use_bias);
+    in_multiplier scales the input of in_proj; proj_multipliers [gate, x, B, C, dt] scale those
+    sections of in_proj's output (HF Falcon-H1's `mup_vector`); use_norm=False drops `norm`
+    (out = y * silu(gate)); norm_before_gate=True normalises y before gating (RMSNormThenGate).
     """
 
     state_names = ("conv_state", "ssm_state")
@@ -284,6 +306,11 @@ class Mamba2Mixer(StateSlotMixer):
         time_step_limit: Sequence[float] | None = (0.0, float("inf")),
         activation: str = "silu",
         intermediate_size: int | None = None,
+        out_proj_bias: bool | None = None,
+        in_multiplier: float = 1.0,
+        proj_multipliers: Sequence[float] | None = None,
+        use_norm: bool = True,
+        norm_before_gate: bool = False,
     ) -> None:
         super().__init__(layer_name)
         inter = num_heads * head_dim
@@ -312,8 +339,15 @@ class Mamba2Mixer(StateSlotMixer):
         self.dt_bias = nn.Parameter(torch.ones(num_heads))
         self.A_log = nn.Parameter(torch.zeros(num_heads))
         self.D = nn.Parameter(torch.ones(num_heads))
-        self.norm = RMSNormGated(inter, group_size=inter // n_groups, eps=norm_eps)
-        self.out_proj = nn.Linear(inter, hidden_size, bias=use_bias)
+        norm_cls = RMSNormThenGate if norm_before_gate else RMSNormGated
+        self.norm = norm_cls(inter, group_size=inter // n_groups, eps=norm_eps) if use_norm else None
+        self.out_proj = nn.Linear(inter, hidden_size, bias=use_bias if out_proj_bias is None else out_proj_bias)
+        # Falcon-H1's muP multipliers (1.0 / None: none applied, the arithmetic of the other models)
+        self.in_multiplier = float(in_multiplier)
+        if proj_multipliers is not None and len(proj_multipliers) != 5:
+            raise ValueError(f"proj_multipliers: 5 values [gate, x, B, C, dt] expected, got {list(proj_multipliers)}")
+        self.proj_multipliers = tuple(float(m) for m in proj_multipliers) if proj_multipliers is not None else None
+        self._proj_mult_cache: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     # -- cache plumbing (bind_kv_cache / unbind_kv_cache: StateSlotMixer) --------------------
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -349,7 +383,11 @@ class Mamba2Mixer(StateSlotMixer):
         """
         t = hidden.shape[0]
         dtype = hidden.dtype
+        if self.in_multiplier != 1.0:
+            hidden = hidden * self.in_multiplier
         proj = self.in_proj(hidden)
+        if self.proj_multipliers is not None:
+            proj = proj * self._proj_multiplier_vector(proj.device, proj.dtype)
         gate, xbc, dt_raw = torch.split(proj, [self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
         weight = self.conv1d.weight[:, 0, :]
         bias = self.conv1d.bias
@@ -379,5 +417,19 @@ class Mamba2Mixer(StateSlotMixer):
             return self.ops.ssd_scan(x, dt[tok], A, B, C, self.D, *chunks, ssm_state, idx, has_init)
 
         y = self.run_state_slots(attn_metadata, y, decode, prefill)
-        out = self.norm(y.reshape(t, self.intermediate_size), gate)
+        y = y.reshape(t, self.intermediate_size)
+        out = y * F.silu(gate) if self.norm is None else self.norm(y, gate)
         return self.out_proj(out.to(dtype))
+
+    def _proj_multiplier_vector(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """[in_proj out] vector of `proj_multipliers` over the sections [gate | x | B | C | dt]
+        (HF Falcon-H1's `mup_vector`), cached per device and dtype."""
+        key = (device, dtype)
+        vec = self._proj_mult_cache.get(key)
+        if vec is None:
+            gn = self.n_groups * self.state_size
+            sizes = (self.intermediate_size, self.intermediate_size, gn, gn, self.num_heads)
+            vec = torch.cat([torch.full((n,), m, dtype=torch.float32) for n, m in zip(sizes, self.proj_multipliers)])
+            vec = vec.to(device=device, dtype=dtype)
+            self._proj_mult_cache[key] = vec
+        return vec

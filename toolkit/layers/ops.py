@@ -77,9 +77,9 @@ def triton_ops(device: torch.device) -> Ops:
     """The Triton kernels. On a CPU they run under the Triton interpreter (TRITON_INTERPRET=1), slow
     and meant for tests. Triton reads the variable when it is imported, so it is set here when
     nothing has imported triton yet, and refused with the reason when something has."""
-    import importlib.util
     import sys
-    if importlib.util.find_spec("triton") is None:
+    from toolkit.config import triton_installed
+    if not triton_installed():
         raise ValueError("backend='triton' but triton is not installed (no wheels for macOS and "
                          "Windows); use backend='auto' or 'torch'")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

@@ -35,6 +35,7 @@ from typing import Callable
 from transformers import BambaConfig, LlamaConfig, Mamba2Config, PretrainedConfig
 from transformers import FalconMambaConfig, JambaConfig, MambaConfig
 from transformers import Lfm2Config
+from transformers import GraniteMoeHybridConfig, NemotronHConfig
 
 PRESET_SEED = 0
 
@@ -235,3 +236,159 @@ PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
     "tiny-lfm2": tiny_lfm2,
     "lfm2-350m-shape": lfm2_350m_shape,
 }
+
+
+def tiny_nemotron_h() -> NemotronHConfig:
+    """tiny-nemotron-h: pattern "M-MEM*E" (Mamba2, relu2 MLP, Mamba2, MoE, Mamba2, attention, MoE);
+    attention 4 heads / 2 KV heads x 16 (no RoPE), MLP 128; Mamba2 8 heads x 16, d_state 16,
+    n_groups 2, chunk 16, conv 4; MoE 4 relu2 experts of 32, top-2 (sigmoid scores, renormalised,
+    x2.5 as Nemotron-3 Nano), shared expert 48. Untied (NemotronH never ties)."""
+    shared = {k: v for k, v in _SHARED.items() if k != "num_hidden_layers"}   # from the pattern
+    return NemotronHConfig(
+        **shared,
+        hybrid_override_pattern="M-MEM*E",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        ssm_state_size=16,
+        n_groups=2,
+        chunk_size=16,
+        conv_kernel=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=48,
+        routed_scaling_factor=2.5,
+        architectures=["NemotronHForCausalLM"],
+    )
+
+
+def tiny_granite_hybrid() -> GraniteMoeHybridConfig:
+    """tiny-granite-hybrid: layers mamba, attention, mamba, mamba; attention 4 heads / 2 KV heads
+    (head_dim 16) with RoPE; Mamba2 8 heads x 16, d_state 16, n_groups 2, chunk 16, conv 4; MoE 4
+    SwiGLU experts of 32, top-2, shared expert 64; multipliers unlike 1 so each shows: embedding 4,
+    attention 0.2 (head_dim ** -0.5 would be 0.25), residual 0.5, logits_scaling 3. Tied
+    embeddings, as Granite 4.0 ships."""
+    return GraniteMoeHybridConfig(
+        **{**_SHARED, "tie_word_embeddings": True},
+        layer_types=["mamba", "attention", "mamba", "mamba"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=32,
+        shared_intermediate_size=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        position_embedding_type="rope",
+        embedding_multiplier=4.0,
+        attention_multiplier=0.2,
+        residual_multiplier=0.5,
+        logits_scaling=3.0,
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_d_state=16,
+        mamba_n_groups=2,
+        mamba_chunk_size=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        architectures=["GraniteMoeHybridForCausalLM"],
+    )
+
+
+PRESETS.update({"tiny-nemotron-h": tiny_nemotron_h, "tiny-granite-hybrid": tiny_granite_hybrid})
+
+
+def tiny_qwen3_next() -> PretrainedConfig:
+    """Layers linear_attention (Gated DeltaNet), full_attention, linear_attention, full_attention;
+    gated attention 4 heads / 2 KV heads (head_dim 16), partial RoPE 0.25 (Qwen3NextConfig's
+    default); GDN 2 key heads x 8, 4 value heads x 16 (key dim != value dim, so a transposed state
+    shows), conv 4; MoE on every layer: 4 experts of 32, top-2, renormalised, shared expert 64."""
+    from transformers import Qwen3NextConfig
+    return Qwen3NextConfig(
+        **_SHARED,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        architectures=["Qwen3NextForCausalLM"],
+    )
+
+
+PRESETS["tiny-qwen3-next"] = tiny_qwen3_next
+
+
+def tiny_zamba2() -> PretrainedConfig:
+    """Layers mamba, hybrid, hybrid, hybrid; 2 shared blocks (num_mem_blocks 2: hybrid layers 1 and
+    3 share block 0, layer 2 has block 1) with per-layer adapters of rank 8 on q/k/v and gate_up
+    (use_shared_attention_adapter), RoPE in the shared attention (use_mem_rope); attention over the
+    2H = 128 concatenation, 4 heads x 32 (KV heads = heads: HF's k/v adapters need it); MLP 128, gelu
+    (Zamba2's default); Mamba2 8 heads x 16, d_state 16, 2 groups, chunk 16, conv 4. Tied
+    embeddings, as Zamba2 ships: in transformers 5.x that is also what ties the shared blocks."""
+    from transformers import Zamba2Config
+    return Zamba2Config(
+        **{**_SHARED, "tie_word_embeddings": True},
+        layers_block_type=["mamba", "hybrid", "hybrid", "hybrid"],
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=128,
+        num_mem_blocks=2,
+        use_shared_attention_adapter=True,
+        adapter_rank=8,
+        use_mem_rope=True,
+        n_mamba_heads=8,
+        mamba_d_state=16,
+        mamba_ngroups=2,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        chunk_size=16,
+        architectures=["Zamba2ForCausalLM"],
+    )
+
+
+def tiny_falcon_h1() -> PretrainedConfig:
+    """Attention (4 heads / 2 KV heads, head_dim 16, RoPE) and Mamba2 (d_ssm 128 = 8 heads x 16,
+    d_state 16, 2 groups, chunk 16, conv 4, gated RMS norm normalising before the gate) in parallel
+    in all 4 layers; FFN 128; every muP multiplier set to a distinct value != 1 so that a misplaced
+    one shows."""
+    from transformers import FalconH1Config
+    return FalconH1Config(
+        **_SHARED,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        mamba_d_ssm=128,
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_n_groups=2,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=16,
+        mamba_rms_norm=True,
+        mamba_norm_before_gate=True,
+        embedding_multiplier=2.0,
+        lm_head_multiplier=0.5,
+        mlp_multipliers=[1.5, 0.75],
+        key_multiplier=0.8,
+        attention_in_multiplier=1.2,
+        attention_out_multiplier=0.9,
+        ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3],
+        ssm_in_multiplier=0.7,
+        ssm_out_multiplier=1.25,
+        architectures=["FalconH1ForCausalLM"],
+    )
+
+
+PRESETS.update({"tiny-zamba2": tiny_zamba2, "tiny-falcon-h1": tiny_falcon_h1})

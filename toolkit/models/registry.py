@@ -12,6 +12,11 @@ from toolkit.models.lfm2 import Lfm2ForCausalLM
 from toolkit.models.llama import LlamaForCausalLM
 from toolkit.models.mamba import MambaForCausalLM
 from toolkit.models.mamba2 import Mamba2ForCausalLM
+from toolkit.models.qwen3_next import Qwen3NextForCausalLM
+from toolkit.models.nemotron_h import NemotronHForCausalLM
+from toolkit.models.granite_hybrid import GraniteMoeHybridForCausalLM
+from toolkit.models.zamba2 import Zamba2ForCausalLM
+from toolkit.models.falcon_h1 import FalconH1ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     cls.hf_architecture: cls for cls in (LlamaForCausalLM, Mamba2ForCausalLM, BambaForCausalLM,
@@ -20,6 +25,11 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
 MODEL_REGISTRY.update(
     {cls.hf_architecture: cls for cls in (MambaForCausalLM, FalconMambaForCausalLM, JambaForCausalLM)}
 )
+MODEL_REGISTRY.update(
+    {cls.hf_architecture: cls for cls in (NemotronHForCausalLM, GraniteMoeHybridForCausalLM)}
+)
+MODEL_REGISTRY[Qwen3NextForCausalLM.hf_architecture] = Qwen3NextForCausalLM
+MODEL_REGISTRY.update({cls.hf_architecture: cls for cls in (Zamba2ForCausalLM, FalconH1ForCausalLM)})
 
 _BY_MODEL_TYPE: dict[str, type[CausalLM]] = {cls.hf_model_type: cls for cls in MODEL_REGISTRY.values()}
 

@@ -13,6 +13,7 @@ import torch
 
 from toolkit.attention.builder import AttentionMetadataBuilder
 from toolkit.attention.common import CommonAttentionMetadata
+from toolkit.attention.gdn import GDNMetadataBuilder
 from toolkit.attention.mamba1 import Mamba1MetadataBuilder
 from toolkit.attention.mamba2 import Mamba2MetadataBuilder
 from toolkit.attention.paged_attn import PagedAttentionMetadataBuilder
@@ -41,6 +42,8 @@ def make_builder(group: KVCacheGroup) -> AttentionMetadataBuilder:
         return Mamba1MetadataBuilder()
     if isinstance(spec, MambaSpec) and spec.mamba_type == "short_conv":
         return ShortConvMetadataBuilder()
+    if isinstance(spec, MambaSpec) and spec.mamba_type == "gdn":
+        return GDNMetadataBuilder(spec.chunk_size)
     raise ValueError(f"no metadata builder for cache spec {spec}")
 
 

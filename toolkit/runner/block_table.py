@@ -43,13 +43,18 @@ class BlockTables:
             self.tables[g][req_idx] = 0
             self.num_blocks[g][req_idx] = 0
 
-    def gather_block_tables(self, idx_mapping_np: np.ndarray) -> tuple[torch.Tensor, ...]:
-        """Rows of the batch, in batch order: tuple over groups of int32 [B, W_g] (device views)."""
+    def gather_block_tables(self, idx_mapping_np: np.ndarray, num_rows: int | None = None
+                            ) -> tuple[torch.Tensor, ...]:
+        """Rows of the batch, in batch order: tuple over groups of int32 [num_rows, W_g] (device
+        views; num_rows defaults to B). Rows past B are padded rows: every entry the null block /
+        null state slot 0, rewritten every step so no stale real id survives there."""
         b = len(idx_mapping_np)
+        rows = b if num_rows is None else num_rows
         out = []
         for g, table in enumerate(self.tables):
-            dst = self.input_block_tables[g][:b]
-            dst.copy_(torch.from_numpy(table[idx_mapping_np]), non_blocking=True)
+            dst = self.input_block_tables[g][:rows]
+            dst[:b].copy_(torch.from_numpy(table[idx_mapping_np]), non_blocking=True)
+            dst[b:].zero_()
             out.append(dst)
         return tuple(out)
 

@@ -147,3 +147,36 @@ def make_dummy(buffers: InputBuffers, num_reqs: int, num_tokens: int) -> InputBa
         seq_lens=d.seq_lens[:num_reqs], seq_lens_cpu_upper_bound=torch.from_numpy(q.copy()),
         input_ids=d.input_ids[:num_tokens], positions=d.positions[:num_tokens],
         logits_indices=d.logits_indices[:num_reqs])
+
+
+def pad_decode_batch(buffers: InputBuffers, batch: InputBatch, size: int) -> InputBatch:
+    """The batch a decode graph of `size` rows runs: `batch`'s n decode rows, then size - n padded
+    rows that read token 0 at position 0 with seq_len 1 (a one-key attention row, never an empty
+    softmax). Their block tables and slot mappings are set by the runner (null block, PAD_SLOT_ID).
+    Writes the padded rows into the persistent buffers; `batch` itself is unchanged."""
+    n = batch.num_reqs
+    if batch.num_tokens != n or size < n:
+        raise ValueError(f"pad_decode_batch: {n} rows / {batch.num_tokens} tokens is not a decode "
+                         f"batch that fits {size} rows")
+    d = buffers
+    d.input_ids[n:size] = 0
+    d.positions[n:size] = 0
+    qsl = np.arange(size + 1, dtype=np.int32)
+    d.query_start_loc[n + 1:size + 1].copy_(torch.from_numpy(qsl[n + 1:]), non_blocking=True)
+    d.query_start_loc[size + 1:] = size
+    d.seq_lens[n:size] = 1
+    d.idx_mapping[n:size] = 0
+    d.logits_indices[n:size].copy_(torch.from_numpy(qsl[n:size].astype(np.int64)), non_blocking=True)
+    pad = size - n
+    seq_lens = np.concatenate([batch.seq_lens_cpu_upper_bound.numpy(), np.ones(pad, dtype=np.int32)])
+    return InputBatch(
+        req_ids=batch.req_ids + [f"pad-{i}" for i in range(pad)], num_reqs=size, num_tokens=size,
+        max_query_len=1, idx_mapping=d.idx_mapping[:size],
+        idx_mapping_np=np.concatenate([batch.idx_mapping_np, np.zeros(pad, dtype=np.int64)]),
+        num_scheduled_tokens=np.ones(size, dtype=np.int32),
+        num_computed_tokens_np=np.concatenate([batch.num_computed_tokens_np, np.zeros(pad, dtype=np.int32)]),
+        prefill_len_np=np.concatenate([batch.prefill_len_np, np.zeros(pad, dtype=np.int32)]),
+        is_prefilling_np=np.zeros(size, dtype=bool),
+        query_start_loc=d.query_start_loc[:size + 1], query_start_loc_np=qsl,
+        seq_lens=d.seq_lens[:size], seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens),
+        input_ids=d.input_ids[:size], positions=d.positions[:size], logits_indices=d.logits_indices[:size])

@@ -16,7 +16,9 @@ from toolkit.config import RunnerConfig
 from toolkit.layers.ops import TORCH_OPS, set_ops, triton_ops
 from toolkit.runner.attn_utils import AttnMetadata, init_attn_groups
 from toolkit.runner.block_table import PAD_SLOT_ID, BlockTables
-from toolkit.runner.input_batch import InputBatch, InputBuffers, make_dummy, prepare_inputs, sort_batch
+from toolkit.runner.cudagraph import CudaGraphManager
+from toolkit.runner.input_batch import (InputBatch, InputBuffers, make_dummy, pad_decode_batch, prepare_inputs,
+                                        sort_batch)
 from toolkit.runner.kv_cache import allocate_kv_caches, make_kv_cache_groups
 from toolkit.runner.model_states import init_model_state
 from toolkit.runner.request_states import RequestStates
@@ -31,9 +33,11 @@ class ExecuteModelState:
     attn_metadata: AttnMetadata
     hidden_states: torch.Tensor | None   # [T, hidden], set by the forward
     logits: torch.Tensor | None = None   # float32 [B, vocab], set by sample_tokens
-    block_tables: tuple[torch.Tensor, ...] = ()   # per group: int32 [B, W_g] (device views)
+    block_tables: tuple[torch.Tensor, ...] = ()   # per group: int32 [B or P, W_g] (device views)
     timings: dict[str, float] = field(default_factory=dict)   # seconds: prepare_inputs,
                                                               # build_metadata, forward, sample
+    graph: str = "eager"                 # what ran the forward: "eager", "padded eager", "graph"
+    padded_size: int | None = None       # P: rows the forward ran (padded decode batch), else None
 
 
 class StepObserver(Protocol):
@@ -64,7 +68,7 @@ class ModelRunner:
                                         cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.device)
         self.input_buffers = InputBuffers(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.device)
         self.sampler = Sampler(cfg.max_num_seqs, cfg.device, self.ops.gumbel_argmax)
-        self.cudagraph_manager = None    # CUDA-graph capture is not implemented yet: eager only
+        self.cudagraph_manager = CudaGraphManager(cfg.cudagraph_mode, cfg.max_num_seqs, cfg.device)
         self.execute_state: ExecuteModelState | None = None
         self.observer: StepObserver | None = None
 
@@ -107,21 +111,33 @@ class ModelRunner:
                              computed)
         input_batch = prepare_inputs(self.input_buffers, self.req_states, req_ids,
                                      sched_out.num_scheduled_tokens)
-        block_tables = self.block_tables.gather_block_tables(input_batch.idx_mapping_np)
+        n = input_batch.num_reqs
+        graphs = self.cudagraph_manager
+        padded = graphs.padded_size(n, input_batch.num_tokens, bool(input_batch.runs_as_decode_np.all()))
+        # the forward runs `forward_batch`: the batch itself, or it padded to a capture size
+        forward_batch = input_batch if padded is None else pad_decode_batch(self.input_buffers, input_batch, padded)
+        block_tables = self.block_tables.gather_block_tables(input_batch.idx_mapping_np, padded)
         slot_mappings = self.block_tables.compute_slot_mappings(
-            block_tables, input_batch.query_start_loc, input_batch.positions, input_batch.num_tokens)
+            tuple(t[:n] for t in block_tables), input_batch.query_start_loc, input_batch.positions,
+            input_batch.num_tokens)
+        if padded is not None:                     # padded tokens: PAD_SLOT_ID, nothing written
+            slot_mappings = self.block_tables.slot_mappings[:, :padded]
         inputs_done = time.perf_counter()
-        self.model_state.preprocess_state(input_batch)
-        attn_metadata = self.model_state.prepare_attn(input_batch, block_tables, slot_mappings,
+        self.model_state.preprocess_state(forward_batch)
+        attn_metadata = self.model_state.prepare_attn(forward_batch, block_tables, slot_mappings,
                                                       self.attn_groups)
-        state = ExecuteModelState(input_batch, attn_metadata, None, block_tables=block_tables)
+        state = ExecuteModelState(input_batch, attn_metadata, None, block_tables=block_tables,
+                                  graph=graphs.label(padded), padded_size=padded)
         metadata_done = time.perf_counter()
         if self.observer is not None:
             self.observer.before_forward(self, state)
         forward_start = time.perf_counter()
-        state.hidden_states = self.model(input_batch.input_ids, input_batch.positions,
-                                         attn_metadata.by_layer,
-                                         **self.model_state.prepare_inputs(input_batch))
+        if padded is not None and graphs.captured:
+            state.hidden_states = graphs.replay(padded)
+        else:
+            state.hidden_states = self.model(forward_batch.input_ids, forward_batch.positions,
+                                             attn_metadata.by_layer,
+                                             **self.model_state.prepare_inputs(forward_batch))
         forward_done = time.perf_counter()
         if self.observer is not None:
             self.observer.after_forward(self, state)
@@ -188,6 +204,22 @@ class ModelRunner:
                             **self.model_state.prepare_inputs(batch))
         return ExecuteModelState(batch, attn_metadata, hidden, block_tables=block_tables)
 
+    def capture_cudagraphs(self, progress: bool = False):
+        """Warmup's last stage on CUDA: one graph per decode capture size (cudagraph.py)."""
+        def prepare_dummy(size: int):
+            """Write a padded dummy decode batch of `size` rows and build its metadata (host
+            work and host-to-device copies: outside the capture); return its forward."""
+            batch = make_dummy(self.input_buffers, size, size)
+            block_tables = self._padded_block_tables(size)
+            self.block_tables.slot_mappings.fill_(PAD_SLOT_ID)
+            attn_metadata = self.model_state.prepare_attn(batch, block_tables,
+                                                          self.block_tables.slot_mappings[:, :size],
+                                                          self.attn_groups, for_capture=True)
+            extra = self.model_state.prepare_inputs(batch)
+            return lambda: self.model(batch.input_ids, batch.positions, attn_metadata.by_layer, **extra)
+        with torch.inference_mode():
+            return self.cudagraph_manager.capture(prepare_dummy, progress)
+
     def _padded_block_tables(self, num_rows: int) -> tuple[torch.Tensor, ...]:
         """Block tables for padded rows: every entry the null block / null state slot 0."""
         return tuple(t[:num_rows].zero_() for t in self.block_tables.input_block_tables)
@@ -206,6 +238,8 @@ class ModelRunner:
                     delattr(self, attr)
             self.release_log.append(what)
 
+        if self.cudagraph_manager is not None:
+            self.cudagraph_manager.release()
         self.cudagraph_manager = None
         self.release_log.append("cudagraph_manager")
         self.execute_state = None

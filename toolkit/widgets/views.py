@@ -35,9 +35,10 @@ def _builder_contracts() -> dict[str, dict[str, Any]]:
     from toolkit.attention.mamba2 import Mamba2MetadataBuilder
     from toolkit.attention.paged_attn import PagedAttentionMetadataBuilder
     from toolkit.attention.short_conv import ShortConvMetadataBuilder
+    from toolkit.attention.gdn import GDNMetadataBuilder
     return {cls.__name__: {f.name: f for f in cls.required_fields}
             for cls in (PagedAttentionMetadataBuilder, Mamba2MetadataBuilder, Mamba1MetadataBuilder,
-                        ShortConvMetadataBuilder)}
+                        ShortConvMetadataBuilder, GDNMetadataBuilder)}
 
 
 def _spec_text(spec) -> str:

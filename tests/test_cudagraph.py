@@ -1,0 +1,186 @@
+"""Decode batches padded to CUDA-graph capture sizes (toolkit/runner/cudagraph.py).
+
+On the CPU, cudagraph_mode="padded_eager" runs exactly the padded batch a graph would replay:
+padded rows on the null block / null state slot, PAD_SLOT_ID for their KV writes. It must give the
+tokens and logits of the unpadded run, and leave every real slot and block untouched. The CUDA tests
+(graphs vs eager, memory back to baseline) run only on a GPU."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from harness import F32, PRESETS
+from test_backend_triton import ZOO_II
+from toolkit import LLM, SamplingParams
+from toolkit.runner.cudagraph import CudaGraphManager, capture_sizes, resolve_mode
+
+PROMPT_LENS = [5, 9, 3, 7, 4]              # 5 requests: decode batches of 5, padded to 8
+GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=5, temperature=0.8, top_k=20, seed=11, ignore_eos=True)
+
+
+def test_capture_sizes_and_padded_size():
+    assert capture_sizes(16) == [1, 2, 4, 8, 16]
+    assert capture_sizes(40) == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert capture_sizes(5) == [1, 2, 4, 5]
+    assert capture_sizes(1) == [1]
+    m = CudaGraphManager("padded_eager", 16, torch.device("cpu"))
+    assert [m.padded_size(n, n, True) for n in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
+    assert m.padded_size(3, 7, False) is None                 # a mixed batch runs eagerly
+    assert m.padded_size(17, 17, True) is None                # past the largest capture size
+    assert CudaGraphManager("none", 16, torch.device("cpu")).padded_size(3, 3, True) is None
+
+
+def test_mode_resolution():
+    cpu = torch.device("cpu")
+    assert resolve_mode("auto", False, cpu, "torch") == "none"
+    assert resolve_mode("padded_eager", True, cpu, "torch") == "none"          # enforce_eager wins
+    assert resolve_mode("padded_eager", False, cpu, "torch") == "padded_eager"
+    with pytest.raises(ValueError, match="needs a CUDA device and backend='triton'"):
+        resolve_mode("full_decode", False, cpu, "triton")
+    with pytest.raises(ValueError, match="cudagraph_mode='graphs'"):
+        LLM("tiny-llama", cudagraph_mode="graphs")
+
+
+def _run(model: str, mode: str, params: SamplingParams, **kw):
+    """Tokens per request, the logits of every step, and the step records."""
+    with LLM(model, **F32, max_num_seqs=8, cudagraph_mode=mode, **kw) as llm:
+        prompts = [[(7 * i + 3 * j) % (llm.vocab_size - 3) + 3 for j in range(n)] for i, n in enumerate(PROMPT_LENS)]
+        ids = [llm.add_request({"prompt_token_ids": p}, params) for p in prompts]
+        tokens, logits, records = {i: [] for i in ids}, [], []
+        while llm.has_unfinished_requests():
+            rec = llm.step()
+            records.append(rec)
+            logits.append({rid: rec.logits_of(rid) for rid in rec.request_ids})
+            for rid, tok in rec.kept_token_ids.items():
+                tokens[rid].append(tok)
+        return tokens, logits, records
+
+
+@pytest.mark.parametrize("model", PRESETS + ZOO_II)
+def test_padded_eager_equals_unpadded(model):
+    ref_tokens, ref_logits, _ = _run(model, "none", GREEDY)
+    tokens, logits, records = _run(model, "padded_eager", GREEDY)
+    padded = [r for r in records if r.padded_size is not None]
+    assert padded and all(r.graph == "padded eager" and r.padded_size == 8 and r.num_decodes == 5
+                          for r in padded)
+    assert all(r.graph == "eager" for r in records if r.num_prefills)
+    assert tokens == ref_tokens
+    for step, (a, b) in enumerate(zip(ref_logits, logits)):
+        for rid in a:
+            diff = (a[rid] - b[rid]).abs().max().item()
+            assert diff <= 1e-5, f"step {step}, request {rid}: logits differ by {diff:.2e}"
+
+
+def test_padded_eager_sampled_rows_equal_unpadded():
+    assert _run("tiny-bamba", "padded_eager", SAMPLED)[0] == _run("tiny-bamba", "none", SAMPLED)[0]
+
+
+def _cache_rows(llm: LLM) -> dict[str, torch.Tensor]:
+    """Every cache tensor, by layer and state name, cloned."""
+    out = {}
+    for name, cache in llm.model_runner.kv_caches.items():
+        for i, t in enumerate(cache if isinstance(cache, tuple) else (cache,)):
+            out[f"{name}[{i}]"] = t.clone()
+    return out
+
+
+@pytest.mark.parametrize("model", ["tiny-bamba", "tiny-jamba", "tiny-lfm2", "tiny-falcon-h1"])
+def test_padded_rows_touch_no_real_slot_or_block(model):
+    """A padded decode step writes only the batch's own slots and blocks, and the null id 0."""
+    with LLM(model, **F32, max_num_seqs=8, cudagraph_mode="padded_eager", num_kv_blocks=64) as llm:
+        for i in range(3):                             # three requests that finish first...
+            llm.add_request({"prompt_token_ids": [5 + i, 6, 7]}, SamplingParams(max_tokens=1))
+        for i, n in enumerate(PROMPT_LENS[:3]):        # ...and three that keep decoding
+            llm.add_request({"prompt_token_ids": list(range(3, 3 + n))}, GREEDY)
+        while True:
+            rec = llm.step()
+            if rec.padded_size is not None and len(rec.scheduled) == 3:
+                break
+        ledger = {rid: llm.scheduler.kv.block_ids(rid) for rid in rec.request_ids}
+        before = _cache_rows(llm)
+        rec = llm.step()
+        assert rec.padded_size == 4 and len(rec.scheduled) == 3
+        after = _cache_rows(llm)
+        group_of = {name: g.group_id for g in llm.model_runner.kv_cache_groups for name in g.layer_names}
+    for key in before:
+        layer = key.split("[")[0]
+        group = group_of[layer]
+        owned = {i for held in ledger.values() for i in held[group]} | {0}       # 0: the null id
+        changed = {int(i) for i in torch.nonzero((before[key] != after[key]).flatten(1).any(1)).flatten()}
+        assert changed <= owned, f"{key}: ids {sorted(changed - owned)} changed, not the batch's"
+        assert changed - {0}, f"{key}: the batch's own ids did not change"
+
+
+def test_shutdown_releases_the_graph_manager_first():
+    llm = LLM("tiny-bamba", cudagraph_mode="padded_eager")
+    manager = llm.model_runner.cudagraph_manager
+    assert isinstance(manager, CudaGraphManager)
+    llm.generate({"prompt_token_ids": [3, 4, 5]}, GREEDY)
+    llm.shutdown()
+    runner = llm.model_runner
+    assert runner.release_log == ["cudagraph_manager", "kv_caches", "attn_groups", "model_state", "model",
+                                  "persistent_buffers"]
+    assert runner.cudagraph_manager is None and not manager.graphs and not manager.outputs
+    assert llm.memory_report().marks["shutdown"]["graphs"] == 0
+
+
+# ---- on a GPU ----------------------------------------------------------------------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: CUDA graphs")
+
+
+@cuda
+@pytest.mark.parametrize("model", PRESETS + ZOO_II)
+def test_graphs_equal_eager_on_gpu(model):
+    cfg = dict(device="cuda", dtype="float32", backend="triton")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    with LLM(model, **cfg, max_num_seqs=8, cudagraph_mode="full_decode") as llm:
+        llm.warmup(progress=False)
+        assert llm.cudagraph_report is not None and llm.cudagraph_report.sizes == [1, 2, 4, 8]
+        graphs = _collect(llm)
+    with LLM(model, **cfg, max_num_seqs=8, enforce_eager=True) as llm:
+        eager = _collect(llm)
+    assert graphs[0] == eager[0]
+    assert any(r.graph == "graph" for r in graphs[1])
+
+
+def _collect(llm: LLM):
+    outs = llm.generate([{"prompt_token_ids": list(range(3, 3 + n))} for n in PROMPT_LENS], GREEDY)
+    return [o.outputs[0].token_ids for o in outs], list(llm.trace)
+
+
+@cuda
+def test_ten_cycles_leave_gpu_memory_at_baseline():
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    for _ in range(10):
+        llm = LLM("tiny-bamba", device="cuda", dtype="float32", max_num_seqs=8)
+        llm.warmup(progress=False)
+        llm.generate({"prompt_token_ids": [3, 4, 5]}, GREEDY)
+        llm.shutdown()
+        del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_allocated() == base
+
+
+def test_checks_catch_a_padded_row_on_a_real_slot(monkeypatch):
+    """The bug padding must not have (cuda-readiness item 5): padded rows keeping a live request's
+    slot. Planted here, the runtime checks name it."""
+    from toolkit import InvariantError
+    from toolkit.runner.block_table import BlockTables
+    original = BlockTables.gather_block_tables
+
+    def stale(self, idx_mapping_np, num_rows=None):
+        tables = original(self, idx_mapping_np, num_rows)
+        for t in tables:
+            t[len(idx_mapping_np):] = 1             # a live request's block / slot
+        return tables
+    monkeypatch.setattr(BlockTables, "gather_block_tables", stale)
+    with LLM("tiny-bamba", cudagraph_mode="padded_eager", checks=True) as llm:
+        with pytest.raises(InvariantError, match="padded_rows_on_null") as err:
+            llm.generate([{"prompt_token_ids": [3, 4, 5 + i]} for i in range(3)], GREEDY)
+    assert "padded rows 3..3" in str(err.value)
