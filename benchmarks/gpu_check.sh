@@ -6,7 +6,9 @@
 #   3. the runner's HF-parity tests on CUDA in fp32 (backend "auto" = Triton on CUDA; TF32 off, see
 #      tests/harness.py);
 #   4. the kernel micro-benchmarks (bandwidth vs the measured copy bandwidth; SSD layer prefill vs HF);
-#   5. a decode-throughput table, runner vs HF generate, bf16, shape-true presets.
+#   5. decode (batch 1, 32, 128) and prefill (128 x 64) on shape-true presets, bf16: runner eager, runner
+#      with CUDA graphs and HF generate in one process, with the fraction of the memory roofline;
+#   (tests/test_cudagraph.py's GPU cases: graphs equal eager for every preset, memory back to baseline.)
 # Needs torch with CUDA, triton, transformers >= 5.24, safetensors, tqdm and pytest (the GPU image has all,
 # but its transformers 5.17 lacks Mamba2's grouped gated norm: carry the 5.24 wheel in .whl/, which this
 # script installs into /tmp/site when present:
@@ -28,9 +30,8 @@ print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton
 status=0
 python3 -m pytest tests/test_kernels*.py -q -p no:cacheprovider -rs || status=1
 python3 -m pytest tests/test_backend_triton.py -q -p no:cacheprovider -x || status=1
-python3 -m pytest tests/test_runner_parity.py tests/test_zoo_runner.py -q -p no:cacheprovider || status=1
-python3 benchmarks/kernel_bench.py --dtype bfloat16 || status=1
-python3 benchmarks/decode_throughput.py --device cuda --dtype bfloat16 \
-    --presets mamba2-130m-shape mamba-130m-shape lfm2-350m-shape tiny-bamba --batches 1 32 128 --new-tokens 32 \
+python3 -m pytest tests/test_cudagraph.py tests/test_runner_parity.py tests/test_zoo_runner.py -q -p no:cacheprovider \
     || status=1
+python3 benchmarks/kernel_bench.py --dtype bfloat16 || status=1
+python3 benchmarks/gpu_decode.py --dtype bfloat16 || status=1
 exit $status

@@ -101,6 +101,18 @@ def cases(device: torch.device, dtype: torch.dtype, small: bool) -> list[Case]:
                         lambda s=state, x=x, d=dt_, A=A, B=B, C=C, D=D, i=idx: tri.mamba1_update(s, x, d, A, B, C, D, i),
                         lambda s=state, x=x, d=dt_, A=A, B=B, C=C, D=D, i=idx: ref.mamba1_update(s, x, d, A, B, C, D, i)))
 
+    # Gated DeltaNet decode update: Qwen3-Next layer (Hk 16, Hv 32, K = V = 128)
+    hk, hv, dk = (2, 4, 16) if small else (16, 32, 128)
+    for b in ([2] if small else [1, 128]):
+        state = rnd(b + 1, hv, dk, dk, dt=f32)
+        q, k, v = rnd(b, hk, dk), rnd(b, hk, dk), rnd(b, hv, dk)
+        gate, beta = -rnd(b, hv, dt=f32).abs() * 0.1, rnd(b, hv, dt=f32).sigmoid()
+        idx = torch.arange(1, b + 1, device=device, dtype=torch.int32)
+        nbytes = 2 * b * hv * dk * dk * 4 + b * (2 * hk * dk + hv * dk) * e + b * hv * dk * 4
+        out.append(Case("gdn state update", f"B={b} Hv={hv} K=V={dk}", nbytes,
+                        lambda s=state, q=q, k=k, v=v, a=gate, bt=beta, i=idx: tri.gdn_update(s, q, k, v, a, bt, i),
+                        lambda s=state, q=q, k=k, v=v, a=gate, bt=beta, i=idx: ref.gdn_update(s, q, k, v, a, bt, i)))
+
     # causal conv1d decode update: mamba2-130m xBC (Dc 1792, K 4) and lfm2-350m short conv (1024, K 3)
     for dc, k, act in ([(24, 4, "silu")] if small else [(1792, 4, "silu"), (1024, 3, None)]):
         for b in ([2] if small else [1, 256]):

@@ -1,5 +1,5 @@
-"""backend="triton" (every op a Triton kernel, here under TRITON_INTERPRET=1 on the CPU; Qwen3-Next's
-Gated DeltaNet recurrence has no kernel yet and runs its torch reference) gives the same greedy tokens as backend="torch" for every preset, and logits within 1e-4 in fp32: on a single request
+"""backend="triton" (every op a Triton kernel, here under TRITON_INTERPRET=1 on the CPU, Qwen3-Next's
+Gated DeltaNet recurrence included) gives the same greedy tokens as backend="torch" for every preset, and logits within 1e-4 in fp32: on a single request
 and on the chunked, mixed, queued batch of the runner-parity tests. The records say which ops ran."""
 from __future__ import annotations
 

@@ -105,12 +105,20 @@ def _plant_slot_not_zeroed(stack: contextlib.ExitStack) -> None:
 
 class CapturedGraphsStandIn:
     """What a CUDA-graph manager holds: its graphs keep the persistent buffers and caches they
-    were captured on alive. On CPU, where nothing is captured yet, the fault
-    `graph_manager_kept_on_shutdown` gives the runner this object so the shutdown order matters."""
+    were captured on alive. On the CPU, where nothing is captured, the fault
+    `graph_manager_kept_on_shutdown` gives the runner this object so the shutdown order matters.
+    Everything else (padded_size, label, captured, release, ...) is the runner's real manager's,
+    so steps run as they would without the fault."""
 
     def __init__(self, runner) -> None:
+        self._manager = runner.cudagraph_manager
         self._held = [t for v in runner.kv_caches.values() for t in (v if isinstance(v, tuple) else (v,))]
         self._held += [runner.input_buffers.input_ids, runner.input_buffers.positions]
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._manager, name)
 
     def held_tensors(self) -> list[torch.Tensor]:
         return list(self._held)

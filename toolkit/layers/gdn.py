@@ -27,8 +27,8 @@ GDN kernel is tested against:
   - `gdn_recurrent_varlen`  the recurrence one token at a time over varlen sequences (the reference)
   - `gdn_chunk_varlen`      chunked prefill (UT transform per chunk, HF `torch_chunk_gated_delta_rule`)
                             over a varlen chunk layout with initial states
-and in place at state indices (what the mixer calls; there are no Triton GDN kernels yet, so they
-are called directly rather than through `self.ops`):
+and in place at state indices (the mixer calls them through `self.ops`: `gdn_update` /
+`gdn_prefill`, with the Triton kernels of toolkit.kernels.gated_delta_rule as the other set):
   - `gdn_update_at_slots`   decode rows
   - `gdn_prefill_at_slots`  prefill rows
 All delta-rule math is fp32.
@@ -362,7 +362,7 @@ class GatedDeltaNet(StateSlotMixer):
             conv_state, ssm_state = states
             xc = self.ops.conv_update(mixed[tok], conv_state, idx, weight, None, self.activation)
             q, k, v = self._split_qkv(xc)
-            return gdn_update_at_slots(ssm_state, q, k, v, g[tok], beta[tok], idx)
+            return self.ops.gdn_update(ssm_state, q, k, v, g[tok], beta[tok], idx)
 
         def prefill(tok: slice, states: States, idx: torch.Tensor, has_init: torch.Tensor,
                     cu_seqlens: torch.Tensor, md) -> torch.Tensor:
@@ -376,7 +376,7 @@ class GatedDeltaNet(StateSlotMixer):
                 chunks = (cu, sidx, last, self.chunk_size)
             else:
                 chunks = (md.cu_chunk_seqlen_p, md.seq_idx_p, md.last_chunk_indices_p, int(md.chunk_size))
-            return gdn_prefill_at_slots(q, k, v, g[tok], beta[tok], *chunks, ssm_state, idx, has_init)
+            return self.ops.gdn_prefill(q, k, v, g[tok], beta[tok], *chunks, ssm_state, idx, has_init)
 
         y = self.run_state_slots(attn_metadata, y, decode, prefill)
         out = self.norm(y.to(dtype), z)                        # per value head, over V

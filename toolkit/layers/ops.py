@@ -24,6 +24,12 @@ a padded prefill sequence is computed from a zero state (the profile run relies 
     paged_attention(q [T, Hq, D], kv_cache, md: PagedAttentionMetadata, scale) -> out [T, Hq, D]
     gumbel_argmax(scaled [B, V] fp32, seeds int64 [B, 2], positions [B]) -> int64 [B]
         argmax(scaled + gumbel(seed, position, token)) (see toolkit/sampling.py)
+    gdn_update(ssm_state [S, Hv, V, K], q [B, Hk, K], k, v [B, Hv, V], g [B, Hv], beta [B, Hv],
+               state_indices [B], use_qk_l2norm=True) -> y fp32 [B, Hv, V]      (Gated DeltaNet decode)
+    gdn_prefill(q [T, Hk, K], k, v [T, Hv, V], g [T, Hv], beta [T, Hv], cu_chunk_seqlens [C+1],
+                seq_idx [C], last_chunk_indices [P], chunk_size, ssm_state, state_indices [P],
+                has_initial_state [P], use_qk_l2norm=True) -> y fp32 [T, Hv, V]
+        q, k raw (l2-normalised and q scaled inside the op); g is the fp32 log decay
 
 dt is already softplus'ed (and clamped); A is already -exp(A_log). SSM math is fp32.
 """
@@ -38,6 +44,7 @@ from torch import nn
 
 from toolkit.layers import attention as attn
 from toolkit.layers import causal_conv1d as conv
+from toolkit.layers import gdn
 from toolkit.layers import mamba1_mixer as m1
 from toolkit.layers import mamba2_mixer as m2
 from toolkit import sampling
@@ -57,6 +64,8 @@ class Ops:
     write_kv_cache: Callable
     paged_attention: Callable
     gumbel_argmax: Callable
+    gdn_update: Callable
+    gdn_prefill: Callable
 
 
 TORCH_OPS = Ops(
@@ -70,6 +79,8 @@ TORCH_OPS = Ops(
     write_kv_cache=attn.write_kv_cache,
     paged_attention=attn.paged_attention_ref,
     gumbel_argmax=sampling.gumbel_argmax_ref,
+    gdn_update=gdn.gdn_update_at_slots,
+    gdn_prefill=gdn.gdn_prefill_at_slots,
 )
 
 
@@ -88,8 +99,8 @@ def triton_ops(device: torch.device) -> Ops:
                              "TRITON_INTERPRET=1 before triton is imported; triton was imported without "
                              "it. Set the variable at the top of the script or notebook.")
         os.environ["TRITON_INTERPRET"] = "1"
-    from toolkit.kernels import (causal_conv1d, kv_cache, paged_attention, gumbel, selective_scan,
-                                 selective_state_update, ssd_scan)
+    from toolkit.kernels import (causal_conv1d, gated_delta_rule, kv_cache, paged_attention, gumbel,
+                                 selective_scan, selective_state_update, ssd_scan)
     return Ops(
         name="triton",
         conv_update=causal_conv1d.causal_conv1d_update,
@@ -101,6 +112,8 @@ def triton_ops(device: torch.device) -> Ops:
         write_kv_cache=kv_cache.write_kv_cache,
         paged_attention=paged_attention.paged_attention,
         gumbel_argmax=gumbel.gumbel_argmax,
+        gdn_update=gated_delta_rule.gdn_update,
+        gdn_prefill=gated_delta_rule.gdn_prefill,
     )
 
 

@@ -26,7 +26,11 @@ FFN of 4608, vocab 65536, tied, RoPE theta 1e6, eos 7 (354.5M parameters).
 mamba-130m-shape: state-spaces/mamba-130m(-hf) -- hidden 768, 24 layers, d_state 16, expand 2,
 conv 4, time_step_rank 48 ("auto"), vocab 50280, tied, pad/bos/eos 0/0/0 (129.1M parameters).
 mamba2-130m-shape: state-spaces/mamba2-130m, as in the H200 HF baseline -- hidden 768, 24 layers,
-24 heads x 64, d_state 128, n_groups 1, expand 2, conv 4, chunk 256, vocab 50288, tied.
+24 heads x 64, d_state 128, n_groups 1, expand 2, conv 4, chunk 256, vocab 50288, untied as the
+baseline's config defaults were (167.6M parameters; the released checkpoint ties its head).
+bamba-300m-shape: the H200 baseline's "bamba-like-300m" -- hidden 1024, 24 layers, attention at 5,
+11, 17, 23 (16 heads / 8 KV heads), 32 Mamba2 heads x 64, d_state 128, n_groups 1, expand 2,
+chunk 256, FFN 2816, vocab 32000.
 """
 from __future__ import annotations
 
@@ -194,12 +198,36 @@ def mamba2_130m_shape() -> Mamba2Config:
         expand=2,
         conv_kernel=4,
         chunk_size=256,
-        tie_word_embeddings=True,
+        tie_word_embeddings=False,
         pad_token_id=0,
         bos_token_id=0,
         eos_token_id=0,
         initializer_range=0.1,
         architectures=["Mamba2ForCausalLM"],
+    )
+
+
+def bamba_300m_shape() -> BambaConfig:
+    return BambaConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        attn_layer_indices=[5, 11, 17, 23],
+        mamba_n_heads=32,
+        mamba_d_head=64,
+        mamba_d_state=128,
+        mamba_n_groups=1,
+        mamba_chunk_size=256,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.1,
+        architectures=["BambaForCausalLM"],
     )
 
 
@@ -233,6 +261,7 @@ PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
     "tiny-jamba": tiny_jamba,
     "mamba-130m-shape": mamba_130m_shape,
     "mamba2-130m-shape": mamba2_130m_shape,
+    "bamba-300m-shape": bamba_300m_shape,
     "tiny-lfm2": tiny_lfm2,
     "lfm2-350m-shape": lfm2_350m_shape,
 }

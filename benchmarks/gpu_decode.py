@@ -1,0 +1,148 @@
+"""Decode and prefill on a GPU: this runner eager, this runner with CUDA graphs, and HF `generate`, in one
+process with the same config and weights (issue "CUDA graphs and the GPU path").
+
+    python benchmarks/gpu_decode.py [--presets mamba2-130m-shape lfm2-350m-shape bamba-300m-shape]
+                                    [--batches 1 32 128] [--dtype bfloat16]
+
+Per preset and batch it prints the decode step (method of the H200 HF baseline: t1 = generate 1 token,
+tN = generate N; step = (tN - t1) / (N - 1), best of --repeats after a warm-up run, the device synchronised
+around each timed call), the ratio to HF, and the fraction of the memory roofline: the bytes a decode
+step must move at least (the weights once, plus every sequence's recurrent state read and written, plus
+its KV cache read) over the measured copy bandwidth, divided by the measured step. Then the prefill of
+128 prompts x 64 tokens (generate with max_tokens=1). Targets (mamba2-130m shape, bf16): decode step at
+batch 1 <= 0.5 ms; batch 128 >= 60% of the roofline.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, os.path.dirname(__file__))
+from table import print_markdown_table  # noqa: E402
+from toolkit import LLM, SamplingParams  # noqa: E402
+from toolkit.models import save_hf_folder  # noqa: E402
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def best_time(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def copy_bandwidth(device: str) -> float:
+    """bytes/s of a 1 GiB device-to-device copy, read + write counted."""
+    src = torch.empty(1 << 28, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    seconds = best_time(lambda: dst.copy_(src), 5)
+    return 2 * src.numel() * 4 / seconds
+
+
+def min_step_bytes(llm: LLM, batch: int, context: int) -> int:
+    """Weights once + each sequence's recurrent state read and written + its KV cache read."""
+    weights = sum(p.numel() * p.element_size() for p in llm.model.parameters())
+    state = kv = 0
+    for spec in llm.model.kv_cache_specs().values():
+        if hasattr(spec, "shapes"):            # a recurrent layer: its states per sequence
+            for shape, dtype in zip(spec.shapes, spec.dtypes):
+                n = 1
+                for d in shape:
+                    n *= d
+                state += n * torch.empty((), dtype=dtype).element_size()
+        else:                                   # attention: K and V of the context
+            kv += 2 * spec.num_kv_heads * spec.head_dim * torch.empty((), dtype=spec.dtype).element_size()
+    return weights + batch * (2 * state + kv * context)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--presets", nargs="+", default=["mamba2-130m-shape", "lfm2-350m-shape", "bamba-300m-shape"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 32, 128])
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--prefill", nargs=2, type=int, default=[128, 64], metavar=("SEQS", "TOKENS"))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, args.dtype)
+    bw = copy_bandwidth(device)
+    print(f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch {torch.__version__}, "
+          f"dtype {args.dtype}, copy bandwidth {bw / 1e12:.2f} TB/s, prompt {args.prompt_len}, "
+          f"new tokens {args.new_tokens}")
+    max_batch = max(args.batches + [args.prefill[0]])
+    limits = dict(device=device, dtype=args.dtype, max_num_seqs=max_batch,
+                  max_num_batched_tokens=max(max_batch * args.prompt_len, args.prefill[0] * args.prefill[1]),
+                  max_model_len=args.prompt_len + args.new_tokens + 16, inspect="off")
+    decode_rows, prefill_rows = [], []
+    for preset in args.presets:
+        eager, graphs = LLM(preset, enforce_eager=True, **limits), LLM(preset, **limits)
+        # on CUDA with the Triton backend "auto" captures graphs; elsewhere both engines run eagerly
+        engines = {"runner eager": eager, f"runner {graphs.cudagraph_mode} ({graphs.backend})": graphs}
+        for llm in engines.values():
+            llm.warmup(progress=False)
+        with tempfile.TemporaryDirectory() as folder:
+            save_hf_folder(engines["runner eager"], folder)
+            hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+        rng = random.Random(0)
+        vocab = min(engines["runner eager"].vocab_size, 1000)
+
+        def runner_gen(llm, prompts, k):
+            params = SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True)
+            return lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+        @torch.inference_mode()
+        def hf_gen(prompts, k):
+            ids = torch.tensor(prompts, device=device)
+            return lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=k,
+                                       min_new_tokens=k, do_sample=False, pad_token_id=0)
+
+        for batch in args.batches:
+            prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
+            floor = min_step_bytes(engines["runner eager"], batch, args.prompt_len + args.new_tokens // 2) / bw
+            steps = {}
+            for name, make in [*[(n, lambda k, e=e: runner_gen(e, prompts, k)) for n, e in engines.items()],
+                               ("hf generate", lambda k: hf_gen(prompts, k))]:
+                t1 = best_time(make(1), args.repeats)
+                tn = best_time(make(args.new_tokens), args.repeats)
+                steps[name] = (tn - t1) / (args.new_tokens - 1)
+            for name, step in steps.items():
+                decode_rows.append([preset, str(batch), name, f"{step * 1e3:.3f}",
+                                    f"{steps['hf generate'] / step:.1f}x", f"{100 * floor / step:.0f}%"])
+                print("  ".join(decode_rows[-1]), flush=True)
+        seqs, toks = args.prefill
+        prompts = [[rng.randrange(3, vocab) for _ in range(toks)] for _ in range(seqs)]
+        times = {name: best_time(runner_gen(e, prompts, 1), args.repeats) for name, e in engines.items()}
+        times["hf generate"] = best_time(hf_gen(prompts, 1), args.repeats)
+        for name, t in times.items():
+            prefill_rows.append([preset, f"{seqs}x{toks}", name, f"{t * 1e3:.1f}", f"{times['hf generate'] / t:.1f}x"])
+            print("  ".join(prefill_rows[-1]), flush=True)
+        for llm in engines.values():
+            llm.shutdown()
+        del hf, engines
+        torch.cuda.empty_cache() if device == "cuda" else None
+    print()
+    print_markdown_table(["preset", "batch", "engine", "decode step ms", "vs HF", "of roofline"], decode_rows)
+    print()
+    print_markdown_table(["preset", "prefill", "engine", "prefill+1 ms", "vs HF"], prefill_rows)
+
+
+if __name__ == "__main__":
+    main()

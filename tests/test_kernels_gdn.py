@@ -1,0 +1,182 @@
+"""Gated DeltaNet (Qwen3-Next) gated delta rule kernels against their torch references, under
+TRITON_INTERPRET=1 on the CPU (set in conftest): the decode update and the sequential varlen prefill,
+tiny shapes, fp32 / fp16 / bf16 inputs (the state cache and all math fp32), padded rows, mixed initial
+states, q / k / v as views of one conv output and g / beta as strided views, as the mixer passes them."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
+from toolkit.attention.gdn import compute_gdn_chunk_metadata  # noqa: E402
+from toolkit.kernels import gated_delta_rule as gdr  # noqa: E402
+from toolkit.layers.causal_conv1d import initial_states_at  # noqa: E402
+from toolkit.layers.gdn import gdn_gating, gdn_recurrent_varlen  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# fp32 math on both sides from the same rounded inputs and y / state fp32: tight for every input dtype
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _inputs(g: torch.Generator, dtype, n, hk, hv, kd, vd, device="cpu"):
+    """q, k [n, Hk, K], v [n, Hv, V]: column slices of one conv output (model dtype); g fp32 and
+    beta (model dtype) from `gdn_gating`, then as strided column views of wider tensors."""
+    width = 3 + 2 * hk * kd + hv * vd + 5
+    xc = torch.randn(n, width, generator=g).to(device=device, dtype=dtype)
+    q = xc[:, 3:3 + hk * kd].reshape(n, hk, kd)
+    k = xc[:, 3 + hk * kd:3 + 2 * hk * kd].reshape(n, hk, kd)
+    v = xc[:, 3 + 2 * hk * kd:3 + 2 * hk * kd + hv * vd].reshape(n, hv, vd)
+    ba = torch.randn(n, 2 * hv, generator=g).to(device=device, dtype=dtype)
+    A_log = torch.log(torch.rand(hv, generator=g) * 0.3 + 0.02).to(device)     # mild decay: the state matters
+    dt_bias = torch.randn(hv, generator=g).to(device)
+    gate, beta = gdn_gating(ba[:, hv:], ba[:, :hv], A_log, dt_bias)
+    g_wide = torch.zeros(n, hv + 3, device=device)
+    g_wide[:, 1:hv + 1] = gate
+    b_wide = torch.zeros(n, 2 * hv, device=device, dtype=dtype)
+    b_wide[:, hv:] = beta
+    return q, k, v, g_wide[:, 1:hv + 1], b_wide[:, hv:]
+
+
+SHAPES = [(2, 4, 16, 12), (1, 1, 12, 40), (2, 2, 8, 8)]     # (Hk, Hv, K, V): GVA, masked K / V tails, 2 V blocks
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hk, hv, kd, vd", SHAPES)
+def test_gdn_update_equals_reference(dtype, hk, hv, kd, vd):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, g, beta = _inputs(gen, dtype, 5, hk, hv, kd, vd)
+    assert not q.is_contiguous() and not g.is_contiguous() and not beta.is_contiguous()
+    q[2].mul_(1e-3)
+    k[3].mul_(1e-3)                      # near-zero rows: the l2norm's eps matters
+    state = torch.randn(7, hv, vd, kd, generator=gen) * 0.5
+    idx = torch.tensor([3, -1, 0, 6, -1], dtype=torch.int32)
+    ours_state, ref_state = state.clone(), state.clone()
+    y = gdr.gdn_update(ours_state, q, k, v, g, beta, idx)
+    y_ref = gdr.reference(ref_state, q, k, v, g, beta, idx)
+    assert y.dtype == torch.float32 and y.shape == (5, hv, vd)
+    torch.testing.assert_close(y, y_ref, **TOL)
+    torch.testing.assert_close(ours_state, ref_state, **TOL)
+    assert (y[[1, 4]] == 0).all()
+    assert torch.equal(ours_state[[1, 2, 4, 5]], state[[1, 2, 4, 5]])    # padded rows and unused slots
+    assert not torch.equal(ours_state[[0, 3, 6]], state[[0, 3, 6]])
+
+
+def test_gdn_update_without_l2norm_and_int64_indices():
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, g, beta = _inputs(gen, torch.float32, 3, 2, 4, 16, 8)
+    state = torch.randn(4, 4, 8, 16, generator=gen) * 0.5
+    idx = torch.tensor([2, 0, -1])
+    ours_state, ref_state = state.clone(), state.clone()
+    y = gdr.gdn_update(ours_state, q * 0.2, k * 0.2, v, g, beta, idx, use_qk_l2norm=False)
+    y_ref = gdr.reference(ref_state, q * 0.2, k * 0.2, v, g, beta, idx, use_qk_l2norm=False)
+    torch.testing.assert_close(y, y_ref, **TOL)
+    torch.testing.assert_close(ours_state, ref_state, **TOL)
+    assert torch.equal(ours_state[[1, 3]], state[[1, 3]])
+
+
+# lengths 1, 2, chunk-1, chunk, chunk+1 and longer (chunk_size 16), initial states mixed in; the last
+# sequence is padded (slot -1, says it has a state: reads nothing, writes nothing, y from zeros)
+LENS = [1, 15, 2, 16, 40, 17, 5]
+HAS_INIT = [True, False, False, True, True, False, True]
+SLOTS = [4, 0, 7, 2, 8, 5, -1]
+UNTOUCHED = [1, 3, 6]
+CHUNK = 16
+
+
+def _prefill_case(dtype, hk, hv, kd, vd, lens, has_init, slots, num_slots, seed, device="cpu", chunk=CHUNK):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, g, beta = _inputs(gen, dtype, sum(lens), hk, hv, kd, vd, device)
+    cu, sidx, last = (torch.from_numpy(a).to(device) for a in compute_gdn_chunk_metadata(np.array(lens), chunk))
+    state = (torch.randn(num_slots, hv, vd, kd, generator=gen) * 0.5).to(device)
+    idx = torch.tensor(slots, dtype=torch.int32, device=device)
+    flags = torch.tensor(has_init, device=device)
+    return [q, k, v, g, beta, cu, sidx, last, chunk], state, idx, flags
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hk, hv, kd, vd", SHAPES[:2])
+def test_gdn_prefill_equals_reference(dtype, hk, hv, kd, vd):
+    args, state, idx, flags = _prefill_case(dtype, hk, hv, kd, vd, LENS, HAS_INIT, SLOTS, 9, seed=2)
+    ours_state, ref_state = state.clone(), state.clone()
+    y = gdr.gdn_prefill(*args, ours_state, idx, flags)
+    y_ref = gdr.prefill_reference(*args, ref_state, idx, flags)       # the chunked (UT transform) form
+    assert y.dtype == torch.float32 and y.shape == y_ref.shape
+    # fp32 on both sides; they differ in the order of operations only (per token vs per chunk)
+    torch.testing.assert_close(y, y_ref, **TOL)
+    torch.testing.assert_close(ours_state, ref_state, **TOL)
+    assert torch.equal(ours_state[UNTOUCHED], state[UNTOUCHED])     # no other slot written (pad included)
+    assert not torch.equal(ours_state[SLOTS[:-1]], state[SLOTS[:-1]])
+
+
+def test_gdn_prefill_equals_sequential_recurrence():
+    """Against the plain per-token recurrence (the same order of operations: tight), GVA, int64
+    indices, and without the l2 norm."""
+    for use_l2 in (True, False):
+        args, state, idx, flags = _prefill_case(torch.float32, 2, 4, 16, 12, LENS[:-1], HAS_INIT[:-1],
+                                                SLOTS[:-1], 9, seed=3)
+        q, k, v, g, beta = args[:5]
+        if not use_l2:
+            q, k = q * 0.2, k * 0.2
+            args[:2] = q, k
+        init = initial_states_at(state, idx, flags)
+        cu_seqlens = torch.tensor(np.cumsum([0] + LENS[:-1]))
+        y_seq, finals = gdn_recurrent_varlen(q, k, v, g, beta, cu_seqlens, init, use_qk_l2norm=use_l2)
+        ours_state = state.clone()
+        args[5:8] = [a.long() for a in args[5:8]]
+        y = gdr.gdn_prefill(*args, ours_state, idx.long(), flags, use_qk_l2norm=use_l2)
+        torch.testing.assert_close(y, y_seq, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(ours_state[idx.long()], finals, atol=1e-6, rtol=1e-6)
+
+
+def test_gdn_prefill_profile_run_layout():
+    """One padded sequence over the whole batch from a zero state (the profile run's call): y only."""
+    args, state, idx, flags = _prefill_case(torch.float32, 2, 4, 16, 12, [19], [True], [-1], 2, seed=4)
+    ours_state, ref_state = state.clone(), state.clone()
+    y = gdr.gdn_prefill(*args, ours_state, idx, flags)
+    y_ref = gdr.prefill_reference(*args, ref_state, idx, flags)
+    torch.testing.assert_close(y, y_ref, **TOL)
+    assert torch.equal(ours_state, state) and torch.equal(ref_state, state)
+
+
+def test_gdn_launchers_name_what_is_wrong():
+    state = torch.zeros(3, 4, 8, 16)
+    q, v = torch.zeros(2, 2, 16), torch.zeros(2, 4, 8)
+    g = torch.zeros(2, 4)
+    idx = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"k must be \[B=2, Hk=2, K=16\] like q, got \(2, 2, 8\)"):
+        gdr.gdn_update(state, q, torch.zeros(2, 2, 8), v, g, g, idx)
+    with pytest.raises(ValueError, match=r"ssm_state must be \[S, Hv=4, V=8, K=16\], got \(3, 4, 16, 8\)"):
+        gdr.gdn_update(torch.zeros(3, 4, 16, 8), q, q, v, g, g, idx)
+    with pytest.raises(ValueError, match="ssm_state must be float32 .* got torch.float16"):
+        gdr.gdn_update(state.half(), q, q, v, g, g, idx)
+    with pytest.raises(ValueError, match=r"state_indices must be int32/int64 \[B=2\], got torch.float32"):
+        gdr.gdn_update(state, q, q, v, g, g, torch.zeros(2))
+    with pytest.raises(ValueError, match=r"Hv=3 value heads are not a multiple of q/k's Hk=2"):
+        gdr.gdn_update(torch.zeros(3, 3, 8, 16), q, q, torch.zeros(2, 3, 8), torch.zeros(2, 3), torch.zeros(2, 3), idx)
+    cu, sidx, last = torch.tensor([0, 2]), torch.tensor([0]), torch.tensor([0])
+    with pytest.raises(ValueError, match=r"has_initial_state must be bool/int32/int64 \[R=1\], got torch.float32"):
+        gdr.gdn_prefill(q, q, v, g, g, cu, sidx, last, 16, state, idx[:1], torch.zeros(1))
+    with pytest.raises(ValueError, match=r"g must be \[T=2, Hv=4\], got \(2, 3\)"):
+        gdr.gdn_prefill(q, q, v, torch.zeros(2, 3), g, cu, sidx, last, 16, state, idx[:1], torch.ones(1, dtype=torch.bool))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: real shapes")
+def test_gdn_real_shape_cuda():
+    """Qwen3-Next-80B's GDN shapes (Hk 16, Hv 32, K = V = 128, chunk 64), compiled kernels, bf16 inputs."""
+    hk, hv, kd, vd = 16, 32, 128, 128
+    lens, has_init, slots = [1, 63, 64, 65, 300], [True, False, True, True, False], [12, 3, -1, 7, 30]
+    args, state, idx, flags = _prefill_case(torch.bfloat16, hk, hv, kd, vd, lens, has_init, slots, 40,
+                                            seed=5, device="cuda", chunk=64)
+    ours_state, ref_state = state.clone(), state.clone()
+    y = gdr.gdn_prefill(*args, ours_state, idx, flags)
+    y_ref = gdr.prefill_reference(*args, ref_state, idx, flags)
+    torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ours_state, ref_state, atol=1e-4, rtol=1e-4)
+    gen = torch.Generator().manual_seed(6)
+    q, k, v, g, beta = _inputs(gen, torch.bfloat16, 9, hk, hv, kd, vd, "cuda")
+    dec = torch.tensor([0, 5, -1, 39, 12, 2, -1, 20, 33], device="cuda")
+    y = gdr.gdn_update(ours_state, q, k, v, g, beta, dec)
+    y_ref = gdr.reference(ref_state, q, k, v, g, beta, dec)
+    torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ours_state, ref_state, atol=1e-4, rtol=1e-4)
