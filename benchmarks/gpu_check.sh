@@ -14,7 +14,8 @@
 # script installs into /tmp/site when present:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform any -d .whl transformers==5.24.0        # then run with carry [".whl"]
-# Runs from the source tree, no install of the project.
+# Runs from the source tree, no install of the project. `bash benchmarks/gpu_check.sh tests` runs steps 1-3,
+# `... bench` steps 4-5 (each should fit one 10-minute device command), no argument both.
 # Steps 1-2 run to the end even if one fails, so one run shows every result.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,11 +28,16 @@ unset TRITON_INTERPRET
 python3 -c "import torch, triton, transformers; assert torch.cuda.is_available(), 'no CUDA device'; \
 print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__, \
 'transformers', transformers.__version__)"
+part="${1:-all}"            # "tests", "bench" or "all": one command fits the device's 10-minute limit
 status=0
+if [ "$part" != "bench" ]; then
 python3 -m pytest tests/test_kernels*.py -q -p no:cacheprovider -rs || status=1
 python3 -m pytest tests/test_backend_triton.py -q -p no:cacheprovider -x || status=1
 python3 -m pytest tests/test_cudagraph.py tests/test_runner_parity.py tests/test_zoo_runner.py -q -p no:cacheprovider \
     || status=1
+fi
+if [ "$part" != "tests" ]; then
 python3 benchmarks/kernel_bench.py --dtype bfloat16 || status=1
-python3 benchmarks/gpu_decode.py --dtype bfloat16 || status=1
+python3 benchmarks/gpu_decode.py --dtype bfloat16 --repeats 2 || status=1
+fi
 exit $status

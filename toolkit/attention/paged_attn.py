@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from toolkit.attention.builder import AttentionMetadataBuilder
@@ -32,10 +33,10 @@ class PagedAttentionMetadata:
     single_token_max_seq_len: int = field(init=False)     # 0 when D == 0
 
     def __post_init__(self) -> None:
-        query_lens = self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]
-        rows = torch.nonzero(query_lens == 1).flatten()
-        self.single_token_rows = rows.to(self.query_start_loc.device)
-        self.single_token_max_seq_len = int(self.seq_lens_cpu[rows].max()) if len(rows) else 0
+        # from the host copies, in numpy: nothing here reads the device
+        rows = np.flatnonzero(np.diff(self.query_start_loc_cpu.numpy()) == 1).astype(np.int64)
+        self.single_token_rows = torch.from_numpy(rows).to(self.query_start_loc.device)
+        self.single_token_max_seq_len = int(self.seq_lens_cpu.numpy()[rows].max()) if len(rows) else 0
 
 
 class PagedAttentionMetadataBuilder(AttentionMetadataBuilder):

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from toolkit.layers.norms import RMSNorm
+from toolkit.layers.padded_scatter import padded_rows_redirected
 from toolkit.layers.rotary import RotaryEmbedding
 from toolkit.runner.kv_cache_spec import AttentionSpec
 
@@ -23,16 +24,14 @@ def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slo
     (entries == -1 are skipped).
     """
     block_size = kv_cache.shape[2]
-    slots = slot_mapping.to(torch.int64)
-    keep = slots >= 0
-    if not bool(keep.all()):
-        slots, k, v = slots[keep], k[keep], v[keep]
-    if slots.numel() == 0:
+    if slot_mapping.numel() == 0:
         return
+    src, slots, keep = padded_rows_redirected(slot_mapping)
     blk = torch.div(slots, block_size, rounding_mode="floor")
     off = slots % block_size
-    kv_cache[blk, 0, off] = k.to(kv_cache.dtype)
-    kv_cache[blk, 1, off] = v.to(kv_cache.dtype)
+    keep = keep[:, None, None]
+    kv_cache[blk, 0, off] = torch.where(keep, k[src].to(kv_cache.dtype), kv_cache[blk, 0, off])
+    kv_cache[blk, 1, off] = torch.where(keep, v[src].to(kv_cache.dtype), kv_cache[blk, 1, off])
 
 
 def gather_kv(
@@ -107,8 +106,8 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, md, scale: floa
     Returns [T, Hq, D] in q.dtype.
     """
     out = torch.zeros_like(q)
-    qsl = md.query_start_loc_cpu.tolist()
-    seq_lens = md.seq_lens_cpu.tolist()
+    qsl = md.query_start_loc_cpu.numpy().tolist()      # host copies: no device sync
+    seq_lens = md.seq_lens_cpu.numpy().tolist()
     rows = md.single_token_rows
     if len(rows):                   # one-token rows (decodes) in one batched op
         tok = md.query_start_loc[rows].to(torch.int64)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from toolkit.layers.mlp import get_activation
+from toolkit.layers.padded_scatter import padded_rows_redirected
 
 
 def _act(x: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -102,12 +103,11 @@ def initial_states_at(cache: torch.Tensor, state_indices: torch.Tensor,
 
 def write_states_at(cache: torch.Tensor, state_indices: torch.Tensor, new: torch.Tensor) -> None:
     """cache[state_indices[i]] = new[i] (cast to the cache dtype), padded rows skipped."""
-    idx = state_indices.to(torch.int64)
-    real = idx >= 0
-    if bool(real.all()):
-        cache[idx] = new.to(cache.dtype)
-    else:
-        cache[idx[real]] = new[real].to(cache.dtype)
+    if state_indices.numel() == 0:
+        return
+    rows, slots, keep = padded_rows_redirected(state_indices)     # no boolean mask: no sync
+    keep = keep.view(-1, *(1,) * (new.dim() - 1))
+    cache[slots] = torch.where(keep, new[rows].to(cache.dtype), cache[slots])
 
 
 def conv_update_at_slots(x: torch.Tensor, conv_state: torch.Tensor, state_indices: torch.Tensor,

@@ -41,6 +41,23 @@ def topk_routing(
     return weights, ids
 
 
+# Steps of at most this many tokens (decode steps, CUDA-graph capture sizes) run every expert on
+# every token, weighted by a dense [T, E] routing matrix: static shapes, no host sync. Larger steps
+# run each expert on its own tokens only (torch.unique / torch.where: data-dependent shapes, a sync).
+DENSE_MAX_TOKENS = 512
+
+
+def dense_routing(weights: torch.Tensor, ids: torch.Tensor, num_experts: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k weights [T, k] and expert ids [T, k] -> (weights [T, E], 0 off each token's top-k;
+    routed bool [T, E]). An expert's output on a token not routed to it is dropped with `routed`,
+    not multiplied by 0 (inf * 0 = nan), so the sum equals the sparse one."""
+    t = ids.shape[0]
+    dense = torch.zeros(t, num_experts, dtype=weights.dtype, device=weights.device).scatter_(1, ids, weights)
+    routed = torch.zeros(t, num_experts, dtype=torch.bool, device=ids.device).scatter_(1, ids, True)
+    return dense, routed
+
+
 # --------------------------------------------------------------------------------------------
 # checkpoint layout
 # --------------------------------------------------------------------------------------------
@@ -125,8 +142,14 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights [T, k] (x.dtype), ids [T, k] -> sum_k weights * expert_ids(x); a loop
-        over the experts that received tokens."""
+        over the experts (all of them for few tokens, see `DENSE_MAX_TOKENS`)."""
         out = torch.zeros_like(x)
+        if x.shape[0] <= DENSE_MAX_TOKENS:
+            dense, routed = dense_routing(weights, ids, self.num_experts)
+            for e in range(self.num_experts):
+                y = self.expert(e, x) * dense[:, e, None]
+                out += torch.where(routed[:, e, None], y.to(out.dtype), 0)
+            return out
         for e in torch.unique(ids).tolist():
             tok, slot = torch.where(ids == e)
             y = self.expert(e, x[tok]) * weights[tok, slot, None]

@@ -43,6 +43,7 @@ from toolkit.errors import UnsupportedArchitectureError
 from toolkit.layers.attention import PagedAttention
 from toolkit.layers.mamba2_mixer import Mamba2Mixer
 from toolkit.layers.mlp import get_activation
+from toolkit.layers.moe import DENSE_MAX_TOKENS, dense_routing
 from toolkit.layers.norms import RMSNorm
 from toolkit.models.base import CausalLM, DecoderBody, PreNormBlock
 
@@ -154,6 +155,12 @@ class NemotronHExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, D], weights fp32 [T, k], ids [T, k] -> [T, D] in x.dtype (summed in fp32)."""
         out = torch.zeros(x.shape, dtype=weights.dtype, device=x.device)
+        if x.shape[0] <= DENSE_MAX_TOKENS:           # static shapes, no host sync (layers/moe.py)
+            dense, routed = dense_routing(weights, ids, self.num_experts)
+            for e in range(self.num_experts):
+                y = F.linear(self.act_fn(F.linear(x, self.up_proj[e])), self.down_proj[e])
+                out += torch.where(routed[:, e, None], (y * dense[:, e, None]).to(out.dtype), 0)
+            return out.to(x.dtype)
         for e in torch.unique(ids).tolist():
             tok, slot = torch.where(ids == e)
             y = F.linear(self.act_fn(F.linear(x[tok], self.up_proj[e])), self.down_proj[e])

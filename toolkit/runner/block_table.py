@@ -63,7 +63,8 @@ class BlockTables:
         """int64 [G, num_tokens] view of the persistent slot-mapping buffer."""
         num_reqs = block_tables[0].shape[0] if block_tables else 0
         query_lens = (query_start_loc[1:num_reqs + 1] - query_start_loc[:num_reqs]).long()
-        token_rows = torch.repeat_interleave(torch.arange(num_reqs, device=positions.device), query_lens)
+        token_rows = torch.repeat_interleave(torch.arange(num_reqs, device=positions.device), query_lens,
+                                             output_size=num_tokens)    # known on the host: no sync
         for g, table in enumerate(block_tables):
             bs = self.block_sizes[g]
             block_ids = table[token_rows, positions // bs].long()

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -160,18 +161,19 @@ class ModelRunner:
         # a row whose chunk ends before its known tokens do (partial prefill) draws nothing
         draws = batch.num_computed_tokens_np + batch.num_scheduled_tokens >= batch.prefill_len_np
         sampled = self.sampler(logits, batch.idx_mapping_np, batch.seq_lens, draws)
-        self._post_update(batch, sampled)
+        sampled_np = sampled.cpu().numpy()      # the step's one device -> host copy (a sync)
+        self._post_update(batch, sampled, sampled_np)
         self.model_state.postprocess_state(batch, sampled)
-        out = dict(zip(batch.req_ids, sampled.tolist()))
+        out = dict(zip(batch.req_ids, sampled_np.tolist()))
         state.timings["sample"] = time.perf_counter() - start
         return out
 
-    def _post_update(self, batch: InputBatch, sampled: torch.Tensor) -> None:
+    def _post_update(self, batch: InputBatch, sampled: torch.Tensor, sampled_cpu: np.ndarray) -> None:
         """MRV2 `post_update`: remember each row's sample, advance num_computed_tokens, and append
-        the sample to the history of rows that consumed every known token (not partial prefills)."""
+        the sample to the history of rows that consumed every known token (not partial prefills).
+        `sampled_cpu`: the host copy of `sampled`."""
         rs = self.req_states
         rs.last_sampled_tokens[batch.idx_mapping] = sampled
-        sampled_cpu = sampled.cpu()
         for row, idx in enumerate(batch.idx_mapping_np):
             rs.num_computed_tokens[idx] += batch.num_scheduled_tokens[row]
             if rs.num_computed_tokens[idx] >= rs.total_len[idx]:

@@ -31,7 +31,7 @@ class DefaultModelState(ModelState):
     def attn_metadata_kwargs(self, input_batch: InputBatch, for_capture: bool) -> dict:
         """The batch-level arguments this state forwards to `build_attn_metadata`."""
         seq_lens_cpu_upper_bound = input_batch.seq_lens_cpu_upper_bound
-        max_seq_len = self.max_model_len if for_capture else int(seq_lens_cpu_upper_bound.max())
+        max_seq_len = self.max_model_len if for_capture else int(seq_lens_cpu_upper_bound.numpy().max())
         return dict(num_reqs=input_batch.num_reqs, num_tokens=input_batch.num_tokens,
                     query_start_loc_gpu=input_batch.query_start_loc,
                     query_start_loc_cpu=torch.from_numpy(input_batch.query_start_loc_np),

@@ -1,0 +1,213 @@
+"""A decode step synchronises host and device once: the copy of the sampled token ids to the host.
+
+On a GPU every host read of device data (`.item()`, `int(t)`, `bool(t)`, `.tolist()`, `.cpu()`) and
+every op whose output shape depends on the data (`nonzero`, boolean indexing, `unique`, ...) makes
+the host wait for the device, and none of them may sit inside a captured CUDA graph. This test runs
+on the CPU, so it records the ops that *would* synchronise on a GPU:
+
+- through a TorchDispatchMode: `_local_scalar_dense`/`item` (item/int/bool/float of a tensor,
+  `any()`/`all()` read on the host), `nonzero` (and `where(cond)`), `masked_select`,
+  `index`/`index_put(_)` with a boolean index, `repeat_interleave` without `output_size`,
+  `unique*`/`_unique2`, `equal`, `bincount`;
+- by wrapping the Tensor methods that read a tensor on the host without going through the
+  dispatcher on the CPU: `tolist()` and `cpu()` (and `.to("cpu")`).
+
+`.numpy()` is not counted: it raises on a CUDA tensor, so it only ever reads host tensors. That is
+the rule the code follows: host-side bookkeeping reads numpy arrays or `.numpy()` of the single host
+copy, never `.tolist()`/`.item()` of a tensor.
+"""
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from toolkit import LLM, SamplingParams
+from toolkit.models import PRESETS
+
+PRESET_NAMES = [p for p in PRESETS if not p.endswith("-shape")]
+aten = torch.ops.aten
+
+# Under torch.inference_mode (the runner's forward and sampler) a dispatch mode sees composite
+# ops themselves (aten.item, aten.where.default, repeat_interleave.self_Tensor), outside it their
+# decompositions (_local_scalar_dense, nonzero, repeat_interleave.Tensor): both are listed.
+_ALWAYS = {aten._local_scalar_dense, aten.item, aten.is_nonzero, aten.equal, aten.allclose,
+           aten.nonzero, aten.nonzero_numpy, aten.argwhere, aten.masked_select, aten.bincount,
+           aten._unique, aten._unique2, aten.unique_dim, aten.unique_consecutive,
+           aten.unique_dim_consecutive}
+_BOOL_INDEXED = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
+# the output's size is the sum of `repeats`: read on the host unless output_size is given
+_DATA_SIZED = {aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor}
+
+
+_REPO = Path(__file__).resolve().parents[1]
+_SOURCES = (_REPO / "toolkit", _REPO / "kernels")
+
+
+def _where() -> str:
+    """The innermost frame of the project's code (toolkit/, kernels/) on the current Python stack,
+    as file:line (function)."""
+    for frame in reversed(traceback.extract_stack()):
+        path = Path(frame.filename).resolve()
+        if any(path.is_relative_to(d) for d in _SOURCES):
+            return f"{path.relative_to(_REPO)}:{frame.lineno} ({frame.name})"
+    return "?"
+
+
+def _is_sync(func, args, kwargs) -> bool:
+    packet = func.overloadpacket
+    if packet in _ALWAYS or func is aten.where.default:     # where(cond) = nonzero
+        return True
+    if packet in _BOOL_INDEXED:
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices)
+    if func in _DATA_SIZED:
+        return kwargs.get("output_size") is None
+    return False
+
+
+class HostSyncRecorder(TorchDispatchMode):
+    """Records (op, location) of everything in a step that would synchronise host and device."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[tuple[str, str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_sync(func, args, kwargs):
+            self.events.append((str(func), _where()))
+        return func(*args, **kwargs)
+
+    def count_host_reads(self, monkeypatch) -> None:
+        """Tensor.tolist/.cpu/.to("cpu") do not dispatch anything on a CPU tensor: count the calls.
+        (`.to(device)` with a device object is not counted: that is how code moves host data to
+        the device; a copy to the host is written `.cpu()` or `.to("cpu")`.)"""
+        def wrap(name, counts):
+            original = getattr(torch.Tensor, name)
+
+            def wrapper(t, *a, **kw):
+                if counts(a, kw):
+                    self.events.append((f"Tensor.{name}", _where()))
+                return original(t, *a, **kw)
+            monkeypatch.setattr(torch.Tensor, name, wrapper)
+
+        def to_cpu(a, kw):
+            dev = kw.get("device", a[0] if a else None)
+            return isinstance(dev, str) and dev.startswith("cpu")
+        wrap("tolist", lambda a, kw: True)
+        wrap("cpu", lambda a, kw: True)
+        wrap("to", to_cpu)
+
+
+PARAMS = {
+    "greedy": [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)] * 3,
+    "sampled": [SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True),
+                SamplingParams(max_tokens=8, temperature=1.0, top_k=5, seed=2, ignore_eos=True),
+                SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, ignore_eos=True)],
+    "mixed": [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=1.0, top_k=5, top_p=0.8, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)],
+}
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """One warmed-up engine per (preset, cudagraph mode), shared by the parameter sets."""
+    made: dict[tuple[str, str], LLM] = {}
+
+    def get(preset: str, mode: str) -> LLM:
+        if (preset, mode) not in made:
+            made[preset, mode] = _engine(preset, mode)
+        return made[preset, mode]
+    yield get
+    for llm in made.values():
+        llm.shutdown()
+
+
+def _engine(preset: str, mode: str) -> LLM:
+    llm = LLM(preset, device="cpu", dtype="float32", backend="torch", inspect="off", max_num_seqs=4,
+              max_num_batched_tokens=64, max_model_len=128, cudagraph_mode=mode)
+    llm.warmup(progress=False)
+    return llm
+
+
+# "padded_eager": the batch of 3 decode rows runs padded to the capture size 4, as a CUDA graph
+# would replay it (a padded row on the null block / state slot, its KV slot PAD_SLOT_ID)
+@pytest.mark.parametrize("mode", ["none", "padded_eager"])
+@pytest.mark.parametrize("params", list(PARAMS))
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+def test_a_decode_step_syncs_once(engines, monkeypatch, preset, params, mode):
+    llm = engines(preset, mode)
+    for i, sp in enumerate(PARAMS[params]):
+        llm.add_request({"prompt_token_ids": list(range(3 + i, 3 + i + 5 + 4 * i))}, sp)
+    record = llm.step()                       # prefills every prompt (64 tokens fit them all)
+    assert all(r.is_prefill for r in record.scheduled) and len(record.scheduled) == 3
+    for step in range(2):                     # two decode steps
+        recorder = HostSyncRecorder()
+        with monkeypatch.context() as m:
+            recorder.count_host_reads(m)
+            with recorder:
+                record = llm.step()
+        assert len(record.scheduled) == 3 and all(r.runs_as_decode for r in record.scheduled)
+        assert record.padded_size == (4 if mode == "padded_eager" else None)
+        report = "\n".join(f"  {op:40s} at {where}" for op, where in recorder.events)
+        assert len(recorder.events) == 1, \
+            f"{preset} ({params}, {mode}) decode step {step}: {len(recorder.events)} host syncs, " \
+            f"want 1 (the copy of the sampled ids):\n{report}"
+        op, where = recorder.events[0]
+        assert op == "Tensor.cpu" and where.startswith("toolkit/runner/model_runner.py"), report
+    while llm.has_unfinished_requests():
+        llm.step()
+
+
+# ---- the sync-free replacements equal what they replace -------------------------------------------
+def test_padded_scatter_writes_real_rows_and_leaves_the_rest_bit_identical():
+    from toolkit.layers.attention import write_kv_cache
+    from toolkit.layers.causal_conv1d import write_states_at
+    g = torch.Generator().manual_seed(0)
+    # a real row on slot 0 among padded rows; a padded row first; every row padded; none padded
+    for idx in ([3, -1, 0, 5, -1], [-1, 2, -1], [-1, -1], [4]):
+        idx = torch.tensor(idx)
+        cache, new = torch.randn(6, 2, 3, generator=g), torch.randn(len(idx), 2, 3, generator=g)
+        want = cache.clone()
+        want[idx[idx >= 0]] = new[idx >= 0]
+        write_states_at(cache, idx, new)
+        assert torch.equal(cache, want), idx
+        kv, k, v = torch.randn(3, 2, 2, 1, 3, generator=g), new[:, :1].clone(), new[:, 1:2].clone()
+        want = kv.clone()
+        real = idx >= 0
+        want[idx[real] // 2, 0, idx[real] % 2] = k[real]
+        want[idx[real] // 2, 1, idx[real] % 2] = v[real]
+        write_kv_cache(kv, k, v, idx)
+        assert torch.equal(kv, want), idx
+
+
+@pytest.mark.parametrize("preset", ["tiny-jamba", "tiny-nemotron-h"])
+def test_moe_dense_path_equals_the_sparse_path(monkeypatch, preset):
+    """Few tokens run every expert (dense routing matrix, no sync); many tokens only the routed
+    ones (torch.unique). Same sum, up to the matmul's rounding on a different row count."""
+    from toolkit.layers import moe
+    from toolkit.models import nemotron_h
+    llm = LLM(preset, device="cpu", dtype="float32", backend="torch", inspect="off")
+    kinds = (moe.FusedExperts, nemotron_h.NemotronHExperts)
+    experts = [m for m in llm.model.modules() if isinstance(m, kinds)]
+    assert experts
+    g = torch.Generator().manual_seed(0)
+    for layer in experts:
+        e = layer.num_experts
+        dim = layer.down_proj.shape[1]
+        x = torch.randn(9, dim, generator=g)
+        ids = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(9)])
+        weights = torch.rand(9, 2, generator=g)
+        with torch.inference_mode():
+            dense = layer(x, weights, ids)
+            monkeypatch.setattr(moe, "DENSE_MAX_TOKENS", 0)
+            monkeypatch.setattr(nemotron_h, "DENSE_MAX_TOKENS", 0)
+            sparse = layer(x, weights, ids)
+            monkeypatch.undo()
+        torch.testing.assert_close(dense, sparse, atol=1e-5, rtol=1e-5)
+    llm.shutdown()
