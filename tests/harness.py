@@ -8,12 +8,16 @@ diverge, so comparison of that request stops at that step.
 from __future__ import annotations
 
 import os
+import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from toolkit import LLM, SamplingParams
+from toolkit.models import DEMO_MODELS, model_folder, save_hf_folder
+from toolkit.models import PRESETS as PRESET_CONFIGS
 
 # The device the parity tests run on: CPU by default; RUNNERSCOPE_TEST_DEVICE=cuda on a GPU machine.
 DEVICE = os.environ.get("RUNNERSCOPE_TEST_DEVICE", "cpu")
@@ -29,6 +33,17 @@ PRESETS = ["tiny-llama", "tiny-mamba2", "tiny-bamba", "tiny-mamba", "tiny-falcon
 # Hybrid configs with no attention layer at all (HF's cached generate crashes on them).
 NO_ATTENTION = {"tiny-jamba": dict(attn_layer_period=8, attn_layer_offset=5),
                 "tiny-lfm2": dict(layer_types=["conv"] * 4, full_attn_idxs=[])}
+
+# The runner-level parity workload (test_runner_parity and the model-zoo files): a single request,
+# and a batch that the limits force to be chunked, mixed and queued.
+MAX_TOKENS = 6
+BATCH_PROMPT_LENS = [1, 60, 17, 33, 5]     # 5 requests, 1..60 tokens
+BATCH_LIMITS = dict(max_num_seqs=3, max_num_batched_tokens=24)
+
+
+def prompts_of(lengths, vocab, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
 @dataclass
@@ -53,7 +68,30 @@ def run_by_hand(llm: LLM, prompts: list[list[int]], max_tokens: int) -> RunResul
 
 
 def load_hf(folder) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(DEVICE).eval()
+    """HF model (fp32, eval) whose `generate` ignores EOS, as every request compared with it does
+    (run_by_hand: ignore_eos=True). With an EOS id set, hf_greedy's min_new_tokens masks the EOS
+    logit, so where EOS is the greedy token (it is for hf-random-tiny-nemotron-h's 5-token prompt,
+    step 1) HF would pick the runner-up, and a plain `generate` would stop there."""
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(DEVICE).eval()
+    hf.generation_config.eos_token_id = None
+    return hf
+
+
+def save_model_pair(name: str, tmp_path_factory) -> tuple[str, Path]:
+    """(LLM model argument, HF folder with the same weights) for a runner-level parity model:
+    a trained demo model: its shipped folder; "hf-random-<preset>": an HF-initialised model
+    (seed 1234) saved to a fresh folder, which the LLM loads; a preset: its weights saved for HF."""
+    if name in DEMO_MODELS:
+        return name, model_folder(name)
+    folder = tmp_path_factory.mktemp(name)
+    if name.startswith("hf-random-"):
+        cfg = PRESET_CONFIGS[name.removeprefix("hf-random-")]()
+        torch.manual_seed(1234)
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+        return str(folder), folder
+    with LLM(name, **F32) as llm:
+        save_hf_folder(llm, folder)
+    return name, folder
 
 
 @torch.inference_mode()
@@ -95,3 +133,28 @@ def assert_matches_hf(hf, prompt: list[int], ours: list[int], our_logits: list[t
             assert gap <= TIE_ATOL, f"step {k}: token {tok} vs HF {ref_tok}, logit gap {gap:.2e}"
             break
     return worst
+
+
+def check_single_request_matches_hf(llm: LLM, hf) -> None:
+    """One 23-token request on `llm` reproduces HF (tokens with the tie rule, logits)."""
+    prompt = prompts_of([23], llm.vocab_size)[0]
+    res = run_by_hand(llm, [prompt], MAX_TOKENS)
+    rid = next(iter(res.tokens))
+    assert_matches_hf(hf, prompt, res.tokens[rid], res.logits[rid], MAX_TOKENS)
+
+
+def check_chunked_mixed_queued_batch_matches_hf(llm: LLM, hf) -> None:
+    """The BATCH_PROMPT_LENS batch on `llm` (opened with BATCH_LIMITS) is chunked, mixed and queued,
+    every request reproduces HF, and all KV blocks and state slots are free afterwards."""
+    prompts = prompts_of(BATCH_PROMPT_LENS, llm.vocab_size, seed=1)
+    res = run_by_hand(llm, prompts, MAX_TOKENS)
+    chunked = any(s.is_prefill and s.num_computed_before > 0       # a prompt's 2nd+ chunk
+                  for r in res.records for s in r.scheduled)
+    mixed = any(r.num_prefills and r.num_decodes for r in res.records)
+    queued = any(len(r.scheduled) < len(prompts) for r in res.records[:2])
+    assert chunked and mixed and queued, "the batch must exercise chunking, mixing and queueing"
+    for rid, prompt in zip(res.tokens, prompts):
+        assert_matches_hf(hf, prompt, res.tokens[rid], res.logits[rid], MAX_TOKENS)
+    stats = llm.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats["state_slots_free"] == stats["state_slots_total"]

@@ -12,8 +12,7 @@ import pytest
 
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
 
-from harness import F32, PRESETS, run_by_hand  # noqa: E402
-from test_runner_parity import BATCH_PROMPT_LENS, MAX_TOKENS, prompts_of  # noqa: E402
+from harness import BATCH_LIMITS, BATCH_PROMPT_LENS, F32, MAX_TOKENS, PRESETS, prompts_of, run_by_hand  # noqa: E402
 from toolkit import LLM, SamplingParams  # noqa: E402
 
 LOGITS_ATOL = 1e-4
@@ -45,9 +44,8 @@ def test_single_request_triton_equals_torch(model):
 
 @pytest.mark.parametrize("model", PRESETS + ZOO_II)
 def test_chunked_mixed_batch_triton_equals_torch(model):
-    limits = dict(max_num_seqs=3, max_num_batched_tokens=24)
-    ref = _run(model, "torch", BATCH_PROMPT_LENS, 1, **limits)
-    ours = _run(model, "triton", BATCH_PROMPT_LENS, 1, **limits)
+    ref = _run(model, "torch", BATCH_PROMPT_LENS, 1, **BATCH_LIMITS)
+    ours = _run(model, "triton", BATCH_PROMPT_LENS, 1, **BATCH_LIMITS)
     assert any(r.num_prefills and r.num_decodes for r in ours.records), "the batch must mix"
     _assert_same(ref, ours)
 

@@ -26,9 +26,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_q3n
 
-from harness import F32, assert_matches_hf, load_hf, run_by_hand
+from harness import (BATCH_LIMITS, F32, assert_matches_hf, check_chunked_mixed_queued_batch_matches_hf,
+                     check_single_request_matches_hf, load_hf, prompts_of, run_by_hand, save_model_pair)
 from model_helpers import ConfigVariantChecks, MixedRequest, ModelParitySuite, assert_close, random_prompt, run_steps
-from test_runner_parity import BATCH_PROMPT_LENS, MAX_TOKENS, prompts_of
 from toolkit import LLM, MetadataContractError, SamplingParams
 from toolkit.attention.common import CommonAttentionMetadata
 from toolkit.attention.gdn import GDN_CHUNK_SIZE, GDNAttentionMetadata, GDNMetadataBuilder, compute_gdn_chunk_metadata
@@ -294,15 +294,7 @@ class TestQwen3Next(ModelParitySuite, ConfigVariantChecks):
 @pytest.fixture(scope="module", params=[ARCH, f"hf-random-{ARCH}"])
 def model_pair(request, tmp_path_factory):
     """(LLM model argument, HF folder with the same weights)."""
-    name = request.param
-    folder = tmp_path_factory.mktemp(name)
-    if name.startswith("hf-random-"):
-        torch.manual_seed(1234)
-        AutoModelForCausalLM.from_config(PRESETS[ARCH]()).save_pretrained(folder)
-        return str(folder), folder
-    with LLM(name, **F32) as llm:
-        save_hf_folder(llm, folder)
-    return name, folder
+    return save_model_pair(request.param, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -312,25 +304,12 @@ def hf_model(model_pair):
 
 def test_single_request_matches_hf(model_pair, hf_model):
     with LLM(model_pair[0], **F32) as llm:
-        prompt = prompts_of([23], llm.vocab_size)[0]
-        res = run_by_hand(llm, [prompt], MAX_TOKENS)
-        rid = next(iter(res.tokens))
-        assert_matches_hf(hf_model, prompt, res.tokens[rid], res.logits[rid], MAX_TOKENS)
+        check_single_request_matches_hf(llm, hf_model)
 
 
 def test_batch_with_chunked_prefill_and_queueing_matches_hf(model_pair, hf_model):
-    with LLM(model_pair[0], **F32, max_num_seqs=3, max_num_batched_tokens=24) as llm:
-        prompts = prompts_of(BATCH_PROMPT_LENS, llm.vocab_size, seed=1)
-        res = run_by_hand(llm, prompts, MAX_TOKENS)
-        chunked = any(s.is_prefill and s.num_computed_before > 0 for r in res.records for s in r.scheduled)
-        mixed = any(r.num_prefills and r.num_decodes for r in res.records)
-        queued = any(len(r.scheduled) < len(prompts) for r in res.records[:2])
-        assert chunked and mixed and queued, "the batch must exercise chunking, mixing and queueing"
-        for rid, prompt in zip(res.tokens, prompts):
-            assert_matches_hf(hf_model, prompt, res.tokens[rid], res.logits[rid], MAX_TOKENS)
-        stats = llm.stats()
-        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-        assert stats["state_slots_free"] == stats["state_slots_total"]
+    with LLM(model_pair[0], **F32, **BATCH_LIMITS) as llm:
+        check_chunked_mixed_queued_batch_matches_hf(llm, hf_model)
 
 
 # ---- 5. routing, checkpoint layout, warmup contract ------------------------------------------------

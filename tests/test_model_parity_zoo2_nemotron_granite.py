@@ -13,11 +13,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GraniteMoeHybridConfig, NemotronHConfig
 
-from harness import F32, assert_matches_hf, load_hf, run_by_hand
+from harness import (BATCH_LIMITS, F32, check_chunked_mixed_queued_batch_matches_hf, check_single_request_matches_hf,
+                     load_hf, save_model_pair)
 from model_helpers import (ConfigVariantChecks, MixedRequest, ModelParitySuite, assert_close, random_prompt,
                            run_steps)
 from test_inspect_states import Workload, check_against_hf, run_workload
-from test_runner_parity import BATCH_PROMPT_LENS, MAX_TOKENS, prompts_of
 from toolkit import LLM
 from toolkit.layers.mamba2_mixer import Mamba2Mixer
 from toolkit.models import PRESETS, get_model_class, load_model, save_hf_folder
@@ -227,49 +227,25 @@ def test_bf16_checkpoint_loads_and_runs(arch, tmp_path):
 @pytest.fixture(scope="module", params=list(ARCHS) + [f"hf-random-{a}" for a in ARCHS])
 def model_pair(request, tmp_path_factory):
     """(LLM model argument, HF folder with the same weights)."""
-    name = request.param
-    folder = tmp_path_factory.mktemp(name)
-    if name.startswith("hf-random-"):
-        torch.manual_seed(1234)
-        AutoModelForCausalLM.from_config(PRESETS[name.removeprefix("hf-random-")]()).save_pretrained(folder)
-        return str(folder), folder
-    with LLM(name, **F32) as llm:
-        save_hf_folder(llm, folder)
-    return name, folder
+    return save_model_pair(request.param, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def hf_model(model_pair):
-    """HF model whose generate ignores EOS, as our requests do (ignore_eos=True): harness.hf_greedy
-    asks for min_new_tokens, which masks the EOS logit, so where EOS (id 2) is the greedy token (it
-    is for hf-random-tiny-nemotron-h's 5-token prompt, step 1) HF would pick the runner-up."""
-    hf = load_hf(model_pair[1])
-    hf.generation_config.eos_token_id = None
-    return hf
+    """HF model whose generate ignores EOS (harness.load_hf says why: hf-random-tiny-nemotron-h's
+    greedy token is EOS at step 1 of the 5-token prompt)."""
+    return load_hf(model_pair[1])
 
 
 def test_single_request_matches_hf(model_pair, hf_model):
     with LLM(model_pair[0], **F32) as llm:
         assert type(llm.model_runner.model_state) is MambaHybridModelState
-        prompt = prompts_of([23], llm.vocab_size)[0]
-        res = run_by_hand(llm, [prompt], MAX_TOKENS)
-        rid = next(iter(res.tokens))
-        assert_matches_hf(hf_model, prompt, res.tokens[rid], res.logits[rid], MAX_TOKENS)
+        check_single_request_matches_hf(llm, hf_model)
 
 
 def test_batch_with_chunked_prefill_and_queueing_matches_hf(model_pair, hf_model):
-    with LLM(model_pair[0], **F32, max_num_seqs=3, max_num_batched_tokens=24) as llm:
-        prompts = prompts_of(BATCH_PROMPT_LENS, llm.vocab_size, seed=1)
-        res = run_by_hand(llm, prompts, MAX_TOKENS)
-        chunked = any(s.is_prefill and s.num_computed_before > 0 for r in res.records for s in r.scheduled)
-        mixed = any(r.num_prefills and r.num_decodes for r in res.records)
-        queued = any(len(r.scheduled) < len(prompts) for r in res.records[:2])
-        assert chunked and mixed and queued, "the batch must exercise chunking, mixing and queueing"
-        for rid, prompt in zip(res.tokens, prompts):
-            assert_matches_hf(hf_model, prompt, res.tokens[rid], res.logits[rid], MAX_TOKENS)
-        stats = llm.stats()
-        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-        assert stats["state_slots_free"] == stats["state_slots_total"]
+    with LLM(model_pair[0], **F32, **BATCH_LIMITS) as llm:
+        check_chunked_mixed_queued_batch_matches_hf(llm, hf_model)
 
 
 # ---- inspect="full" records the Mamba2 states ----------------------------------------------------

@@ -24,10 +24,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from harness import F32, assert_matches_hf, hf_logits as hf_logits_uncached, load_hf, run_by_hand
+from harness import (BATCH_LIMITS, BATCH_PROMPT_LENS, F32, check_chunked_mixed_queued_batch_matches_hf,
+                     check_single_request_matches_hf, hf_logits as hf_logits_uncached, load_hf, prompts_of,
+                     run_by_hand, save_model_pair)
 from model_helpers import ConfigVariantChecks, MixedRequest, ModelParitySuite, random_prompt, run_steps
 from test_inspect_states import check_against_hf, check_continuity, run_workload
-from test_runner_parity import BATCH_PROMPT_LENS, MAX_TOKENS, prompts_of
 from toolkit import LLM
 from toolkit.config import RunnerConfig
 from toolkit.layers.mamba2_mixer import Mamba2Mixer, RMSNormThenGate
@@ -254,42 +255,24 @@ def test_bf16_checkpoint_loads_and_runs(arch, tmp_path):
 
 @pytest.fixture(scope="module", params=list(ARCHS) + [f"hf-random-{a}" for a in ARCHS])
 def model_pair(request, tmp_path_factory):
-    """(LLM model argument, HF model with the same weights): the preset saved for HF, or an
+    """(LLM model argument, HF folder with the same weights): the preset saved for HF, or an
     HF-initialised random model (seed 1234) loaded by the LLM from its folder."""
-    name = request.param
-    folder = tmp_path_factory.mktemp(name)
-    if name.startswith("hf-random-"):
-        torch.manual_seed(1234)
-        AutoModelForCausalLM.from_config(PRESETS[name.removeprefix("hf-random-")]()).save_pretrained(folder)
-        return str(folder), load_hf(folder)
-    with LLM(name, **F32) as llm:
-        save_hf_folder(llm, folder)
-    return name, load_hf(folder)
+    return save_model_pair(request.param, tmp_path_factory)
 
 
-def test_single_request_matches_hf(model_pair):
-    model, hf = model_pair
-    with LLM(model, **F32) as llm:
-        prompt = prompts_of([23], llm.vocab_size)[0]
-        res = run_by_hand(llm, [prompt], MAX_TOKENS)
-        rid = next(iter(res.tokens))
-        assert_matches_hf(hf, prompt, res.tokens[rid], res.logits[rid], MAX_TOKENS)
+@pytest.fixture(scope="module")
+def hf_model(model_pair):
+    return load_hf(model_pair[1])
 
 
-def test_batch_with_chunked_prefill_and_queueing_matches_hf(model_pair):
-    model, hf = model_pair
-    with LLM(model, **F32, max_num_seqs=3, max_num_batched_tokens=24) as llm:
-        prompts = prompts_of(BATCH_PROMPT_LENS, llm.vocab_size, seed=1)
-        res = run_by_hand(llm, prompts, MAX_TOKENS)
-        chunked = any(s.is_prefill and s.num_computed_before > 0 for r in res.records for s in r.scheduled)
-        mixed = any(r.num_prefills and r.num_decodes for r in res.records)
-        queued = any(len(r.scheduled) < len(prompts) for r in res.records[:2])
-        assert chunked and mixed and queued, "the batch must exercise chunking, mixing and queueing"
-        for rid, prompt in zip(res.tokens, prompts):
-            assert_matches_hf(hf, prompt, res.tokens[rid], res.logits[rid], MAX_TOKENS)
-        stats = llm.stats()
-        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-        assert stats["state_slots_free"] == stats["state_slots_total"]
+def test_single_request_matches_hf(model_pair, hf_model):
+    with LLM(model_pair[0], **F32) as llm:
+        check_single_request_matches_hf(llm, hf_model)
+
+
+def test_batch_with_chunked_prefill_and_queueing_matches_hf(model_pair, hf_model):
+    with LLM(model_pair[0], **F32, **BATCH_LIMITS) as llm:
+        check_chunked_mixed_queued_batch_matches_hf(llm, hf_model)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -299,9 +282,8 @@ def test_triton_backend_equals_torch(arch):
     pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows")
     from test_backend_triton import _assert_same, _run
     _assert_same(_run(arch, "torch", [23], 0), _run(arch, "triton", [23], 0))
-    limits = dict(max_num_seqs=3, max_num_batched_tokens=24)
-    _assert_same(_run(arch, "torch", BATCH_PROMPT_LENS, 1, **limits),
-                 _run(arch, "triton", BATCH_PROMPT_LENS, 1, **limits))
+    _assert_same(_run(arch, "torch", BATCH_PROMPT_LENS, 1, **BATCH_LIMITS),
+                 _run(arch, "triton", BATCH_PROMPT_LENS, 1, **BATCH_LIMITS))
 
 
 @torch.inference_mode()

@@ -2,41 +2,18 @@
 with chunked prefill and queueing, for every preset and for HF-initialised random models."""
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
-from harness import F32, PRESETS, assert_matches_hf, load_hf, run_by_hand
+from harness import (BATCH_LIMITS, F32, MAX_TOKENS, PRESETS, check_chunked_mixed_queued_batch_matches_hf,
+                     check_single_request_matches_hf, load_hf, prompts_of, run_by_hand, save_model_pair)
 from toolkit import LLM, SamplingParams
-from toolkit.models import PRESETS as PRESET_CONFIGS
-from toolkit.models import DEMO_MODELS, model_folder, save_hf_folder
-
-MAX_TOKENS = 6
-BATCH_PROMPT_LENS = [1, 60, 17, 33, 5]     # 5 requests, 1..60 tokens
-
-
-def prompts_of(lengths, vocab, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+from toolkit.models import DEMO_MODELS
 
 
 @pytest.fixture(scope="module", params=PRESETS + [f"hf-random-{p}" for p in PRESETS] + list(DEMO_MODELS))
 def model_pair(request, tmp_path_factory):
     """(LLM model argument, HF folder with the same weights)."""
-    name = request.param
-    if name in DEMO_MODELS:                  # the trained demo models: their shipped folder
-        return name, model_folder(name)
-    folder = tmp_path_factory.mktemp(name)
-    if name.startswith("hf-random-"):
-        cfg = PRESET_CONFIGS[name.removeprefix("hf-random-")]()
-        torch.manual_seed(1234)
-        AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
-        return str(folder), folder
-    with LLM(name, **F32) as llm:
-        save_hf_folder(llm, folder)
-    return name, folder
+    return save_model_pair(request.param, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -46,27 +23,12 @@ def hf_model(model_pair):
 
 def test_single_request_matches_hf(model_pair, hf_model):
     with LLM(model_pair[0], **F32) as llm:
-        prompt = prompts_of([23], llm.vocab_size)[0]
-        res = run_by_hand(llm, [prompt], MAX_TOKENS)
-        rid = next(iter(res.tokens))
-        assert_matches_hf(hf_model, prompt, res.tokens[rid], res.logits[rid], MAX_TOKENS)
+        check_single_request_matches_hf(llm, hf_model)
 
 
 def test_batch_with_chunked_prefill_and_queueing_matches_hf(model_pair, hf_model):
-    with LLM(model_pair[0], **F32, max_num_seqs=3,
-             max_num_batched_tokens=24) as llm:
-        prompts = prompts_of(BATCH_PROMPT_LENS, llm.vocab_size, seed=1)
-        res = run_by_hand(llm, prompts, MAX_TOKENS)
-        chunked = any(s.is_prefill and s.num_computed_before > 0       # a prompt's 2nd+ chunk
-                      for r in res.records for s in r.scheduled)
-        mixed = any(r.num_prefills and r.num_decodes for r in res.records)
-        queued = any(len(r.scheduled) < len(prompts) for r in res.records[:2])
-        assert chunked and mixed and queued, "the batch must exercise chunking, mixing and queueing"
-        for rid, prompt in zip(res.tokens, prompts):
-            assert_matches_hf(hf_model, prompt, res.tokens[rid], res.logits[rid], MAX_TOKENS)
-        stats = llm.stats()
-        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-        assert stats["state_slots_free"] == stats["state_slots_total"]
+    with LLM(model_pair[0], **F32, **BATCH_LIMITS) as llm:
+        check_chunked_mixed_queued_batch_matches_hf(llm, hf_model)
 
 
 @pytest.mark.parametrize("preset", PRESETS)

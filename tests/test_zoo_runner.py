@@ -6,8 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from harness import F32, NO_ATTENTION, PRESETS, assert_matches_hf, load_hf, run_by_hand
-from test_runner_parity import prompts_of
+from harness import F32, NO_ATTENTION, PRESETS, assert_matches_hf, load_hf, prompts_of, run_by_hand
 from toolkit import LLM, MetadataContractError
 from toolkit.config import RunnerConfig
 from toolkit.models import PRESETS as PRESET_CONFIGS

@@ -93,9 +93,14 @@ def object_bytes(obj, _seen: set[int] | None = None) -> int:
 
 
 def graph_bytes(manager) -> int:
-    """Tensors a CUDA-graph manager keeps alive (its `held_tensors()`), 0 when there is none."""
+    """What a CUDA-graph manager keeps alive: the CUDA memory its capture took (graph pool and
+    static outputs, `report.graph_bytes`) once graphs are captured, else the tensors it holds
+    (`held_tensors()`); 0 when there is none."""
     if manager is None:
         return 0
+    report = getattr(manager, "report", None)
+    if report is not None and getattr(manager, "captured", False):
+        return int(report.graph_bytes)
     return sum(_nbytes(t) for t in getattr(manager, "held_tensors", lambda: [])())
 
 

@@ -216,13 +216,19 @@ class PagedAttention(nn.Module):
             k = getattr(self, self._qk_norm_names[1])(k)
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
-        if attn_metadata is None:
-            out = torch.zeros_like(q)
-        else:
-            md = attn_metadata[self.layer_name]
-            if self.kv_cache is None:
-                raise RuntimeError(f"{self.layer_name}: no KV cache bound (call bind_kv_cache first)")
-            n = min(int(md.num_actual_tokens), t)
-            self.ops.write_kv_cache(self.kv_cache, k[:n], v[:n], md.slot_mapping[:n])
-            out = self.ops.paged_attention(q, self.kv_cache, md, self.scale)
+        out = self.attend(q, k, v, attn_metadata)
         return self.output_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attn_metadata: dict[str, object] | None) -> torch.Tensor:
+        """The attention core: q [T, Hq, D], k, v [T, Hkv, D] (after norms and RoPE) -> [T, Hq, D].
+        Writes this step's K/V into the paged cache, then attends over it (`self.ops`); zeros in a
+        profile run (attn_metadata None) and for padding tokens."""
+        if attn_metadata is None:
+            return torch.zeros_like(q)
+        md = attn_metadata[self.layer_name]
+        if self.kv_cache is None:
+            raise RuntimeError(f"{self.layer_name}: no KV cache bound (call bind_kv_cache first)")
+        n = min(int(md.num_actual_tokens), q.shape[0])
+        self.ops.write_kv_cache(self.kv_cache, k[:n], v[:n], md.slot_mapping[:n])
+        return self.ops.paged_attention(q, self.kv_cache, md, self.scale)

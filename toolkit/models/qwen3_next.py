@@ -102,15 +102,7 @@ class GatedPagedAttention(PagedAttention):
         v = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
-        if attn_metadata is None:
-            out = torch.zeros_like(q)
-        else:
-            md = attn_metadata[self.layer_name]
-            if self.kv_cache is None:
-                raise RuntimeError(f"{self.layer_name}: no KV cache bound (call bind_kv_cache first)")
-            n = min(int(md.num_actual_tokens), t)
-            self.ops.write_kv_cache(self.kv_cache, k[:n], v[:n], md.slot_mapping[:n])
-            out = self.ops.paged_attention(q, self.kv_cache, md, self.scale)
+        out = self.attend(q, k, v, attn_metadata)
         out = out.reshape(t, self.num_heads * self.head_dim) * torch.sigmoid(gate.reshape(t, -1))
         return self.output_proj(out)
 
