@@ -14,7 +14,7 @@ K key head dim, V value head dim, Dc = conv_dim = 2*Hk*K + Hv*V, S sequences, C 
         o_t = S q_t
     out      = out_proj(rmsnorm(o) * silu(z))                 (per value head, norm before gate)
 
-State per request slot (vLLM's layout, see shared/design/mrv2-reference.md c.3):
+State per request slot (vLLM's layout: `gated_delta_net_state_shape` in vLLM's mamba_utils):
     conv_state [K_conv-1, Dc] in the model dtype ("SD": the K_conv-1 conv inputs before the next token)
     ssm_state  [Hv, V, K] fp32: S above, vLLM's `(num_v_heads, head_v_dim, head_k_dim)` ("K-last").
 HF keeps the transpose, [batch, Hv, K, V], so ours == hf[0].transpose(-1, -2).
