@@ -287,9 +287,19 @@ class ModelParitySuite:
     ARCHS: ClassVar[tuple[str, ...]]
     # requests of test_mixed_decode_prefill_batch, and its steps: rows (request, start, query_len
     # [, is_decode]), decode rows first; each row's logits must match its request's HF logits
-    MIXED_REQUESTS: ClassVar[dict[str, MixedRequest]]
-    MIXED_STEPS: ClassVar[list[list[tuple]]]
-    PROFILE_PROMPT_SEED: ClassVar[int]
+    # (default: four requests over three steps, two of them decoding in step 2)
+    MIXED_REQUESTS: ClassVar[dict[str, MixedRequest]] = {
+        "A": MixedRequest(2, 21, 2, blocks=[5, 9], slot=3),   # 21-token prompt, then decodes
+        "B": MixedRequest(3, 30, 0, blocks=[1, 6], slot=1),   # prefilled in two chunks (20 | 10)
+        "C": MixedRequest(4, 5, 0, blocks=[8], slot=4),       # short prompt prefilled while A and B run
+        "D": MixedRequest(5, 9, 1, blocks=[10], slot=5),      # a second decode row in step 2
+    }
+    MIXED_STEPS: ClassVar[list[list[tuple]]] = [
+        [("A", 0, 21), ("B", 0, 20), ("D", 0, 9)],                 # three prefills
+        [("A", 21, 1), ("D", 9, 1), ("B", 20, 10), ("C", 0, 5)],   # A and D decode, B continues, C starts
+        [("A", 22, 1)],                                            # A decodes alone
+    ]
+    PROFILE_PROMPT_SEED: ClassVar[int] = 6
     HF_POSITION_IDS: ClassVar[bool] = False   # pass explicit position_ids to HF's forward
 
     def pytest_generate_tests(self, metafunc):

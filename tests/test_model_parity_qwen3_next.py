@@ -28,7 +28,7 @@ from transformers.models.qwen3_next import modeling_qwen3_next as hf_q3n
 
 from harness import (BATCH_LIMITS, F32, assert_matches_hf, check_chunked_mixed_queued_batch_matches_hf,
                      check_single_request_matches_hf, load_hf, prompts_of, run_by_hand, save_model_pair)
-from model_helpers import ConfigVariantChecks, MixedRequest, ModelParitySuite, assert_close, random_prompt, run_steps
+from model_helpers import ConfigVariantChecks, ModelParitySuite, assert_close, random_prompt, run_steps
 from toolkit import LLM, MetadataContractError, SamplingParams
 from toolkit.attention.common import CommonAttentionMetadata
 from toolkit.attention.gdn import GDN_CHUNK_SIZE, GDNAttentionMetadata, GDNMetadataBuilder, compute_gdn_chunk_metadata
@@ -239,18 +239,6 @@ def _variant_no_gva_full_rope():
 
 class TestQwen3Next(ModelParitySuite, ConfigVariantChecks):
     ARCHS = (ARCH,)
-    MIXED_REQUESTS = {
-        "A": MixedRequest(2, 21, 2, blocks=[5, 9], slot=3),   # 21-token prompt, then decodes
-        "B": MixedRequest(3, 30, 0, blocks=[1, 6], slot=1),   # prefilled in two chunks (20 | 10)
-        "C": MixedRequest(4, 5, 0, blocks=[8], slot=4),       # short prompt prefilled while A and B run
-        "D": MixedRequest(5, 9, 1, blocks=[10], slot=5),      # a second decode row in step 2
-    }
-    MIXED_STEPS = [
-        [("A", 0, 21), ("B", 0, 20), ("D", 0, 9)],                 # three prefills
-        [("A", 21, 1), ("D", 9, 1), ("B", 20, 10), ("C", 0, 5)],   # A and D decode, B continues, C starts
-        [("A", 22, 1)],                                            # A decodes alone
-    ]
-    PROFILE_PROMPT_SEED = 6
     VARIANTS = {"dense-layers-plain-topk": _variant_dense_layers_plain_topk,
                 "no-gva-full-rope": _variant_no_gva_full_rope}
     VARIANT_PROMPT_SEED = 7

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from model_helpers import ConfigVariantChecks, MixedRequest, ModelParitySuite, random_prompt, run_steps
+from model_helpers import ConfigVariantChecks, ModelParitySuite, random_prompt, run_steps
 from toolkit.layers.moe import merge_expert_checkpoint_tensors, split_expert_state_tensors
 from toolkit.models import PRESETS, get_model_class, load_model, save_hf_folder
 from toolkit.models.falcon_mamba import FalconMambaForCausalLM
@@ -52,18 +52,6 @@ def _jamba_without_attention():
 
 class TestMambaFalconMambaJamba(ModelParitySuite, ConfigVariantChecks):
     ARCHS = ARCHS
-    MIXED_REQUESTS = {
-        "A": MixedRequest(2, 21, 2, blocks=[5, 9], slot=3),   # 21-token prompt, then decodes
-        "B": MixedRequest(3, 30, 0, blocks=[1, 6], slot=1),   # prefilled in two chunks (20 | 10)
-        "C": MixedRequest(4, 5, 0, blocks=[8], slot=4),       # short prompt prefilled while A and B run
-        "D": MixedRequest(5, 9, 1, blocks=[10], slot=5),      # a second decode row in step 2
-    }
-    MIXED_STEPS = [
-        [("A", 0, 21), ("B", 0, 20), ("D", 0, 9)],                 # three prefills
-        [("A", 21, 1), ("D", 9, 1), ("B", 20, 10), ("C", 0, 5)],   # A and D decode, B continues, C starts
-        [("A", 22, 1)],                                            # A decodes alone
-    ]
-    PROFILE_PROMPT_SEED = 6
     # biases on/off, residual in model dtype, tie flipped, mixer eps, other layer layouts, top-3,
     # and a Jamba with no attention layer. HF references always come from full forwards with
     # use_cache=False (HF's cached path for an attention-less Jamba is not used here).

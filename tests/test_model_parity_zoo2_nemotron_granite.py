@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, GraniteMoeHybridConfig, NemotronH
 
 from harness import (BATCH_LIMITS, F32, check_chunked_mixed_queued_batch_matches_hf, check_single_request_matches_hf,
                      load_hf, save_model_pair)
-from model_helpers import (ConfigVariantChecks, MixedRequest, ModelParitySuite, assert_close, random_prompt,
+from model_helpers import (ConfigVariantChecks, ModelParitySuite, assert_close, random_prompt,
                            run_steps)
 from test_inspect_states import Workload, check_against_hf, run_workload
 from toolkit import LLM
@@ -69,18 +69,6 @@ def _granite_dense() -> GraniteMoeHybridConfig:
 
 class TestNemotronHGraniteHybrid(ModelParitySuite, ConfigVariantChecks):
     ARCHS = ARCHS
-    MIXED_REQUESTS = {
-        "A": MixedRequest(2, 21, 2, blocks=[5, 9], slot=3),   # 21-token prompt, then decodes
-        "B": MixedRequest(3, 30, 0, blocks=[1, 6], slot=1),   # prefilled in two chunks (20 | 10)
-        "C": MixedRequest(4, 5, 0, blocks=[8], slot=4),       # short prompt prefilled while A and B run
-        "D": MixedRequest(5, 9, 1, blocks=[10], slot=5),      # a second decode row in step 2
-    }
-    MIXED_STEPS = [
-        [("A", 0, 21), ("B", 0, 20), ("D", 0, 9)],                 # three prefills
-        [("A", 21, 1), ("D", 9, 1), ("B", 20, 10), ("C", 0, 5)],   # A and D decode, B continues, C starts
-        [("A", 22, 1)],                                            # A decodes alone
-    ]
-    PROFILE_PROMPT_SEED = 6
     # HF-initialised with N(0, 0.1) biases; references are full forwards without cache
     VARIANTS = {"nemotron-h": _nemotron_h_variant, "granite-nope": _granite_variant,
                 "granite-dense": _granite_dense}

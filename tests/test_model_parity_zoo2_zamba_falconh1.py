@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 from harness import (BATCH_LIMITS, BATCH_PROMPT_LENS, F32, check_chunked_mixed_queued_batch_matches_hf,
                      check_single_request_matches_hf, hf_logits as hf_logits_uncached, load_hf, prompts_of,
                      run_by_hand, save_model_pair)
-from model_helpers import ConfigVariantChecks, MixedRequest, ModelParitySuite, random_prompt, run_steps
+from model_helpers import ConfigVariantChecks, ModelParitySuite, random_prompt, run_steps
 from test_inspect_states import check_against_hf, check_continuity, run_workload
 from toolkit import LLM
 from toolkit.config import RunnerConfig
@@ -83,18 +83,6 @@ def _mixers(model) -> list[Mamba2Mixer]:
 
 class TestZamba2FalconH1(ModelParitySuite, ConfigVariantChecks):
     ARCHS = ARCHS
-    MIXED_REQUESTS = {
-        "A": MixedRequest(2, 21, 2, blocks=[5, 9], slot=3),   # 21-token prompt, then decodes
-        "B": MixedRequest(3, 30, 0, blocks=[1, 6], slot=1),   # prefilled in two chunks (20 | 10)
-        "C": MixedRequest(4, 5, 0, blocks=[8], slot=4),       # short prompt prefilled while A and B run
-        "D": MixedRequest(5, 9, 1, blocks=[10], slot=5),      # a second decode row in step 2
-    }
-    MIXED_STEPS = [
-        [("A", 0, 21), ("B", 0, 20), ("D", 0, 9)],                 # three prefills
-        [("A", 21, 1), ("D", 9, 1), ("B", 20, 10), ("C", 0, 5)],   # A and D decode, B continues, C starts
-        [("A", 22, 1)],                                            # A decodes alone
-    ]
-    PROFILE_PROMPT_SEED = 6
     VARIANTS = VARIANTS
     VARIANT_PROMPT_SEED = 7
 
