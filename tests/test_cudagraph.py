@@ -184,3 +184,47 @@ def test_checks_catch_a_padded_row_on_a_real_slot(monkeypatch):
         with pytest.raises(InvariantError, match="padded_rows_on_null") as err:
             llm.generate([{"prompt_token_ids": [3, 4, 5 + i]} for i in range(3)], GREEDY)
     assert "padded rows 3..3" in str(err.value)
+
+
+# ---- graph replay, emulated on the CPU ------------------------------------------------------------
+class ClosureGraphs(CudaGraphManager):
+    """A stand-in for CUDA-graph capture: "capture" keeps the forward closure built from the dummy
+    batch's metadata at warmup, "replay" calls it again. Like a real graph, a replay then sees only
+    what the step wrote into the persistent buffers (input ids, positions, query_start_loc, seq_lens,
+    block tables, slot mappings) and nothing of the step's own metadata objects. A forward that read
+    anything else (a per-step tensor, a host value) would give wrong outputs here, as a graph would."""
+
+    def capture(self, prepare_dummy, progress=False):
+        from toolkit.runner.cudagraph import CaptureReport
+        for size in self.sizes:
+            self.graphs[size] = prepare_dummy(size)
+        self.report = CaptureReport(list(self.sizes))
+        return self.report
+
+    def replay(self, size):
+        return self.graphs[size]()
+
+
+@pytest.mark.parametrize("model", ["tiny-bamba", "tiny-jamba", "tiny-mamba", "tiny-lfm2", "tiny-qwen3-next",
+                                   "tiny-falcon-h1", "tiny-zamba2"])
+def test_replaying_the_warmup_forward_equals_eager(model, monkeypatch):
+    """With the Triton ops (which read only device tensors), replaying the forward captured at
+    warmup gives the eager run's tokens and logits: what a CUDA graph's replay relies on."""
+    import toolkit.llm
+    import toolkit.runner.model_runner as model_runner
+    monkeypatch.setattr(toolkit.llm, "resolve_cudagraph_mode", lambda *a: "full_decode")
+    monkeypatch.setattr(model_runner, "CudaGraphManager", ClosureGraphs)
+    small = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64)
+    with LLM(model, **F32, backend="triton", **small) as llm:
+        llm.warmup(progress=False)
+        assert llm.cudagraph_report.sizes == [1, 2, 4, 8]
+        replayed = _collect(llm)
+    monkeypatch.undo()
+    with LLM(model, **F32, backend="triton", **small, enforce_eager=True) as llm:
+        eager = _collect(llm)
+    assert replayed[0] == eager[0]
+    steps = [r for r in replayed[1] if r.stage == "generate"]
+    assert any(r.graph == "graph" and r.padded_size == 8 for r in steps)
+    for a, b in zip(steps, [r for r in eager[1] if r.stage == "generate"]):
+        assert a.request_ids == b.request_ids
+        assert (a.logits - b.logits).abs().max().item() <= 1e-5
