@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from toolkit.kernels.launcher_checks import check_chunk_layout, check_index
+
 from toolkit.layers.gdn import L2NORM_EPS
 from toolkit.layers.gdn import gdn_update_at_slots as reference  # noqa: F401  (torch reference)
 from toolkit.layers.gdn import gdn_prefill_at_slots as prefill_reference  # noqa: F401  (torch reference)
@@ -120,15 +122,6 @@ def _gdn_prefill_kernel(state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr,
     tl.store(tile, s, mask=(vv < v_write)[:, None] & mk2)
 
 
-_INT = (torch.int32, torch.int64)
-
-
-def _check_index(name: str, t: torch.Tensor, n: int | None, what: str, dtypes=_INT) -> None:
-    if t.dim() != 1 or (n is not None and t.shape[0] != n) or t.dtype not in dtypes:
-        want = "/".join(str(d).replace("torch.", "") for d in dtypes)
-        raise ValueError(f"{name} must be {want} [{what}], got {t.dtype} {tuple(t.shape)}")
-
-
 def _check_common(ssm_state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   g: torch.Tensor, beta: torch.Tensor, rows: str) -> tuple[int, int, int, int, int, int]:
     """Shapes, dtypes and last-dim strides shared by both launchers -> (n, Hk, Hv, K, V, Hv // Hk)."""
@@ -177,7 +170,7 @@ def gdn_update(ssm_state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     """Launcher (decode, one token per row): checks shapes, dtypes, devices and strides; updates
     `ssm_state` in place at state_indices; returns y fp32 [B, Hv, V] (padded rows 0)."""
     b, _, hv, kd, vd, r = _check_common(ssm_state, q, k, v, g, beta, "B")
-    _check_index("state_indices", state_indices, b, f"B={b}")
+    check_index("state_indices", state_indices, b, f"B={b}")
     _check_devices(v.device, ssm_state=ssm_state, q=q, k=k, g=g, beta=beta, state_indices=state_indices)
     y = torch.empty(b, hv, vd, dtype=torch.float32, device=v.device)
     if b == 0:
@@ -204,17 +197,8 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     tensor data without a host sync): tokens no sequence covers leave rows of y unwritten.
     """
     t, _, hv, kd, vd, r = _check_common(ssm_state, q, k, v, g, beta, "T")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive python int, got {chunk_size!r}")
-    if cu_chunk_seqlens.dim() != 1 or cu_chunk_seqlens.shape[0] < 1:
-        raise ValueError(f"cu_chunk_seqlens must be int32/int64 [NC+1], got {tuple(cu_chunk_seqlens.shape)}")
-    nc = cu_chunk_seqlens.shape[0] - 1
-    _check_index("cu_chunk_seqlens", cu_chunk_seqlens, nc + 1, "NC+1")
-    _check_index("seq_idx", seq_idx, nc, f"NC={nc}")
-    _check_index("last_chunk_indices", last_chunk_indices, None, "R")
-    rows = last_chunk_indices.shape[0]
-    _check_index("state_indices", state_indices, rows, f"R={rows}")
-    _check_index("has_initial_state", has_initial_state, rows, f"R={rows}", (torch.bool, *_INT))
+    nc, rows = check_chunk_layout(chunk_size, cu_chunk_seqlens, seq_idx, last_chunk_indices, state_indices,
+                                  has_initial_state)
     _check_devices(v.device, ssm_state=ssm_state, q=q, k=k, g=g, beta=beta, cu_chunk_seqlens=cu_chunk_seqlens,
                    seq_idx=seq_idx, last_chunk_indices=last_chunk_indices, state_indices=state_indices,
                    has_initial_state=has_initial_state)

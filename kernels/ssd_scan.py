@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from toolkit.kernels.launcher_checks import check_chunk_layout
+
 from toolkit.layers.mamba2_mixer import ssd_scan_at_slots as reference  # noqa: F401  (torch reference)
 
 
@@ -170,15 +172,6 @@ def _chunk_scan_kernel(x_ptr, dt_ptr, b_ptr, c_ptr, d_ptr, cu_ptr, cum_ptr, st_p
     tl.store(y_ptr + tok_l[:, None] * y_t + h * y_h + p[None, :], acc, mask=m2)
 
 
-_INT = (torch.int32, torch.int64)
-
-
-def _check_index(name: str, t: torch.Tensor, n: int | None, what: str, dtypes=_INT) -> None:
-    if t.dim() != 1 or (n is not None and t.shape[0] != n) or t.dtype not in dtypes:
-        want = "/".join(str(d).replace("torch.", "") for d in dtypes)
-        raise ValueError(f"{name} must be {want} [{what}], got {t.dtype} {tuple(t.shape)}")
-
-
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
              D: torch.Tensor | None, cu_chunk_seqlens: torch.Tensor, seq_idx: torch.Tensor,
              last_chunk_indices: torch.Tensor, chunk_size: int, ssm_state: torch.Tensor,
@@ -208,17 +201,8 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
         raise ValueError(f"H={heads} is not a multiple of the {groups} groups of B and C")
     if not x.is_floating_point() or not B.is_floating_point() or not C.is_floating_point():
         raise ValueError(f"x, B and C must be floating point, got {x.dtype}, {B.dtype}, {C.dtype}")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive python int, got {chunk_size!r}")
-    if cu_chunk_seqlens.dim() != 1 or cu_chunk_seqlens.shape[0] < 1:
-        raise ValueError(f"cu_chunk_seqlens must be int32/int64 [NC+1], got {tuple(cu_chunk_seqlens.shape)}")
-    nc = cu_chunk_seqlens.shape[0] - 1
-    _check_index("cu_chunk_seqlens", cu_chunk_seqlens, nc + 1, "NC+1")
-    _check_index("seq_idx", seq_idx, nc, f"NC={nc}")
-    _check_index("last_chunk_indices", last_chunk_indices, None, "R")
-    rows = last_chunk_indices.shape[0]
-    _check_index("state_indices", state_indices, rows, f"R={rows}")
-    _check_index("has_initial_state", has_initial_state, rows, f"R={rows}", (torch.bool, *_INT))
+    nc, rows = check_chunk_layout(chunk_size, cu_chunk_seqlens, seq_idx, last_chunk_indices, state_indices,
+                                  has_initial_state)
     for name, v in (("x", x), ("B", B), ("C", C), ("ssm_state", ssm_state)):
         if v.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension, strides {v.stride()}")

@@ -1,0 +1,34 @@
+"""Argument checks the kernel launchers share: each raises ValueError naming the argument, what it
+must be and what it is. They read shapes, dtypes and strides only, never tensor data (that would
+synchronise host and device)."""
+from __future__ import annotations
+
+import torch
+
+INT_DTYPES = (torch.int32, torch.int64)
+
+
+def check_index(name: str, t: torch.Tensor, n: int | None, what: str, dtypes=INT_DTYPES) -> None:
+    """t must be a 1-D tensor of one of `dtypes`, of length n (any length when n is None)."""
+    if t.dim() != 1 or (n is not None and t.shape[0] != n) or t.dtype not in dtypes:
+        want = "/".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"{name} must be {want} [{what}], got {t.dtype} {tuple(t.shape)}")
+
+
+def check_chunk_layout(chunk_size: int, cu_chunk_seqlens: torch.Tensor, seq_idx: torch.Tensor,
+                       last_chunk_indices: torch.Tensor, state_indices: torch.Tensor,
+                       has_initial_state: torch.Tensor) -> tuple[int, int]:
+    """The varlen chunk layout of a chunked prefill (Mamba2 SSD, GDN) and its per-sequence state
+    arguments -> (NC chunks, R sequences)."""
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive python int, got {chunk_size!r}")
+    if cu_chunk_seqlens.dim() != 1 or cu_chunk_seqlens.shape[0] < 1:
+        raise ValueError(f"cu_chunk_seqlens must be int32/int64 [NC+1], got {tuple(cu_chunk_seqlens.shape)}")
+    nc = cu_chunk_seqlens.shape[0] - 1
+    check_index("cu_chunk_seqlens", cu_chunk_seqlens, nc + 1, "NC+1")
+    check_index("seq_idx", seq_idx, nc, f"NC={nc}")
+    check_index("last_chunk_indices", last_chunk_indices, None, "R")
+    rows = last_chunk_indices.shape[0]
+    check_index("state_indices", state_indices, rows, f"R={rows}")
+    check_index("has_initial_state", has_initial_state, rows, f"R={rows}", (torch.bool, *INT_DTYPES))
+    return nc, rows
