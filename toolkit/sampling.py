@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from toolkit.errors import InvalidRequestError
+from toolkit.runner.host import to_device
 
 MIN_TEMPERATURE = 1e-2
 MAX_SEED = 2**64 - 1
@@ -182,16 +183,16 @@ class Sampler:
         if not random_rows.any():
             return greedy
         dev = logits.device
-        temp = torch.from_numpy(np.where(random_rows, temperature, 1.0)).to(dev)
+        temp = to_device(np.where(random_rows, temperature, 1.0), dev)
         scaled = logits.float() / temp[:, None]
         top_k, top_p = self.top_k[idx_mapping_np], self.top_p[idx_mapping_np]
         if ((top_k > 0) & (top_k < logits.shape[-1]) & random_rows).any() or \
                 ((top_p < 1.0) & random_rows).any():
-            scaled = apply_top_k_top_p(scaled, torch.from_numpy(top_k).to(dev),
-                                       torch.from_numpy(top_p).to(dev))
-        seeds = torch.from_numpy(self.seeds[idx_mapping_np]).to(dev)
+            scaled = apply_top_k_top_p(scaled, to_device(top_k, dev),
+                                       to_device(top_p, dev))
+        seeds = to_device(self.seeds[idx_mapping_np], dev)
         sampled = self.gumbel_argmax(scaled, seeds, positions)
-        return torch.where(torch.from_numpy(random_rows).to(dev), sampled, greedy)
+        return torch.where(to_device(random_rows, dev), sampled, greedy)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

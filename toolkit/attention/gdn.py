@@ -27,6 +27,7 @@ import torch
 from toolkit.attention.common import CommonAttentionMetadata
 from toolkit.attention.mamba2 import compute_chunk_metadata
 from toolkit.attention.mamba_base import MAMBA_REQUIRED_FIELDS, BaseMambaAttentionMetadata, BaseMambaMetadataBuilder
+from toolkit.runner.host import to_device
 
 # FLA's chunk size for the gated delta rule (BT = 64 in `chunk_gated_delta_rule`)
 GDN_CHUNK_SIZE = 64
@@ -65,7 +66,7 @@ class GDNMetadataBuilder(BaseMambaMetadataBuilder):
         if s.num_prefills:
             device = common.query_start_loc.device
             cu, seq_idx, last = compute_gdn_chunk_metadata(s.query_lens[s.num_decodes:], self.chunk_size)
-            chunk = dict(seq_idx_p=torch.from_numpy(seq_idx).to(device),
-                         cu_chunk_seqlen_p=torch.from_numpy(cu).to(device),
-                         last_chunk_indices_p=torch.from_numpy(last).to(device))
+            chunk = dict(seq_idx_p=to_device(seq_idx, device),
+                         cu_chunk_seqlen_p=to_device(cu, device),
+                         last_chunk_indices_p=to_device(last, device))
         return GDNAttentionMetadata(chunk_size=self.chunk_size, **fields, **chunk)

@@ -15,6 +15,7 @@ import torch
 
 from toolkit.attention.common import CommonAttentionMetadata
 from toolkit.attention.mamba_base import BaseMambaAttentionMetadata, BaseMambaMetadataBuilder
+from toolkit.runner.host import to_device
 
 
 @dataclass
@@ -61,9 +62,9 @@ class Mamba2MetadataBuilder(BaseMambaMetadataBuilder):
             device = common.query_start_loc.device
             cu, seq_idx, last = compute_chunk_metadata(s.query_lens[s.num_decodes:],
                                                        s.num_computed_p, self.chunk_size)
-            chunk = dict(seq_idx_p=torch.from_numpy(seq_idx).to(device),
-                         cu_chunk_seqlen_p=torch.from_numpy(cu).to(device),
-                         last_chunk_indices_p=torch.from_numpy(last).to(device))
+            chunk = dict(seq_idx_p=to_device(seq_idx, device),
+                         cu_chunk_seqlen_p=to_device(cu, device),
+                         last_chunk_indices_p=to_device(last, device))
         return Mamba2AttentionMetadata(
             chunk_size=self.chunk_size, prep_initial_states=bool((s.num_computed_p > 0).any()),
             **fields, **chunk)

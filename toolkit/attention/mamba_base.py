@@ -17,6 +17,7 @@ from toolkit.attention.builder import AttentionMetadataBuilder
 from toolkit.attention.common import CommonAttentionMetadata
 from toolkit.attention.contracts import FieldSpec
 from toolkit.errors import MetadataContractError
+from toolkit.runner.host import to_device
 
 MAMBA_REQUIRED_FIELDS = (
     FieldSpec("query_start_loc", torch.int32, shape="[B+1]"),
@@ -91,5 +92,5 @@ class BaseMambaMetadataBuilder(AttentionMetadataBuilder):
             fields.update(
                 state_indices_tensor_p=state_indices[s.num_decodes:],
                 query_start_loc_p=common.query_start_loc[s.num_decodes:] - s.num_decode_tokens,
-                has_initial_states_p=torch.from_numpy(s.num_computed_p > 0).to(device))
+                has_initial_states_p=to_device(s.num_computed_p > 0, device))
         return fields

@@ -13,6 +13,7 @@ import torch
 from toolkit.attention.builder import AttentionMetadataBuilder
 from toolkit.attention.common import CommonAttentionMetadata
 from toolkit.attention.contracts import FieldSpec
+from toolkit.runner.host import to_device
 
 
 @dataclass
@@ -35,7 +36,7 @@ class PagedAttentionMetadata:
     def __post_init__(self) -> None:
         # from the host copies, in numpy: nothing here reads the device
         rows = np.flatnonzero(np.diff(self.query_start_loc_cpu.numpy()) == 1).astype(np.int64)
-        self.single_token_rows = torch.from_numpy(rows).to(self.query_start_loc.device)
+        self.single_token_rows = to_device(rows, self.query_start_loc.device)
         self.single_token_max_seq_len = int(self.seq_lens_cpu.numpy()[rows].max()) if len(rows) else 0
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from toolkit.runner.host import copy_to
+
 PAD_SLOT_ID = -1
 
 
@@ -53,7 +55,7 @@ class BlockTables:
         out = []
         for g, table in enumerate(self.tables):
             dst = self.input_block_tables[g][:rows]
-            dst[:b].copy_(torch.from_numpy(table[idx_mapping_np]), non_blocking=True)
+            copy_to(dst[:b], table[idx_mapping_np])
             dst[b:].zero_()
             out.append(dst)
         return tuple(out)

@@ -82,10 +82,10 @@ class CudaGraphManager:
         return next(s for s in self.sizes if s >= num_reqs)
 
     def label(self, padded: int | None) -> str:
-        """What ran, for the StepRecord: "eager", "padded eager" or "graph"."""
+        """What ran, for the StepRecord: "eager", "padded eager" or "graph" (a captured graph replayed)."""
         if padded is None:
             return "eager"
-        return "graph" if self.mode == "full_decode" else "padded eager"
+        return "graph" if self.captured else "padded eager"     # full_decode before warmup: eager
 
     # ---- CUDA ------------------------------------------------------------------------------
     def capture(self, prepare_dummy: Callable[[int], Callable[[], torch.Tensor]],

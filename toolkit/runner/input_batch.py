@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from toolkit.runner.host import copy_to, to_device
 from toolkit.runner.request_states import RequestStates
 
 
@@ -97,18 +98,18 @@ def prepare_inputs(buffers: InputBuffers, req_states: RequestStates, req_ids: li
     from_sampled = positions >= prefill_len[token_rows]
 
     d = buffers
-    d.input_ids[:t].copy_(ids, non_blocking=True)
-    d.positions[:t].copy_(torch.from_numpy(positions.astype(np.int64)), non_blocking=True)
+    copy_to(d.input_ids[:t], ids)
+    copy_to(d.positions[:t], positions.astype(np.int64))
     if from_sampled.any():
-        tok_idx = torch.from_numpy(np.nonzero(from_sampled)[0]).to(d.input_ids.device)
-        rows = torch.from_numpy(idx_np[token_rows[from_sampled]]).to(d.input_ids.device)
+        tok_idx = to_device(np.nonzero(from_sampled)[0], d.input_ids.device)
+        rows = to_device(idx_np[token_rows[from_sampled]], d.input_ids.device)
         d.input_ids[tok_idx] = req_states.last_sampled_tokens[rows].to(torch.int32)
-    d.query_start_loc[:b + 1].copy_(torch.from_numpy(qsl), non_blocking=True)
+    copy_to(d.query_start_loc[:b + 1], qsl)
     d.query_start_loc[b + 1:] = t                      # padding repeats the total
-    d.seq_lens[:b].copy_(torch.from_numpy(seq_lens), non_blocking=True)
+    copy_to(d.seq_lens[:b], seq_lens)
     d.seq_lens[b:] = 0
-    d.idx_mapping[:b].copy_(torch.from_numpy(idx_np), non_blocking=True)
-    d.logits_indices[:b].copy_(torch.from_numpy(qsl[1:].astype(np.int64) - 1), non_blocking=True)
+    copy_to(d.idx_mapping[:b], idx_np)
+    copy_to(d.logits_indices[:b], qsl[1:].astype(np.int64) - 1)
 
     return InputBatch(
         req_ids=list(req_ids), num_reqs=b, num_tokens=t, max_query_len=int(q.max()) if b else 0,
@@ -131,12 +132,12 @@ def make_dummy(buffers: InputBuffers, num_reqs: int, num_tokens: int) -> InputBa
     d = buffers
     d.input_ids[:num_tokens] = 0
     d.positions[:num_tokens] = 0
-    d.query_start_loc[:num_reqs + 1].copy_(torch.from_numpy(qsl))
+    copy_to(d.query_start_loc[:num_reqs + 1], qsl)
     d.query_start_loc[num_reqs + 1:] = num_tokens
-    d.seq_lens[:num_reqs].copy_(torch.from_numpy(q))
+    copy_to(d.seq_lens[:num_reqs], q)
     d.seq_lens[num_reqs:] = 0
     d.idx_mapping[:num_reqs] = 0
-    d.logits_indices[:num_reqs].copy_(torch.from_numpy(qsl[1:].astype(np.int64) - 1))
+    copy_to(d.logits_indices[:num_reqs], qsl[1:].astype(np.int64) - 1)
     zeros = np.zeros(num_reqs, dtype=np.int32)
     return InputBatch(
         req_ids=[f"dummy-{i}" for i in range(num_reqs)], num_reqs=num_reqs, num_tokens=num_tokens,
@@ -162,11 +163,11 @@ def pad_decode_batch(buffers: InputBuffers, batch: InputBatch, size: int) -> Inp
     d.input_ids[n:size] = 0
     d.positions[n:size] = 0
     qsl = np.arange(size + 1, dtype=np.int32)
-    d.query_start_loc[n + 1:size + 1].copy_(torch.from_numpy(qsl[n + 1:]), non_blocking=True)
+    copy_to(d.query_start_loc[n + 1:size + 1], qsl[n + 1:])
     d.query_start_loc[size + 1:] = size
     d.seq_lens[n:size] = 1
     d.idx_mapping[n:size] = 0
-    d.logits_indices[n:size].copy_(torch.from_numpy(qsl[n:size].astype(np.int64)), non_blocking=True)
+    copy_to(d.logits_indices[n:size], qsl[n:size].astype(np.int64))
     pad = size - n
     seq_lens = np.concatenate([batch.seq_lens_cpu_upper_bound.numpy(), np.ones(pad, dtype=np.int32)])
     return InputBatch(

@@ -7,8 +7,10 @@ What it adds over the default state (vLLM `model_states/mamba_hybrid.py`):
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from toolkit.runner.host import to_device
 from toolkit.runner.input_batch import InputBatch
 from toolkit.runner.kv_cache import KVCacheGroup
 from toolkit.runner.model_states.default import DefaultModelState
@@ -26,7 +28,7 @@ class MambaHybridModelState(DefaultModelState):
         if 0 in slots:
             raise RuntimeError(f"request {new_req.req_id} was given the null state slot 0")
         if slots:
-            index = torch.tensor(slots, device=self.device)
+            index = to_device(np.array(slots, dtype=np.int64), self.device)
             for t in self.state_tensors:
                 t.index_fill_(0, index, 0)
 
