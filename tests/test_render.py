@@ -234,3 +234,14 @@ def test_recorded_states_and_top_logits_are_summarised():
         assert text.startswith(f"LayerState({s.layer_name!r}") and "\n" not in text and "tensor(" not in text
         assert_clean_html(s._repr_html_())
     assert ">top_logit_values</td>" in h and "tensor(" not in repr(rec)
+
+
+def test_trace_and_record_say_how_the_forward_ran():
+    from toolkit import LLM, SamplingParams
+    with LLM("tiny-bamba", cudagraph_mode="padded_eager") as llm:
+        llm.generate([{"prompt_token_ids": [3, 4, 5 + i]} for i in range(3)],
+                     SamplingParams(max_tokens=3, temperature=0.0))
+        h = llm.trace._repr_html_()
+        padded = [r for r in llm.trace if r.padded_size]
+    assert ">forward<" in h and ">eager<" in h and ">padded eager (4 rows)<" in h
+    assert padded and "padded eager, padded to 4 rows" in padded[0]._repr_html_()

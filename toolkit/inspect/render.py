@@ -472,7 +472,7 @@ def _header_lines(rec: Any) -> str:
              f"{rec.num_prefills} prefill + {rec.num_decodes} decode rows",
              f"{getattr(rec, 'backend', 'torch')} ops"]
     if getattr(rec, "padded_size", None) is not None:
-        facts.append(f"{rec.graph}, padded to {rec.padded_size} rows")
+        facts.append(f"{rec.graph}, padded to {rec.padded_size} rows")   # eager steps say nothing
     lines = [f'<div style="font-size:13px;font-weight:600;color:{_FG}">{_esc(" · ".join(facts))}</div>']
     extra = []
     if rec.timings:
@@ -587,11 +587,18 @@ def _trace_row(i: int, rec: Any) -> list[str]:
     total = total_seconds(rec.timings)
     n_viol = len(rec.violations)
     return [str(i), _muted_none() if rec.step_index is None else str(rec.step_index), _esc(rec.stage),
-            str(rec.num_prefills), str(rec.num_decodes), str(rec.num_tokens),
+            str(rec.num_prefills), str(rec.num_decodes), str(rec.num_tokens), _esc(forward_label(rec)),
             _esc(_clip(", ".join(rec.request_ids), 80)),
             _esc(_clip(", ".join(rec.finished_request_ids), 80)),
             "" if total is None else _esc(format_ms(total)),
             _span(str(n_viol), _ALERT) if n_viol else "0"]
+
+
+def forward_label(rec: Any) -> str:
+    """How the step's forward ran: "eager", or "padded eager" / "graph" with the padded size."""
+    padded = getattr(rec, "padded_size", None)
+    graph = getattr(rec, "graph", "eager")
+    return graph if padded is None else f"{graph} ({padded} rows)"
 
 
 def trace_html(trace: Any, max_rows: int = 200) -> str:
@@ -604,13 +611,13 @@ def trace_html(trace: Any, max_rows: int = 200) -> str:
     rows, bad = [], set()
     for i in keep:
         if i is None:
-            rows.append([_span(f"… {len(records) - max_rows} records left out", _MUTED)] + [""] * 9)
+            rows.append([_span(f"… {len(records) - max_rows} records left out", _MUTED)] + [""] * 10)
             continue
         if records[i].violations:
             bad.add(len(rows))
         rows.append(_trace_row(i, records[i]))
-    headers = ["#", "step", "stage", "prefill rows", "decode rows", "tokens", "requests", "finished",
-               "time", "violations"]
+    headers = ["#", "step", "stage", "prefill rows", "decode rows", "tokens", "forward", "requests",
+               "finished", "time", "violations"]
     body = _title(repr(trace))
     body += _table(headers, rows, bad) if rows else f'<div style="{_MUTED}">no records</div>'
     return _wrap(body)
