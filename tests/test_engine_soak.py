@@ -26,19 +26,25 @@ def check_invariants(llm: LLM, rec) -> None:
         if any(g.kind == "mamba" for g in sched.kv.groups):
             assert len(sched.kv.block_ids(req.request_id)[-1]) == 1, "one state slot per request"
     mamba = [g for g in rec.attn_metadata if g.kind == "mamba"]
-    if mamba:                                    # decode rows lead the batch
+    if mamba:                                    # decode rows lead the batch (then padded rows)
         md = mamba[0].metadata
         runs_as_decode = [s.num_tokens == 1 and s.num_computed_before > 0 for s in rec.scheduled]
-        assert runs_as_decode == [True] * md.num_decodes + [False] * md.num_prefills
+        padded = (rec.padded_size or len(rec.scheduled)) - len(rec.scheduled)
+        assert runs_as_decode == [True] * (md.num_decodes - padded) + [False] * md.num_prefills
+        if padded:
+            assert md.state_indices_tensor_d[-padded:].tolist() == [0] * padded, "padded rows on slot 0"
 
 
 @pytest.mark.parametrize("preset, seed", [("tiny-bamba", 0), ("tiny-jamba", 1), ("tiny-lfm2", 2),
-                                          ("tiny-mamba2", 3), ("tiny-nemotron-h", 4)])
+                                          ("tiny-mamba2", 3), ("tiny-nemotron-h", 4), ("tiny-bamba", 7)])
 def test_random_engine_traffic_keeps_books_and_outputs(preset, seed):
+    """Seed 7 runs decode batches padded to CUDA-graph sizes (padded_eager, 5 rows: sizes 1, 2, 4, 5)."""
     rng = random.Random(seed)
-    with LLM(preset, device="cpu", dtype="float32", max_num_seqs=3, max_num_batched_tokens=20,
-             block_size=4, num_kv_blocks=16, max_model_len=96) as llm:
-        prompts, params, outputs, aborted, preempted = {}, {}, {}, set(), 0
+    padded = seed == 7
+    with LLM(preset, device="cpu", dtype="float32", max_num_seqs=5 if padded else 3, max_num_batched_tokens=20,
+             block_size=4, num_kv_blocks=16, max_model_len=96,
+             cudagraph_mode="padded_eager" if padded else "none") as llm:
+        prompts, params, outputs, aborted, preempted, padded_steps = {}, {}, {}, set(), 0, 0
         for step in range(60):
             if step < 3 or (rng.random() < 0.5 and len(prompts) < 14):   # a burst first: preemption
                 prompt = [rng.randrange(3, llm.vocab_size) for _ in range(rng.randint(1, 40))]
@@ -53,12 +59,16 @@ def test_random_engine_traffic_keeps_books_and_outputs(preset, seed):
             check_invariants(llm, rec)
             outputs.update({o.request_id: o for o in rec.outputs})
             preempted += len(rec.preempted_request_ids)
+            padded_steps += rec.padded_size is not None and rec.padded_size > len(rec.scheduled)
         while llm.has_unfinished_requests():
             rec = llm.step()
             check_invariants(llm, rec)
             outputs.update({o.request_id: o for o in rec.outputs})
             preempted += len(rec.preempted_request_ids)
+            padded_steps += rec.padded_size is not None and rec.padded_size > len(rec.scheduled)
         assert aborted, "the traffic should include aborts"
+        if padded:
+            assert padded_steps, "the traffic should pad decode batches"
         if llm.stats()["kv_blocks_total"]:
             assert preempted, "15 usable blocks of 4 tokens should run out under this traffic"
         llm.step()                               # the runner drops the last finished rows
