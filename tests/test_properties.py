@@ -125,6 +125,7 @@ class EngineConfig:
     max_num_batched_tokens: int
     block_size: int
     num_kv_blocks: int      # including the null block 0 (ignored by attention-free models)
+    cudagraph_mode: str = "none"   # "padded_eager": decode batches padded to capture sizes (1, 2, 4)
 
 
 @dataclass(frozen=True)
@@ -182,18 +183,18 @@ class Interrupt(BaseException):
     """Stands in for KeyboardInterrupt (which would stop hypothesis itself if it escaped)."""
 
 
-def _make_config(max_num_seqs: int, budget: int, block_size: int, room: int) -> EngineConfig:
+def _make_config(max_num_seqs: int, budget: int, block_size: int, room: int, mode: str) -> EngineConfig:
     """`room` (tokens, shrinks towards 0): the cache holds the largest possible request (40
     prompt + 8 output tokens) plus `room` tokens; below 0 the largest requests are refused (a
     valid outcome), a little above it two mid-sized requests running together preempt."""
     largest = -(-(MAX_PROMPT + MAX_TOKENS - 1) // block_size)
-    return EngineConfig(max_num_seqs, budget, block_size, max(2, largest + 1 + room // block_size))
+    return EngineConfig(max_num_seqs, budget, block_size, max(2, largest + 1 + room // block_size), mode)
 
 
 # small budgets are favoured: with a large one a request is admitted whole, and rarely preempted
 engine_configs = st.integers(1, 4).flatmap(lambda seqs: st.builds(
     _make_config, st.just(seqs), st.integers(seqs, 8) | st.integers(seqs, 24),
-    st.sampled_from([2, 4, 8]), st.integers(-12, 24)))
+    st.sampled_from([2, 4, 8]), st.integers(-12, 24), st.sampled_from(["none", "padded_eager"])))
 
 
 @st.composite
@@ -579,7 +580,8 @@ def run_program(preset: str, config: EngineConfig, ops: list, repeat_warmup: boo
     # by reference counting); tests/test_llm_api.py and scripts/soak.py cover shutdown
     llm = LLM(preset, max_num_seqs=config.max_num_seqs, block_size=config.block_size,
               max_num_batched_tokens=config.max_num_batched_tokens,
-              num_kv_blocks=config.num_kv_blocks, trace_capacity=None, **F32)   # logits, for ties
+              num_kv_blocks=config.num_kv_blocks, cudagraph_mode=config.cudagraph_mode,
+              trace_capacity=None, **F32)   # logits, for ties
     assert llm.vocab_size == VOCAB
     usable = llm.stats()["kv_blocks_total"] or 10**9       # attention-free: no KV limit
     books = Books()
