@@ -33,7 +33,8 @@ from toolkit import LLM, MetadataContractError, SamplingParams
 from toolkit.attention.common import CommonAttentionMetadata
 from toolkit.attention.gdn import GDN_CHUNK_SIZE, GDNAttentionMetadata, GDNMetadataBuilder, compute_gdn_chunk_metadata
 from toolkit.attention.mamba2 import compute_chunk_metadata
-from toolkit.layers.gdn import (GatedDeltaNet, RMSNormBeforeGate, gdn_chunk_varlen, gdn_prefill_at_slots,
+from toolkit.layers.norms import RMSNormThenGate
+from toolkit.layers.gdn import (GatedDeltaNet, gdn_chunk_varlen, gdn_prefill_at_slots,
                                 gdn_recurrent_varlen, gdn_update_at_slots)
 from toolkit.layers.moe import merge_expert_checkpoint_tensors
 from toolkit.models import PRESETS, get_model_class, load_model, save_hf_folder
@@ -166,7 +167,7 @@ def test_norms_match_hf_modules():
     torch.manual_seed(0)
     x, z = torch.randn(5, 16), torch.randn(5, 16)
     ours_n, hf_n = OffsetRMSNorm(16, eps=1e-6), hf_q3n.Qwen3NextRMSNorm(16, eps=1e-6)
-    ours_g, hf_g = RMSNormBeforeGate(16, eps=1e-6), hf_q3n.Qwen3NextRMSNormGated(16, eps=1e-6)
+    ours_g, hf_g = RMSNormThenGate(16, eps=1e-6, cast_normed=True), hf_q3n.Qwen3NextRMSNormGated(16, eps=1e-6)
     with torch.no_grad():
         for a, b in ((ours_n, hf_n), (ours_g, hf_g)):
             a.weight.normal_(0.0, 0.3)

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from toolkit.attention.gdn import GDN_CHUNK_SIZE, compute_gdn_chunk_metadata
 from toolkit.layers.causal_conv1d import initial_states_at, write_states_at
 from toolkit.layers.mlp import get_activation
-from toolkit.layers.norms import RMSNormGated
+from toolkit.layers.norms import RMSNormThenGate
 from toolkit.layers.state_mixer import States, StateSlotMixer
 from toolkit.runner.kv_cache_spec import MambaSpec
 
@@ -243,25 +243,6 @@ def gdn_prefill_at_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
 # --------------------------------------------------------------------------------------------
 
 
-class RMSNormBeforeGate(RMSNormGated):
-    """HF `Qwen3NextRMSNormGated`: weight * rmsnorm(x) (cast to x.dtype), then * silu(gate) in fp32,
-    result in x.dtype. Normalises BEFORE gating (Mamba2's `RMSNormGated` gates first), over the
-    whole last dim (one group). Subclasses RMSNormGated only so that `init_random_weights` treats
-    its weight as a norm weight (1 + N(0, 0.1))."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__(hidden_size, group_size=hidden_size, eps=eps)
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-        in_dtype = x.dtype
-        xf = x.to(torch.float32)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * xf.to(in_dtype)
-        if gate is not None:
-            out = out * F.silu(gate.to(torch.float32))
-        return out.to(in_dtype)
-
-
 class GatedDeltaNet(StateSlotMixer):
     """Qwen3-Next linear attention; parameter names match HF (in_proj_qkvz, in_proj_ba, conv1d,
     dt_bias, A_log, norm, out_proj). See the module docstring for the math and the state layout;
@@ -305,7 +286,7 @@ class GatedDeltaNet(StateSlotMixer):
         self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
-        self.norm = RMSNormBeforeGate(head_v_dim, eps=norm_eps)
+        self.norm = RMSNormThenGate(head_v_dim, eps=norm_eps, cast_normed=True)   # HF Qwen3NextRMSNormGated
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
 
     # -- cache plumbing (bind_kv_cache / unbind_kv_cache: StateSlotMixer) --------------------

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from toolkit.attention.mamba2 import compute_chunk_metadata
 from toolkit.layers.causal_conv1d import initial_states_at, write_states_at
 from toolkit.layers.mlp import get_activation
-from toolkit.layers.norms import RMSNormGated
+from toolkit.layers.norms import RMSNormGated, RMSNormThenGate
 from toolkit.layers.state_mixer import States, StateSlotMixer
 from toolkit.runner.kv_cache_spec import MambaSpec
 
@@ -252,23 +252,6 @@ def ssd_scan_at_slots(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: tor
 # --------------------------------------------------------------------------------------------
 # module
 # --------------------------------------------------------------------------------------------
-
-
-class RMSNormThenGate(RMSNormGated):
-    """Grouped RMS norm that normalises BEFORE gating (mamba_ssm `RMSNormGated(norm_before_gate=True)`,
-    HF `FalconH1RMSNormGated` with `mamba_norm_before_gate`): weight * normalize_per_group(x), then
-    * silu(gate); math in fp32, result in x.dtype. A RMSNormGated subclass only so that
-    `init_random_weights` treats its weight as a norm weight."""
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-        in_dtype = x.dtype
-        *lead, d = x.shape
-        xg = x.to(torch.float32).reshape(*lead, d // self.group_size, self.group_size)
-        xg = xg * torch.rsqrt(xg.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * xg.reshape(*lead, d)
-        if gate is not None:
-            out = out * F.silu(gate.to(torch.float32))
-        return out.to(in_dtype)
 
 
 class Mamba2Mixer(StateSlotMixer):

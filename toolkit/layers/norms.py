@@ -78,3 +78,27 @@ class RMSNormGated(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, group_size={self.group_size}, eps={self.eps}"
+
+
+class RMSNormThenGate(RMSNormGated):
+    """Normalises BEFORE gating (`RMSNormGated` gates first): weight * rmsnorm_per_group(x), then
+    * silu(gate); math in fp32, result in x.dtype. mamba_ssm's `norm_before_gate=True` and HF
+    Falcon-H1 (`mamba_norm_before_gate`); with `cast_normed` the normalised x is rounded to x.dtype
+    before the weight, as HF Qwen3-Next's gated norm does (one group: group_size = hidden_size).
+    A RMSNormGated subclass so `init_random_weights` treats its weight as a norm weight."""
+
+    def __init__(self, hidden_size: int, group_size: int | None = None, eps: float = 1e-6,
+                 cast_normed: bool = False) -> None:
+        super().__init__(hidden_size, group_size=group_size or hidden_size, eps=eps)
+        self.cast_normed = cast_normed
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        in_dtype = x.dtype
+        *lead, d = x.shape
+        xg = x.to(torch.float32).reshape(*lead, d // self.group_size, self.group_size)
+        normed = (xg * torch.rsqrt(xg.pow(2).mean(-1, keepdim=True) + self.eps)).reshape(*lead, d)
+        out = self.weight * (normed.to(in_dtype) if self.cast_normed else normed)
+        if gate is not None:
+            out = out * F.silu(gate.to(torch.float32))
+        return out.to(in_dtype)
+
