@@ -155,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=128)
     ap.add_argument("--trace-capacity", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--cudagraph-mode", default="auto", choices=["auto", "padded_eager", "none"],
+                    help="padded_eager: decode batches padded to CUDA-graph capture sizes")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -164,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(args.preset, device="cpu", dtype="float32", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len, seed=args.seed,
-              inspect=args.inspect, checks=args.checks, trace_capacity=args.trace_capacity)
+              inspect=args.inspect, checks=args.checks, trace_capacity=args.trace_capacity,
+              cudagraph_mode=args.cudagraph_mode)
     kv_total = llm.stats()["kv_blocks_total"]
     max_prompt = min(args.max_prompt, args.max_model_len - 1)
     print(f"soak: {args.preset}, {args.steps} steps, inspect={args.inspect!r}, checks={llm.checks}, "
