@@ -29,14 +29,14 @@ from transformers.models.qwen3_next import modeling_qwen3_next as hf_q3n
 from harness import (BATCH_LIMITS, F32, assert_matches_hf, check_chunked_mixed_queued_batch_matches_hf,
                      check_single_request_matches_hf, load_hf, prompts_of, run_by_hand, save_model_pair)
 from model_helpers import ConfigVariantChecks, ModelParitySuite, assert_close, random_prompt, run_steps
+from test_metadata_builders import common
 from toolkit import LLM, MetadataContractError, SamplingParams
-from toolkit.attention.common import CommonAttentionMetadata
 from toolkit.attention.gdn import GDN_CHUNK_SIZE, GDNAttentionMetadata, GDNMetadataBuilder, compute_gdn_chunk_metadata
 from toolkit.attention.mamba2 import compute_chunk_metadata
-from toolkit.layers.norms import RMSNormThenGate
 from toolkit.layers.gdn import (GatedDeltaNet, gdn_chunk_varlen, gdn_prefill_at_slots,
                                 gdn_recurrent_varlen, gdn_update_at_slots)
 from toolkit.layers.moe import merge_expert_checkpoint_tensors
+from toolkit.layers.norms import RMSNormThenGate
 from toolkit.models import PRESETS, get_model_class, load_model, save_hf_folder
 from toolkit.models.qwen3_next import OffsetRMSNorm, Qwen3NextForCausalLM
 from toolkit.runner.kv_cache_spec import AttentionSpec, MambaSpec
@@ -181,19 +181,6 @@ def test_norms_match_hf_modules():
 
 
 # ---- 2. metadata builder -------------------------------------------------------------------------
-
-def common(query_lens, computed, prefilling, slots) -> CommonAttentionMetadata:
-    q = np.array(query_lens, dtype=np.int32)
-    qsl = torch.from_numpy(np.concatenate([[0], np.cumsum(q)]).astype(np.int32))
-    seq = torch.tensor(np.array(computed) + q, dtype=torch.int32)
-    t = int(qsl[-1])
-    return CommonAttentionMetadata(
-        query_start_loc=qsl.clone(), query_start_loc_cpu=qsl, seq_lens=seq.clone(), num_reqs=len(q),
-        num_actual_tokens=t, max_query_len=int(q.max()), max_seq_len=int(seq.max()),
-        block_table_tensor=torch.tensor(slots, dtype=torch.int32).view(-1, 1),
-        slot_mapping=torch.full((t,), -1, dtype=torch.int64), seq_lens_cpu_upper_bound=seq,
-        is_prefilling=torch.tensor(prefilling))
-
 
 def test_gdn_builder_splits_and_chunks_each_row_from_its_start():
     md = GDNMetadataBuilder(16).build(

@@ -86,7 +86,6 @@ def causal_conv1d_step(
 
 
 # ---- in place at state indices (the signatures of the kernels in toolkit/kernels/causal_conv1d.py)
-PAD_SLOT_ID = -1
 
 
 def initial_states_at(cache: torch.Tensor, state_indices: torch.Tensor,

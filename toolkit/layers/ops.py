@@ -49,8 +49,6 @@ from toolkit.layers import mamba1_mixer as m1
 from toolkit.layers import mamba2_mixer as m2
 from toolkit import sampling
 
-PAD_SLOT_ID = -1
-
 
 @dataclass(frozen=True)
 class Ops:

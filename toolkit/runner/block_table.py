@@ -61,10 +61,13 @@ class BlockTables:
         return tuple(out)
 
     def compute_slot_mappings(self, block_tables: tuple[torch.Tensor, ...], query_start_loc: torch.Tensor,
-                              positions: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """int64 [G, num_tokens] view of the persistent slot-mapping buffer."""
-        num_reqs = block_tables[0].shape[0] if block_tables else 0
-        query_lens = (query_start_loc[1:num_reqs + 1] - query_start_loc[:num_reqs]).long()
+                              positions: torch.Tensor, num_tokens: int, num_padded: int | None = None
+                              ) -> torch.Tensor:
+        """int64 [G, num_padded or num_tokens] view of the persistent slot-mapping buffer: the
+        batch's tokens (query_start_loc [B+1], positions [num_tokens]), then PAD_SLOT_ID for the
+        padded tokens of a padded batch (block_tables may hold its padded rows too)."""
+        num_reqs = query_start_loc.shape[0] - 1
+        query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
         token_rows = torch.repeat_interleave(torch.arange(num_reqs, device=positions.device), query_lens,
                                              output_size=num_tokens)    # known on the host: no sync
         for g, table in enumerate(block_tables):
@@ -72,4 +75,4 @@ class BlockTables:
             block_ids = table[token_rows, positions // bs].long()
             self.slot_mappings[g, :num_tokens] = block_ids * bs + positions % bs
             self.slot_mappings[g, num_tokens:] = PAD_SLOT_ID
-        return self.slot_mappings[:, :num_tokens]
+        return self.slot_mappings[:, :num_padded or num_tokens]

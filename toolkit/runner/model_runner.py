@@ -119,10 +119,7 @@ class ModelRunner:
         forward_batch = input_batch if padded is None else pad_decode_batch(self.input_buffers, input_batch, padded)
         block_tables = self.block_tables.gather_block_tables(input_batch.idx_mapping_np, padded)
         slot_mappings = self.block_tables.compute_slot_mappings(
-            tuple(t[:n] for t in block_tables), input_batch.query_start_loc, input_batch.positions,
-            input_batch.num_tokens)
-        if padded is not None:                     # padded tokens: PAD_SLOT_ID, nothing written
-            slot_mappings = self.block_tables.slot_mappings[:, :padded]
+            block_tables, input_batch.query_start_loc, input_batch.positions, input_batch.num_tokens, padded)
         inputs_done = time.perf_counter()
         self.model_state.preprocess_state(forward_batch)
         attn_metadata = self.model_state.prepare_attn(forward_batch, block_tables, slot_mappings,
@@ -196,31 +193,29 @@ class ModelRunner:
     def dummy_run(self, num_reqs: int, num_tokens: int) -> ExecuteModelState:
         """A dummy batch whose metadata goes through the same prepare_attn as real steps. Block
         tables point at the null block/slot 0; slot mappings are all PAD_SLOT_ID."""
+        batch, block_tables, attn_metadata, forward = self._prepare_dummy(num_reqs, num_tokens)
+        return ExecuteModelState(batch, attn_metadata, forward(), block_tables=block_tables)
+
+    def capture_cudagraphs(self, progress: bool = False):
+        """Warmup's last stage on CUDA: one graph per decode capture size (cudagraph.py). The
+        dummy batch and its metadata are prepared outside the capture (host work and host-to-device
+        copies cannot be captured); the graph records the forward."""
+        with torch.inference_mode():
+            return self.cudagraph_manager.capture(
+                lambda size: self._prepare_dummy(size, size, for_capture=True)[3], progress)
+
+    def _prepare_dummy(self, num_reqs: int, num_tokens: int, for_capture: bool = False):
+        """Write a dummy batch into the persistent buffers and build its metadata. Returns
+        (batch, block_tables, attn_metadata, forward), `forward()` running the model on it."""
         batch = make_dummy(self.input_buffers, num_reqs, num_tokens)
         block_tables = self._padded_block_tables(num_reqs)
         self.block_tables.slot_mappings.fill_(PAD_SLOT_ID)
-        slot_mappings = self.block_tables.slot_mappings[:, :num_tokens]
-        attn_metadata = self.model_state.prepare_attn(batch, block_tables, slot_mappings,
-                                                      self.attn_groups)
-        hidden = self.model(batch.input_ids, batch.positions, attn_metadata.by_layer,
-                            **self.model_state.prepare_inputs(batch))
-        return ExecuteModelState(batch, attn_metadata, hidden, block_tables=block_tables)
-
-    def capture_cudagraphs(self, progress: bool = False):
-        """Warmup's last stage on CUDA: one graph per decode capture size (cudagraph.py)."""
-        def prepare_dummy(size: int):
-            """Write a padded dummy decode batch of `size` rows and build its metadata (host
-            work and host-to-device copies: outside the capture); return its forward."""
-            batch = make_dummy(self.input_buffers, size, size)
-            block_tables = self._padded_block_tables(size)
-            self.block_tables.slot_mappings.fill_(PAD_SLOT_ID)
-            attn_metadata = self.model_state.prepare_attn(batch, block_tables,
-                                                          self.block_tables.slot_mappings[:, :size],
-                                                          self.attn_groups, for_capture=True)
-            extra = self.model_state.prepare_inputs(batch)
-            return lambda: self.model(batch.input_ids, batch.positions, attn_metadata.by_layer, **extra)
-        with torch.inference_mode():
-            return self.cudagraph_manager.capture(prepare_dummy, progress)
+        attn_metadata = self.model_state.prepare_attn(batch, block_tables,
+                                                      self.block_tables.slot_mappings[:, :num_tokens],
+                                                      self.attn_groups, for_capture=for_capture)
+        extra = self.model_state.prepare_inputs(batch)
+        return batch, block_tables, attn_metadata, lambda: self.model(batch.input_ids, batch.positions,
+                                                                      attn_metadata.by_layer, **extra)
 
     def _padded_block_tables(self, num_rows: int) -> tuple[torch.Tensor, ...]:
         """Block tables for padded rows: every entry the null block / null state slot 0."""

@@ -10,6 +10,8 @@ here recomputes what the runner computed: every value is read from the records.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import base64
 import dataclasses
 from typing import Any, Callable, Sequence
@@ -204,7 +206,7 @@ class _View:
         return bundle
 
 
-class _HtmlView(_View):
+class _HtmlView(_View, ABC):
     """A view that is one HTML pane: subclasses turn their arguments into HTML in `render`."""
 
     def __init__(self, *args, **kwargs):
@@ -216,8 +218,9 @@ class _HtmlView(_View):
     def show(self, *args, **kwargs) -> None:
         self.html.value = self.render(*args, **kwargs)
 
+    @abstractmethod
     def render(self, *args, **kwargs) -> str:
-        raise NotImplementedError
+        """The pane's HTML for these arguments."""
 
     def _static_html(self) -> str:
         return self.html.value
