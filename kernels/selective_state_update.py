@@ -6,6 +6,10 @@ A [H] (negative); B, C [B, G, N] (head h reads group h // (H // G)); D [H] or No
 state_indices int [B] (PAD_SLOT_ID = -1: a padded row, nothing read or written). For each real row:
     state[slot] = state[slot] * exp(dt * A) + (dt * x) outer B ;   y = state[slot] . C + D * x
 Returns y fp32 [B, H, P] (padded rows 0).
+
+Also here, as every Mamba2 step needs it before the update or the SSD scan: `mamba2_dt`, the
+dt preparation clamp(softplus(dt_raw + dt_bias), lo, hi) in one launch (reference
+toolkit/layers/mamba2_mixer.mamba2_dt, four to five torch kernels).
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import triton
 import triton.language as tl
 
 from toolkit.layers.mamba2_mixer import mamba2_update_at_slots as reference  # noqa: F401  (torch reference)
+from toolkit.layers.mamba2_mixer import mamba2_dt as dt_reference  # noqa: F401  (torch reference)
 
 
 @triton.jit
@@ -87,3 +92,40 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
         B.stride(0), B.stride(1), y.stride(0), y.stride(1),
         HAS_D=D is not None, BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(d_state))
     return y
+
+
+@triton.jit
+def _dt_kernel(dt_ptr, bias_ptr, out_ptr, heads, stride_t, lo, hi, HAS_CLAMP: tl.constexpr,
+               BLOCK_H: tl.constexpr):
+    """One program per token."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    mask = h < heads
+    v = (tl.load(dt_ptr + t * stride_t + h, mask=mask, other=0.0).to(tl.float32)
+         + tl.load(bias_ptr + h, mask=mask, other=0.0).to(tl.float32))
+    # softplus as torch computes it (threshold 20); log1p(e) by Goldberg's trick, exact where 1 + e rounds to 1
+    e = tl.exp(tl.minimum(v, 20.0))
+    u = 1.0 + e
+    log1p_e = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
+    dt = tl.where(v > 20.0, v, log1p_e)
+    if HAS_CLAMP:
+        dt = tl.minimum(tl.maximum(dt, lo), hi)
+    tl.store(out_ptr + t * heads + h, dt, mask=mask)
+
+
+def mamba2_dt(dt_raw: torch.Tensor, dt_bias: torch.Tensor, dt_limit=None) -> torch.Tensor:
+    """Launcher: dt_raw [T, H] (unit stride along H, e.g. a column slice of in_proj's output), dt_bias [H],
+    dt_limit (lo, hi) or None -> fp32 [T, H]."""
+    if dt_raw.dim() != 2 or dt_raw.stride(-1) != 1:
+        raise ValueError(f"dt_raw must be [T, H] with unit stride along H, got {tuple(dt_raw.shape)} "
+                         f"strides {dt_raw.stride()}")
+    t, heads = dt_raw.shape
+    if tuple(dt_bias.shape) != (heads,) or dt_bias.stride(0) != 1 or dt_bias.device != dt_raw.device:
+        raise ValueError(f"dt_bias must be a contiguous [H={heads}] on {dt_raw.device}, got {tuple(dt_bias.shape)} "
+                         f"on {dt_bias.device}")
+    lo, hi = (float(dt_limit[0]), float(dt_limit[1])) if dt_limit is not None else (0.0, float("inf"))
+    out = torch.empty(t, heads, dtype=torch.float32, device=dt_raw.device)
+    if t:
+        _dt_kernel[(t,)](dt_raw, dt_bias, out, heads, dt_raw.stride(0), lo, hi,
+                         HAS_CLAMP=lo > 0.0 or hi != float("inf"), BLOCK_H=triton.next_power_of_2(heads))
+    return out

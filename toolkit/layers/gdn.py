@@ -337,7 +337,6 @@ class GatedDeltaNet(StateSlotMixer):
         mixed, z, b, a = self.project(hidden)
         g, beta = gdn_gating(a, b, self.A_log, self.dt_bias)
         weight = self.conv1d.weight[:, 0, :]
-        y = torch.zeros(t, self.num_v_heads, self.head_v_dim, device=hidden.device, dtype=torch.float32)
 
         def decode(tok: slice, states: States, idx: torch.Tensor) -> torch.Tensor:
             conv_state, ssm_state = states
@@ -359,7 +358,8 @@ class GatedDeltaNet(StateSlotMixer):
                 chunks = (md.cu_chunk_seqlen_p, md.seq_idx_p, md.last_chunk_indices_p, int(md.chunk_size))
             return self.ops.gdn_prefill(q, k, v, g[tok], beta[tok], *chunks, ssm_state, idx, has_init)
 
-        y = self.run_state_slots(attn_metadata, y, decode, prefill)
+        y = self.run_state_slots(attn_metadata, (t, self.num_v_heads, self.head_v_dim), torch.float32,
+                                 decode, prefill)
         out = self.norm(y.to(dtype), z)                        # per value head, over V
         return self.out_proj(out.reshape(t, self.value_dim))
 

@@ -255,8 +255,7 @@ class Mamba1Mixer(StateSlotMixer):
         x, z = torch.split(self.in_proj(hidden), [di, di], dim=-1)
         weight = self.conv1d.weight[:, 0, :]
         bias = self.conv1d.bias
-        A = -torch.exp(self.A_log.to(torch.float32))
-        y = torch.zeros(t, di, device=hidden.device, dtype=torch.float32)
+        A = self.neg_exp_A()
 
         def decode(tok: slice, states: States, idx: torch.Tensor) -> torch.Tensor:
             conv_state, ssm_state = states
@@ -271,7 +270,7 @@ class Mamba1Mixer(StateSlotMixer):
             dt, B, C = self._ssm_params(xc)
             return self.ops.mamba1_scan(xc, dt, A, B, C, self.D, cu, ssm_state, idx, has_init)
 
-        y = self.run_state_slots(attn_metadata, y, decode, prefill)
+        y = self.run_state_slots(attn_metadata, (t, di), torch.float32, decode, prefill)
         y = y * F.silu(z.to(torch.float32))
         return self.out_proj(y.to(dtype))
 

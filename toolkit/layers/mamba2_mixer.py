@@ -374,10 +374,8 @@ class Mamba2Mixer(StateSlotMixer):
         gate, xbc, dt_raw = torch.split(proj, [self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
         weight = self.conv1d.weight[:, 0, :]
         bias = self.conv1d.bias
-        A = -torch.exp(self.A_log.to(torch.float32))
-        dt = mamba2_dt(dt_raw, self.dt_bias, self.time_step_limit)
-        H, P = self.num_heads, self.head_dim
-        y = torch.zeros(t, H, P, device=hidden.device, dtype=torch.float32)
+        A = self.neg_exp_A()
+        dt = self.ops.mamba2_dt(dt_raw, self.dt_bias, self.time_step_limit)
 
         def decode(tok: slice, states: States, idx: torch.Tensor) -> torch.Tensor:
             conv_state, ssm_state = states
@@ -399,10 +397,10 @@ class Mamba2Mixer(StateSlotMixer):
                 chunks = (md.cu_chunk_seqlen_p, md.seq_idx_p, md.last_chunk_indices_p, int(md.chunk_size))
             return self.ops.ssd_scan(x, dt[tok], A, B, C, self.D, *chunks, ssm_state, idx, has_init)
 
-        y = self.run_state_slots(attn_metadata, y, decode, prefill)
+        y = self.run_state_slots(attn_metadata, (t, self.num_heads, self.head_dim), torch.float32, decode, prefill)
         y = y.reshape(t, self.intermediate_size)
-        out = y * F.silu(gate) if self.norm is None else self.norm(y, gate)
-        return self.out_proj(out.to(dtype))
+        out = (y * F.silu(gate)).to(dtype) if self.norm is None else self.norm(y, gate, out_dtype=dtype)
+        return self.out_proj(out)
 
     def _proj_multiplier_vector(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """[in_proj out] vector of `proj_multipliers` over the sections [gate | x | B | C | dt]

@@ -44,6 +44,37 @@ def rms_norm_gated(
     return weight * xg.reshape(*lead, d).to(in_dtype)
 
 
+def rms_norm_then_gate(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor, group_size: int,
+                       eps: float, cast_normed: bool = False) -> torch.Tensor:
+    """Grouped RMS norm BEFORE gating: weight * normalize_per_group(x) (the normalised x rounded to
+    x.dtype first if cast_normed), then * silu(gate); math in fp32; returns x.dtype."""
+    in_dtype = x.dtype
+    *lead, d = x.shape
+    if d % group_size != 0:
+        raise ValueError(f"rms_norm_then_gate: last dim {d} is not a multiple of group_size {group_size}")
+    xg = x.to(torch.float32).reshape(*lead, d // group_size, group_size)
+    normed = (xg * torch.rsqrt(xg.pow(2).mean(-1, keepdim=True) + eps)).reshape(*lead, d)
+    out = weight * (normed.to(in_dtype) if cast_normed else normed)
+    if gate is not None:
+        out = out * F.silu(gate.to(torch.float32))
+    return out.to(in_dtype)
+
+
+def rms_norm_gated_op(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor, group_size: int,
+                      eps: float, norm_before_gate: bool = False, cast_normed: bool = False,
+                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The op both gated norms call (`Ops.rms_norm_gated`; the Triton kernel has this signature):
+    `rms_norm_then_gate` if norm_before_gate else `rms_norm_gated`, cast to out_dtype if given."""
+    out = (rms_norm_then_gate(x, gate, weight, group_size, eps, cast_normed) if norm_before_gate
+           else rms_norm_gated(x, gate, weight, group_size, eps))
+    return out if out_dtype is None else out.to(out_dtype)
+
+
+def _torch_ops():
+    from toolkit.layers.ops import TORCH_OPS     # ops imports this module's functions as references
+    return TORCH_OPS
+
+
 class RMSNorm(nn.Module):
     """RMSNorm with parameter `weight` [hidden_size]. forward(x [..., hidden_size]) -> same shape."""
 
@@ -51,9 +82,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.ops = _torch_ops()                  # set_ops() swaps in the Triton kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
@@ -72,9 +104,12 @@ class RMSNormGated(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.group_size = group_size
         self.eps = eps
+        self.ops = _torch_ops()                  # set_ops() swaps in the Triton kernel
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-        return rms_norm_gated(x, gate, self.weight, self.group_size, self.eps)
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """out_dtype: cast the result (one kernel on the Triton backend instead of two)."""
+        return self.ops.rms_norm_gated(x, gate, self.weight, self.group_size, self.eps, False, False, out_dtype)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, group_size={self.group_size}, eps={self.eps}"
@@ -92,13 +127,8 @@ class RMSNormThenGate(RMSNormGated):
         super().__init__(hidden_size, group_size=group_size or hidden_size, eps=eps)
         self.cast_normed = cast_normed
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-        in_dtype = x.dtype
-        *lead, d = x.shape
-        xg = x.to(torch.float32).reshape(*lead, d // self.group_size, self.group_size)
-        normed = (xg * torch.rsqrt(xg.pow(2).mean(-1, keepdim=True) + self.eps)).reshape(*lead, d)
-        out = self.weight * (normed.to(in_dtype) if self.cast_normed else normed)
-        if gate is not None:
-            out = out * F.silu(gate.to(torch.float32))
-        return out.to(in_dtype)
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.ops.rms_norm_gated(x, gate, self.weight, self.group_size, self.eps, True, self.cast_normed,
+                                       out_dtype)
 

@@ -30,6 +30,14 @@ a padded prefill sequence is computed from a zero state (the profile run relies 
                 seq_idx [C], last_chunk_indices [P], chunk_size, ssm_state, state_indices [P],
                 has_initial_state [P], use_qk_l2norm=True) -> y fp32 [T, Hv, V]
         q, k raw (l2-normalised and q scaled inside the op); g is the fp32 log decay
+    rms_norm(x [..., D], weight [D], eps) -> [..., D]                   (norms.rms_norm)
+    rms_norm_gated(x [..., D], gate | None, weight [D], group_size, eps, norm_before_gate,
+                   cast_normed, out_dtype | None) -> [..., D]           (norms.rms_norm_gated_op)
+    mamba2_dt(dt_raw [T, H], dt_bias [H], dt_limit (lo, hi) | None) -> fp32 [T, H]
+        clamp(softplus(dt_raw + dt_bias), lo, hi)
+
+The Triton set does each of these in one launch, which is what a CUDA-graph decode step needs:
+its time at batch 1 is the number of kernels times a few microseconds (benchmarks/launch_count.py).
 
 dt is already softplus'ed (and clamped); A is already -exp(A_log). SSM math is fp32.
 """
@@ -47,6 +55,7 @@ from toolkit.layers import causal_conv1d as conv
 from toolkit.layers import gdn
 from toolkit.layers import mamba1_mixer as m1
 from toolkit.layers import mamba2_mixer as m2
+from toolkit.layers import norms
 from toolkit import sampling
 
 
@@ -64,6 +73,9 @@ class Ops:
     gumbel_argmax: Callable
     gdn_update: Callable
     gdn_prefill: Callable
+    rms_norm: Callable
+    rms_norm_gated: Callable
+    mamba2_dt: Callable
 
 
 TORCH_OPS = Ops(
@@ -79,6 +91,9 @@ TORCH_OPS = Ops(
     gumbel_argmax=sampling.gumbel_argmax_ref,
     gdn_update=gdn.gdn_update_at_slots,
     gdn_prefill=gdn.gdn_prefill_at_slots,
+    rms_norm=norms.rms_norm,
+    rms_norm_gated=norms.rms_norm_gated_op,
+    mamba2_dt=m2.mamba2_dt,
 )
 
 
@@ -97,7 +112,7 @@ def triton_ops(device: torch.device) -> Ops:
                              "TRITON_INTERPRET=1 before triton is imported; triton was imported without "
                              "it. Set the variable at the top of the script or notebook.")
         os.environ["TRITON_INTERPRET"] = "1"
-    from toolkit.kernels import (causal_conv1d, gated_delta_rule, kv_cache, paged_attention, gumbel,
+    from toolkit.kernels import (causal_conv1d, gated_delta_rule, kv_cache, paged_attention, gumbel, rms_norm,
                                  selective_scan, selective_state_update, ssd_scan)
     return Ops(
         name="triton",
@@ -112,6 +127,9 @@ def triton_ops(device: torch.device) -> Ops:
         gumbel_argmax=gumbel.gumbel_argmax,
         gdn_update=gated_delta_rule.gdn_update,
         gdn_prefill=gated_delta_rule.gdn_prefill,
+        rms_norm=rms_norm.rms_norm,
+        rms_norm_gated=rms_norm.rms_norm_gated,
+        mamba2_dt=selective_state_update.mamba2_dt,
     )
 
 

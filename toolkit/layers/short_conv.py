@@ -66,7 +66,6 @@ class ShortConv(StateSlotMixer):
         u = B * x
         weight = self.conv.weight[:, 0, :]
         bias = self.conv.bias
-        v = torch.zeros_like(u)
 
         def decode(tok: slice, states: States, idx: torch.Tensor) -> torch.Tensor:
             return self.ops.conv_update(u[tok], states[0], idx, weight, bias, None)
@@ -75,5 +74,5 @@ class ShortConv(StateSlotMixer):
                     cu_seqlens: torch.Tensor, md) -> torch.Tensor:
             return self.ops.conv_prefill(u[tok], states[0], idx, has_init, cu_seqlens, weight, bias, None)
 
-        v = self.run_state_slots(attn_metadata, v, decode, prefill)
+        v = self.run_state_slots(attn_metadata, tuple(u.shape), u.dtype, decode, prefill)
         return self.out_proj(C * v)

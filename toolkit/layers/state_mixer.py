@@ -7,8 +7,8 @@ cache order, e.g. ("conv_state", "ssm_state")); tensor i is [S, *state_shapes()[
 per request slot (vLLM "SD" layout).
 
 Token order (BaseMambaAttentionMetadata contract): [decode tokens | prefill tokens | padding].
-A subclass's forward computes its per-token inputs, allocates a zero output buffer `out`
-[T, ...], and calls `run_state_slots(attn_metadata, out, decode, prefill)` with two closures
+A subclass's forward computes its per-token inputs and calls
+`run_state_slots(attn_metadata, out_shape, out_dtype, decode, prefill)` ([T, ...] output) with two closures
 holding only its own math, written with the ops of `self.ops` (toolkit/layers/ops.py), which
 read and write the state caches in place at state indices:
 
@@ -58,6 +58,7 @@ class StateSlotMixer(nn.Module, ABC):
         from toolkit.layers.ops import TORCH_OPS   # ops imports the mixers' reference functions
         self.layer_name = layer_name
         self.ops = TORCH_OPS                        # set_ops() swaps in the Triton kernels
+        self._neg_exp_A: tuple[tuple, torch.Tensor] | None = None
         self.unbind_kv_cache()
 
     @abstractmethod
@@ -96,34 +97,68 @@ class StateSlotMixer(nn.Module, ABC):
     def run_state_slots(
         self,
         attn_metadata: dict[str, object] | None,
-        out: torch.Tensor,
+        out_shape: tuple[int, ...],
+        out_dtype: torch.dtype,
         decode: DecodeFn,
         prefill: PrefillFn,
     ) -> torch.Tensor:
-        """Run one step's tokens through `decode` / `prefill` (see the module docstring).
+        """Run one step's tokens through `decode` / `prefill` (see the module docstring) and return
+        their outputs as one [T, ...] tensor of `out_shape` and `out_dtype`.
 
-        out: zero buffer [T, ...] on the step's device; decode rows' outputs go to out[:nd],
-        prefill rows' to out[nd : nd + npf], padding rows stay zero; returns out. attn_metadata
-        None (profile run): returns prefill's output for the whole batch as one sequence from a
-        zero state, with no state reads or writes.
+        Decode rows' outputs come first, then prefill rows', padding rows are zero. A step whose
+        tokens are all decode tokens (every CUDA-graph step) or all prefill tokens returns that
+        closure's output as it is: no zero buffer, no copy. attn_metadata None (profile run):
+        prefill's output for the whole batch as one sequence from a zero state, with no state
+        reads or writes.
         """
-        t = out.shape[0]
+        t = out_shape[0]
         if attn_metadata is None:
-            scratch = tuple(torch.zeros(1, *shape, dtype=dtype, device=out.device)
+            device = next(self.parameters()).device
+            scratch = tuple(torch.zeros(1, *shape, dtype=dtype, device=device)
                             for shape, dtype in zip(self.state_shapes(), self.state_dtypes()))
-            one_slot = torch.zeros(1, dtype=torch.int32, device=out.device)
-            cu = torch.tensor([0, t], device=out.device, dtype=torch.int32)
-            return prefill(slice(0, t), scratch, one_slot, one_slot.bool(), cu, None)
+            one_slot = torch.zeros(1, dtype=torch.int32, device=device)
+            cu = torch.tensor([0, t], device=device, dtype=torch.int32)
+            return self._checked(prefill(slice(0, t), scratch, one_slot, one_slot.bool(), cu, None),
+                                 out_shape, out_dtype, "prefill")
         md = attn_metadata[self.layer_name]
         states = self._bound_states()
-        nd = int(md.num_decode_tokens)
-        npf = int(md.num_prefill_tokens)
-        if int(md.num_decodes) > 0 and nd > 0:
-            if nd != int(md.num_decodes):
-                raise ValueError(f"{self.layer_name}: one token per decode row expected, got "
-                                 f"{nd} tokens for {md.num_decodes} decodes")
-            out[:nd] = decode(slice(0, nd), states, md.state_indices_tensor_d[:nd])
-        if int(md.num_prefills) > 0 and npf > 0:
-            out[nd : nd + npf] = prefill(slice(nd, nd + npf), states, md.state_indices_tensor_p,
-                                         md.has_initial_states_p, md.query_start_loc_p, md)
+        nd = int(md.num_decode_tokens) if int(md.num_decodes) > 0 else 0
+        npf = int(md.num_prefill_tokens) if int(md.num_prefills) > 0 else 0
+        if nd and nd != int(md.num_decodes):
+            raise ValueError(f"{self.layer_name}: one token per decode row expected, got "
+                             f"{nd} tokens for {md.num_decodes} decodes")
+
+        def run_decode() -> torch.Tensor:
+            y = decode(slice(0, nd), states, md.state_indices_tensor_d[:nd])
+            return self._checked(y, (nd, *out_shape[1:]), out_dtype, "decode")
+
+        def run_prefill() -> torch.Tensor:
+            y = prefill(slice(nd, nd + npf), states, md.state_indices_tensor_p, md.has_initial_states_p,
+                        md.query_start_loc_p, md)
+            return self._checked(y, (npf, *out_shape[1:]), out_dtype, "prefill")
+
+        if nd == t:
+            return run_decode()
+        if npf == t:
+            return run_prefill()
+        out = torch.zeros(out_shape, dtype=out_dtype, device=states[0].device)
+        if nd:
+            out[:nd] = run_decode()
+        if npf:
+            out[nd : nd + npf] = run_prefill()
         return out
+
+    def neg_exp_A(self) -> torch.Tensor:
+        """A = -exp(A_log) in fp32, cached while the parameter `A_log` is unchanged (same tensor,
+        same version: a weight load bumps it). vLLM computes A once at load time; recomputing it
+        would cost a decode step two kernels per layer, and a CUDA graph reads the cached tensor."""
+        key = (id(self.A_log), self.A_log._version, self.A_log.device)
+        if self._neg_exp_A is None or self._neg_exp_A[0] != key:
+            self._neg_exp_A = (key, -torch.exp(self.A_log.detach().to(torch.float32)))
+        return self._neg_exp_A[1]
+
+    def _checked(self, y: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> torch.Tensor:
+        if tuple(y.shape) != tuple(shape) or y.dtype != dtype:
+            raise RuntimeError(f"{self.layer_name}: {what} returned {y.dtype} {tuple(y.shape)}, "
+                               f"expected {dtype} {tuple(shape)}")
+        return y

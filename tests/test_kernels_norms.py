@@ -1,0 +1,104 @@
+"""The one-launch RMS norms and Mamba2's dt preparation against their torch references, under
+TRITON_INTERPRET=1 on the CPU: fp32 / fp16 / bf16, widths that are not powers of two, the views the
+layers pass (a column slice of a projection, per-head rows), both gated-norm orders, and bad input."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
+from toolkit.kernels import rms_norm as kn  # noqa: E402
+from toolkit.kernels import selective_state_update as ssu  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# both sides compute in fp32 and round at the same places: allow about one ulp of the output dtype
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+       torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
+
+
+def _weight(g, dim, dtype):
+    return (1 + 0.3 * torch.randn(dim, generator=g)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weight_dtype", ["same", torch.float32])
+def test_rms_norm_equals_reference(dtype, weight_dtype):
+    g = torch.Generator().manual_seed(0)
+    wide = (3 * torch.randn(7, 72, generator=g)).to(dtype)
+    x = wide[:, 5:45]                                         # D = 40, row stride 72
+    w = _weight(g, 40, dtype if weight_dtype == "same" else weight_dtype)
+    ours, ref = kn.rms_norm(x, w, 1e-6), kn.reference(x, w, 1e-6)
+    assert ours.dtype == ref.dtype and ours.shape == ref.shape
+    torch.testing.assert_close(ours, ref, **TOL[ref.dtype if ref.dtype != torch.float32 else dtype])
+
+
+def test_rms_norm_per_head_rows_and_empty_batch():
+    """q/k norms pass [T, heads, head_dim]; a profile run may pass no rows."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 3, 24, generator=g)
+    w = _weight(g, 24, torch.float32)
+    torch.testing.assert_close(kn.rms_norm(x, w, 1e-5), kn.reference(x, w, 1e-5), atol=1e-5, rtol=1e-5)
+    assert kn.rms_norm(torch.zeros(0, 24), w, 1e-5).shape == (0, 24)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm_before_gate, cast_normed", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("with_gate", [True, False])
+def test_rms_norm_gated_equals_reference(dtype, norm_before_gate, cast_normed, with_gate):
+    g = torch.Generator().manual_seed(2)
+    d, groups = 48, 3                                       # group_size 16; D not a power of two
+    proj = torch.randn(6, 2 * d + 8, generator=g).to(dtype)
+    gate = proj[:, 8:8 + d] if with_gate else None        # a column slice, as Mamba2 passes its gate
+    x = (2 * torch.randn(6, d, generator=g)).to(dtype)
+    w = _weight(g, d, dtype)
+    args = (x, gate, w, d // groups, 1e-5, norm_before_gate, cast_normed)
+    ours, ref = kn.rms_norm_gated(*args), kn.gated_reference(*args)
+    assert ours.dtype == ref.dtype
+    torch.testing.assert_close(ours, ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("norm_before_gate", [False, True])
+def test_rms_norm_gated_mamba2_case_fp32_y_model_dtype_gate_and_out(norm_before_gate):
+    """Mamba2 / Falcon-H1: y fp32, gate and weight bf16, output cast to bf16 in the same launch."""
+    g = torch.Generator().manual_seed(3)
+    y = torch.randn(4, 64, generator=g)
+    gate = torch.randn(4, 64, generator=g).to(torch.bfloat16)
+    w = _weight(g, 64, torch.bfloat16)
+    args = (y, gate, w, 32, 1e-6, norm_before_gate, False, torch.bfloat16)
+    ours, ref = kn.rms_norm_gated(*args), kn.gated_reference(*args)
+    assert ours.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(ours, ref, **TOL[torch.bfloat16])
+    # the only rounding is the final one: at most one bf16 ulp apart
+    assert ((ours.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7 + 1e-30).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("limit", [None, (0.0, float("inf")), (1e-3, 0.5)])
+def test_mamba2_dt_equals_reference(dtype, limit):
+    g = torch.Generator().manual_seed(4)
+    heads = 6
+    proj = torch.empty(40, heads + 10)
+    proj[:, :] = torch.linspace(-40, 40, 40 * (heads + 10)).reshape(40, heads + 10)   # tiny, small and past threshold 20
+    dt_raw = proj.to(dtype)[:, 10:]                           # the dt columns of in_proj's output
+    bias = torch.randn(heads, generator=g).to(dtype)
+    ours, ref = ssu.mamba2_dt(dt_raw, bias, limit), ssu.dt_reference(dt_raw, bias, limit)
+    assert ours.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(ours, ref, atol=0, rtol=2e-6)  # relative: softplus(-40) is 4e-18
+
+
+def test_bad_input_names_the_argument():
+    x, w = torch.randn(3, 8), torch.ones(8)
+    with pytest.raises(ValueError, match="x must be"):
+        kn.rms_norm(torch.randn(3, 6), w, 1e-6)
+    with pytest.raises(ValueError, match="contiguous in its last"):
+        kn.rms_norm(torch.randn(8, 3).t(), w, 1e-6)
+    with pytest.raises(ValueError, match="group_size"):
+        kn.rms_norm_gated(x, None, w, 3, 1e-6)
+    with pytest.raises(ValueError, match="gate must have"):
+        kn.rms_norm_gated(x, torch.randn(3, 4), w, 4, 1e-6)
+    with pytest.raises(ValueError, match="weight must be"):
+        kn.rms_norm(x, torch.ones(16)[::2], 1e-6)              # a strided weight
+    with pytest.raises(ValueError, match="dt_bias must be"):
+        ssu.mamba2_dt(torch.randn(3, 4), torch.ones(5))
+    with pytest.raises(ValueError, match="dt_raw must be"):
+        ssu.mamba2_dt(torch.randn(4, 3).t(), torch.ones(4))
