@@ -1,7 +1,7 @@
 """Kernels per decode step (toolkit/inspect/launches.py). A CUDA-graph decode step at batch 1 costs
 about its kernel count times a few microseconds, so the Triton backend's fusions are pinned here:
 a Mamba2 layer's decode is 8 launches (norm, residual add, in_proj, dt, conv, state update, gated
-norm, out_proj) where the torch references take about 75."""
+norm, out_proj) where the torch references take about 75; RoPE is one launch for q and k."""
 from __future__ import annotations
 
 import pytest
@@ -39,6 +39,13 @@ def test_mamba2_decode_layer_is_eight_launches_on_the_triton_backend():
     assert dict(counter.torch_ops) == {**{k: v * layers for k, v in per_layer.items()}, "embedding": 1}
     assert dict(counter.triton) == {k: v * layers + (k == "_rms_norm_kernel") for k, v in per_layer_triton.items()}
     assert counter.total == 8 * layers + 2                   # + embedding and the final norm
+
+
+def test_rope_and_norms_are_one_launch_each_in_attention_layers():
+    counter, layers = _decode_forward_launches("tiny-llama", "triton")
+    assert counter.triton["_rotary_kernel"] == layers            # q and k together
+    assert counter.triton["_rms_norm_kernel"] == 2 * layers + 1
+    assert not {"cos", "sin", "cat", "neg", "pow", "rsqrt"} & set(counter.torch_ops)
 
 
 def test_the_torch_backend_counts_the_same_way():

@@ -35,6 +35,8 @@ a padded prefill sequence is computed from a zero state (the profile run relies 
                    cast_normed, out_dtype | None) -> [..., D]           (norms.rms_norm_gated_op)
     mamba2_dt(dt_raw [T, H], dt_bias [H], dt_limit (lo, hi) | None) -> fp32 [T, H]
         clamp(softplus(dt_raw + dt_bias), lo, hi)
+    rotary(positions [T], q [T, Hq, D], k [T, Hkv, D], inv_freq fp32 [R/2], scaling, rotary_dim R)
+        -> (q, k) with RoPE on their first R channels                   (rotary.apply_rotary)
 
 The Triton set does each of these in one launch, which is what a CUDA-graph decode step needs:
 its time at batch 1 is the number of kernels times a few microseconds (benchmarks/launch_count.py).
@@ -56,6 +58,7 @@ from toolkit.layers import gdn
 from toolkit.layers import mamba1_mixer as m1
 from toolkit.layers import mamba2_mixer as m2
 from toolkit.layers import norms
+from toolkit.layers import rotary
 from toolkit import sampling
 
 
@@ -76,6 +79,7 @@ class Ops:
     rms_norm: Callable
     rms_norm_gated: Callable
     mamba2_dt: Callable
+    rotary: Callable
 
 
 TORCH_OPS = Ops(
@@ -94,6 +98,7 @@ TORCH_OPS = Ops(
     rms_norm=norms.rms_norm,
     rms_norm_gated=norms.rms_norm_gated_op,
     mamba2_dt=m2.mamba2_dt,
+    rotary=rotary.apply_rotary,
 )
 
 
@@ -114,6 +119,7 @@ def triton_ops(device: torch.device) -> Ops:
         os.environ["TRITON_INTERPRET"] = "1"
     from toolkit.kernels import (causal_conv1d, gated_delta_rule, kv_cache, paged_attention, gumbel, rms_norm,
                                  selective_scan, selective_state_update, ssd_scan)
+    from toolkit.kernels import rotary as rotary_kernel
     return Ops(
         name="triton",
         conv_update=causal_conv1d.causal_conv1d_update,
@@ -130,6 +136,7 @@ def triton_ops(device: torch.device) -> Ops:
         rms_norm=rms_norm.rms_norm,
         rms_norm_gated=rms_norm.rms_norm_gated,
         mamba2_dt=selective_state_update.mamba2_dt,
+        rotary=rotary_kernel.apply_rotary,
     )
 
 

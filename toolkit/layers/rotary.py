@@ -34,6 +34,34 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T], inv_freq fp32 [R/2] -> (cos, sin) each [T, R] in `dtype` (HF: fp32, scaled, cast)."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim], cos/sin [T, R] -> x with its first R channels rotated (same dtype)."""
+    rd = cos.shape[-1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    if rd == x.shape[-1]:
+        return x * c + rotate_half(x) * s
+    x_rot, x_pass = x[..., :rd], x[..., rd:]
+    return torch.cat((x_rot * c + rotate_half(x_rot) * s, x_pass), dim=-1)
+
+
+def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor,
+                 scaling: float, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op (`Ops.rotary`; the Triton kernel has this signature): positions [T] int, q [T, Hq, D],
+    k [T, Hkv, D], inv_freq fp32 [rotary_dim / 2] -> (q, k) rotated, new tensors."""
+    if 2 * inv_freq.shape[0] != rotary_dim:
+        raise ValueError(f"inv_freq has {inv_freq.shape[0]} frequencies, rotary_dim {rotary_dim} needs {rotary_dim // 2}")
+    cos, sin = cos_sin(positions, inv_freq, scaling, q.dtype)
+    return rotate(q, cos, sin), rotate(k, cos, sin)
+
+
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to q [T, n_q_heads, head_dim] and k [T, n_kv_heads, head_dim] at positions [T].
 
@@ -66,6 +94,8 @@ class RotaryEmbedding(nn.Module):
         self.attention_scaling = float(scaling)
         self._inv_freq_cpu = inv_freq
         self._inv_freq_cache: dict[torch.device, torch.Tensor] = {}
+        from toolkit.layers.ops import TORCH_OPS    # ops imports this module's reference
+        self.ops = TORCH_OPS                        # set_ops() swaps in the Triton kernel
 
     @staticmethod
     def _frequencies(
@@ -97,29 +127,12 @@ class RotaryEmbedding(nn.Module):
             self._inv_freq_cache[device] = t
         return t
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> (cos, sin) each [T, rotary_dim] in `dtype`."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq(positions.device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos() * self.attention_scaling
-        sin = emb.sin() * self.attention_scaling
-        return cos.to(dtype), sin.to(dtype)
-
-    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim], cos/sin [T, rotary_dim] -> rotated x (same shape/dtype)."""
-        rd = self.rotary_dim
-        c, s = cos[:, None, :], sin[:, None, :]
-        if rd == x.shape[-1]:
-            return x * c + rotate_half(x) * s
-        x_rot, x_pass = x[..., :rd], x[..., rd:]
-        return torch.cat((x_rot * c + rotate_half(x_rot) * s, x_pass), dim=-1)
-
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] int, q [T, Hq, D], k [T, Hkv, D] -> (q, k) rotated."""
-        cos, sin = self.cos_sin(positions, q.dtype)
-        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+        return self.ops.rotary(positions, q, k, self.inv_freq(positions.device), self.attention_scaling,
+                               self.rotary_dim)
 
     def extra_repr(self) -> str:
         return f"type={self.rope_type}, head_dim={self.head_dim}, rotary_dim={self.rotary_dim}"

@@ -1,0 +1,58 @@
+"""The one-launch RoPE kernel against its torch reference under TRITON_INTERPRET=1: fp32 / fp16 / bf16,
+full and partial rotary, GQA (different head counts for q and k), strided views of a fused qkv
+projection, large positions, attention scaling (yarn), and bad input."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
+from toolkit.kernels import rotary as kr  # noqa: E402
+from toolkit.layers.rotary import default_inv_freq  # noqa: E402
+
+# the kernel rounds where the reference's dtype ops do; cos/sin may differ by an fp32 ulp before rounding
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+       torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim, rotary_dim", [(16, 16), (24, 12), (20, 8)])
+def test_rotary_equals_reference(dtype, head_dim, rotary_dim):
+    g = torch.Generator().manual_seed(0)
+    t, hq, hkv = 7, 4, 2
+    qkv = torch.randn(t, (hq + 2 * hkv) * head_dim + 8, generator=g).to(dtype)
+    q = qkv[:, : hq * head_dim].view(t, hq, head_dim)                       # row stride > hq * head_dim
+    k = qkv[:, hq * head_dim : (hq + hkv) * head_dim].view(t, hkv, head_dim)
+    positions = torch.tensor([0, 1, 2, 17, 300, 4095, 65000])
+    inv = default_inv_freq(rotary_dim, 10000.0)
+    for scaling in (1.0, 1.2):
+        ours, ref = kr.apply_rotary(positions, q, k, inv, scaling, rotary_dim), kr.reference(positions, q, k, inv,
+                                                                                             scaling, rotary_dim)
+        for o, r in zip(ours, ref):
+            assert o.dtype == r.dtype and o.shape == r.shape
+            torch.testing.assert_close(o, r, **TOL[dtype])
+            torch.testing.assert_close(o[..., rotary_dim:], r[..., rotary_dim:], atol=0, rtol=0)  # passed through
+
+
+def test_rotary_position_zero_is_the_identity_and_empty_batch():
+    q, k = torch.randn(1, 2, 8), torch.randn(1, 1, 8)
+    inv = default_inv_freq(8, 10000.0)
+    oq, ok = kr.apply_rotary(torch.zeros(1, dtype=torch.int64), q, k, inv, 1.0, 8)
+    assert torch.equal(oq, q) and torch.equal(ok, k)
+    eq, ek = kr.apply_rotary(torch.zeros(0, dtype=torch.int64), q[:0], k[:0], inv, 1.0, 8)
+    assert eq.shape == (0, 2, 8) and ek.shape == (0, 1, 8)
+
+
+def test_bad_input_names_the_argument():
+    q, k, pos = torch.randn(3, 2, 8), torch.randn(3, 1, 8), torch.arange(3)
+    inv = default_inv_freq(8, 10000.0)
+    with pytest.raises(ValueError, match="positions must be"):
+        kr.apply_rotary(pos.float(), q, k, inv, 1.0, 8)
+    with pytest.raises(ValueError, match="inv_freq must be"):
+        kr.apply_rotary(pos, q, k, inv, 1.0, 6)
+    with pytest.raises(ValueError, match="k must be"):
+        kr.apply_rotary(pos, q, torch.randn(2, 1, 8), inv, 1.0, 8)
+    with pytest.raises(ValueError, match="rotary_dim 16 exceeds"):
+        kr.apply_rotary(pos, q, k, default_inv_freq(16, 10000.0), 1.0, 16)
+    with pytest.raises(ValueError, match="share a dtype and head_dim"):
+        kr.apply_rotary(pos, q, k.half(), inv, 1.0, 8)
