@@ -8,6 +8,7 @@
 #   4. the kernel micro-benchmarks (bandwidth vs the measured copy bandwidth; SSD layer prefill vs HF);
 #   5. decode (batch 1, 32, 128) and prefill (128 x 64) on shape-true presets, bf16: runner eager, runner
 #      with CUDA graphs and HF generate in one process, with the fraction of the memory roofline;
+#   6. kernels per decode step on CUDA (benchmarks/launch_count.py: forward and the rest of the step);
 #   (tests/test_cudagraph.py's GPU cases: graphs equal eager for every preset, memory back to baseline.)
 # Needs torch with CUDA, triton, transformers >= 5.24, safetensors, tqdm and pytest (the GPU image has all,
 # but its transformers 5.17 lacks Mamba2's grouped gated norm: carry the 5.24 wheel in .whl/, which this
@@ -15,7 +16,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform any -d .whl transformers==5.24.0        # then run with carry [".whl"]
 # Runs from the source tree, no install of the project. `bash benchmarks/gpu_check.sh tests` runs steps 1-3,
-# `... bench` steps 4-5 (each should fit one 10-minute device command), no argument both.
+# `... bench` steps 4-6 (each should fit one 10-minute device command), no argument both.
 # Steps 1-2 run to the end even if one fails, so one run shows every result.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +38,8 @@ python3 -m pytest tests/test_cudagraph.py tests/test_runner_parity.py tests/test
     || status=1
 fi
 if [ "$part" != "tests" ]; then
+python3 benchmarks/launch_count.py --device cuda --presets mamba2-130m-shape lfm2-350m-shape bamba-300m-shape \
+    tiny-mamba2 tiny-qwen3-next || status=1
 python3 benchmarks/kernel_bench.py --dtype bfloat16 || status=1
 python3 benchmarks/gpu_decode.py --dtype bfloat16 --repeats 2 || status=1
 fi

@@ -12,23 +12,33 @@ from toolkit import LLM, SamplingParams  # noqa: E402
 from toolkit.inspect.launches import LaunchCounter  # noqa: E402
 
 
-def _decode_forward_launches(preset: str, backend: str) -> tuple[LaunchCounter, int]:
+def _decode_step_launches(preset: str, backend: str) -> tuple[LaunchCounter, LaunchCounter, int]:
+    """(forward, whole runner step) counters of the last of two decode steps at batch 1, and the layers."""
     llm = LLM(preset, inspect="off", backend=backend, max_num_seqs=2, max_model_len=32, max_num_batched_tokens=32)
-    model = llm.model
-    counters: list[LaunchCounter] = []
-    forward = model.forward
+    runner, model = llm.model_runner, llm.model
+    counters: list[tuple[LaunchCounter, LaunchCounter]] = []
+    forward, execute, sample = model.forward, runner.execute_model, runner.sample_tokens
 
-    def counted(*args, **kwargs):
-        counters.append(LaunchCounter())
-        with counters[-1]:
-            return forward(*args, **kwargs)
+    def counted(fn, which):
+        def call(*args, **kwargs):
+            if fn is execute:
+                counters.append((LaunchCounter(), LaunchCounter()))
+            with counters[-1][which]:
+                return fn(*args, **kwargs)
+        return call
 
-    model.forward = counted
+    model.forward = counted(forward, 0)
+    runner.execute_model, runner.sample_tokens = counted(execute, 1), counted(sample, 1)
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
                  use_tqdm=False)
     layers = len(model.body.layers)
     llm.shutdown()
-    return counters[-1], layers
+    return counters[-1][0], counters[-1][1], layers
+
+
+def _decode_forward_launches(preset: str, backend: str) -> tuple[LaunchCounter, int]:
+    forward, _, layers = _decode_step_launches(preset, backend)
+    return forward, layers
 
 
 def test_mamba2_decode_layer_is_eight_launches_on_the_triton_backend():
@@ -62,3 +72,15 @@ def test_counter_counts_kernels_not_views_or_allocations():
         z = (y + 1) * 2                    # two kernels
         z.sum()                            # one more
     assert dict(c.torch_ops) == {"add": 1, "mul": 1, "sum": 1}
+
+
+def test_the_rest_of_a_decode_step_launches_little():
+    """Outside the forward (eager even with CUDA graphs): the host-to-device input copies (ids
+    gathered on the device from the last sampled tokens, positions, query_start_loc, seq_lens,
+    idx_mapping, logits_indices, the block table and the slot mapping, computed on the host), the
+    LM head, argmax and remembering the sampled ids. It was 28 before the slot mapping moved to
+    the host and the padding fills into the copies."""
+    forward, step, _ = _decode_step_launches("tiny-mamba2", "triton")
+    rest = step.total - forward.total
+    assert rest <= 14, step.table()
+    assert not {"repeat_interleave", "remainder", "floor_divide", "fill_", "zero_"} & set(step.torch_ops)

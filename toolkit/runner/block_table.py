@@ -49,30 +49,33 @@ class BlockTables:
                             ) -> tuple[torch.Tensor, ...]:
         """Rows of the batch, in batch order: tuple over groups of int32 [num_rows, W_g] (device
         views; num_rows defaults to B). Rows past B are padded rows: every entry the null block /
-        null state slot 0, rewritten every step so no stale real id survives there."""
+        null state slot 0, rewritten every step so no stale real id survives there. One
+        host-to-device copy per group."""
         b = len(idx_mapping_np)
         rows = b if num_rows is None else num_rows
         out = []
         for g, table in enumerate(self.tables):
+            host = np.zeros((rows, table.shape[1]), dtype=np.int32)
+            host[:b] = table[idx_mapping_np]
             dst = self.input_block_tables[g][:rows]
-            copy_to(dst[:b], table[idx_mapping_np])
-            dst[b:].zero_()
+            copy_to(dst, host)
             out.append(dst)
         return tuple(out)
 
-    def compute_slot_mappings(self, block_tables: tuple[torch.Tensor, ...], query_start_loc: torch.Tensor,
-                              positions: torch.Tensor, num_tokens: int, num_padded: int | None = None
-                              ) -> torch.Tensor:
-        """int64 [G, num_padded or num_tokens] view of the persistent slot-mapping buffer: the
-        batch's tokens (query_start_loc [B+1], positions [num_tokens]), then PAD_SLOT_ID for the
-        padded tokens of a padded batch (block_tables may hold its padded rows too)."""
-        num_reqs = query_start_loc.shape[0] - 1
-        query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
-        token_rows = torch.repeat_interleave(torch.arange(num_reqs, device=positions.device), query_lens,
-                                             output_size=num_tokens)    # known on the host: no sync
-        for g, table in enumerate(block_tables):
+    def compute_slot_mappings(self, idx_mapping_np: np.ndarray, query_start_loc_np: np.ndarray,
+                              num_computed_np: np.ndarray, num_padded: int | None = None) -> torch.Tensor:
+        """int64 [G, num_padded or T] view of the persistent slot-mapping buffer: the slots of the
+        batch's T tokens (row r's tokens sit at positions num_computed[r], num_computed[r] + 1, ...),
+        then PAD_SLOT_ID for the padded tokens of a padded batch. Computed on the host from the
+        CPU tables (the authority), then one host-to-device copy per group."""
+        qsl = query_start_loc_np
+        num_tokens = int(qsl[-1])
+        token_rows = np.repeat(np.arange(len(qsl) - 1), np.diff(qsl))
+        positions = num_computed_np[token_rows].astype(np.int64) + np.arange(num_tokens) - qsl[token_rows]
+        width = num_padded or num_tokens
+        for g, table in enumerate(self.tables):
             bs = self.block_sizes[g]
-            block_ids = table[token_rows, positions // bs].long()
-            self.slot_mappings[g, :num_tokens] = block_ids * bs + positions % bs
-            self.slot_mappings[g, num_tokens:] = PAD_SLOT_ID
-        return self.slot_mappings[:, :num_padded or num_tokens]
+            slots = np.full(width, PAD_SLOT_ID, dtype=np.int64)
+            slots[:num_tokens] = table[idx_mapping_np[token_rows], positions // bs].astype(np.int64) * bs + positions % bs
+            copy_to(self.slot_mappings[g, :width], slots)
+        return self.slot_mappings[:, :width]

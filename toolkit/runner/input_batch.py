@@ -91,24 +91,31 @@ def prepare_inputs(buffers: InputBuffers, req_states: RequestStates, req_ids: li
     positions = np.concatenate([np.arange(c, c + n) for c, n in zip(computed, q)]) if b else \
         np.zeros(0, dtype=np.int64)
     token_rows = np.repeat(np.arange(b), q)
-    # prompt tokens come from the CPU history; positions past prefill_len are decode inputs and
-    # come from the device-side last sampled token (MRV2: combine_sampled_and_draft_tokens)
-    ids = req_states.all_token_ids[torch.from_numpy(idx_np[token_rows]),
-                                   torch.from_numpy(np.minimum(positions, prefill_len[token_rows] - 1))]
     from_sampled = positions >= prefill_len[token_rows]
 
     d = buffers
-    copy_to(d.input_ids[:t], ids)
-    copy_to(d.positions[:t], positions.astype(np.int64))
-    if from_sampled.any():
-        tok_idx = to_device(np.nonzero(from_sampled)[0], d.input_ids.device)
-        rows = to_device(idx_np[token_rows[from_sampled]], d.input_ids.device)
-        d.input_ids[tok_idx] = req_states.last_sampled_tokens[rows].to(torch.int32)
-    copy_to(d.query_start_loc[:b + 1], qsl)
-    d.query_start_loc[b + 1:] = t                      # padding repeats the total
-    copy_to(d.seq_lens[:b], seq_lens)
-    d.seq_lens[b:] = 0
     copy_to(d.idx_mapping[:b], idx_np)
+    # prompt tokens come from the CPU history; positions past prefill_len are decode inputs and
+    # come from the device-side last sampled token (MRV2: combine_sampled_and_draft_tokens)
+    if b and t == b and from_sampled.all():          # a decode-only step: every input was just sampled
+        d.input_ids[:t] = req_states.last_sampled_tokens[d.idx_mapping[:b]]
+    else:
+        ids = req_states.all_token_ids[torch.from_numpy(idx_np[token_rows]),
+                                       torch.from_numpy(np.minimum(positions, prefill_len[token_rows] - 1))]
+        copy_to(d.input_ids[:t], ids)
+        if from_sampled.any():
+            tok_idx = to_device(np.nonzero(from_sampled)[0], d.input_ids.device)
+            rows = to_device(idx_np[token_rows[from_sampled]], d.input_ids.device)
+            d.input_ids[tok_idx] = req_states.last_sampled_tokens[rows].to(torch.int32)
+    copy_to(d.positions[:t], positions.astype(np.int64))
+    # whole buffers, so the rows past B need no separate fill: query_start_loc repeats the total
+    # there, seq_lens is 0
+    qsl_full = np.full(d.query_start_loc.shape[0], t, dtype=np.int32)
+    qsl_full[:b + 1] = qsl
+    copy_to(d.query_start_loc, qsl_full)
+    seq_lens_full = np.zeros(d.seq_lens.shape[0], dtype=np.int32)
+    seq_lens_full[:b] = seq_lens
+    copy_to(d.seq_lens, seq_lens_full)
     copy_to(d.logits_indices[:b], qsl[1:].astype(np.int64) - 1)
 
     return InputBatch(

@@ -119,7 +119,7 @@ class ModelRunner:
         forward_batch = input_batch if padded is None else pad_decode_batch(self.input_buffers, input_batch, padded)
         block_tables = self.block_tables.gather_block_tables(input_batch.idx_mapping_np, padded)
         slot_mappings = self.block_tables.compute_slot_mappings(
-            block_tables, input_batch.query_start_loc, input_batch.positions, input_batch.num_tokens, padded)
+            input_batch.idx_mapping_np, input_batch.query_start_loc_np, input_batch.num_computed_tokens_np, padded)
         inputs_done = time.perf_counter()
         self.model_state.preprocess_state(forward_batch)
         attn_metadata = self.model_state.prepare_attn(forward_batch, block_tables, slot_mappings,
@@ -153,7 +153,10 @@ class ModelRunner:
             return {}
         start = time.perf_counter()
         batch = state.input_batch
-        logits = self.model.compute_logits(state.hidden_states[batch.logits_indices])
+        hidden = state.hidden_states
+        # one token per row: the last tokens are rows 0..B-1 (a view, no gather)
+        last = hidden[:batch.num_reqs] if batch.num_tokens == batch.num_reqs else hidden[batch.logits_indices]
+        logits = self.model.compute_logits(last)
         state.logits = logits
         # a row whose chunk ends before its known tokens do (partial prefill) draws nothing
         draws = batch.num_computed_tokens_np + batch.num_scheduled_tokens >= batch.prefill_len_np
