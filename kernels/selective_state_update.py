@@ -1,13 +1,14 @@
 """Mamba2 selective state update (the decode step), in place at state indices: the Triton kernel,
 its launcher and the torch reference it must equal.
 
-state [S, H, P, N] (fp32 cache); x [B, H, P]; dt [B, H] (already softplus'ed and clamped, > 0);
+state [S, H, P, N] (fp32 cache); x [B, H, P]; dt [B, H] (already softplus'ed and clamped, > 0; or raw,
+with dt_bias [H] and dt_limit given: then prepared in the kernel as `mamba2_dt` does, mamba_ssm's dt_softplus);
 A [H] (negative); B, C [B, G, N] (head h reads group h // (H // G)); D [H] or None;
 state_indices int [B] (PAD_SLOT_ID = -1: a padded row, nothing read or written). For each real row:
     state[slot] = state[slot] * exp(dt * A) + (dt * x) outer B ;   y = state[slot] . C + D * x
 Returns y fp32 [B, H, P] (padded rows 0).
 
-Also here, as every Mamba2 step needs it before the update or the SSD scan: `mamba2_dt`, the
+Also here, as every Mamba2 prefill needs it before the SSD scan: `mamba2_dt`, the
 dt preparation clamp(softplus(dt_raw + dt_bias), lo, hi) in one launch (reference
 toolkit/layers/mamba2_mixer.mamba2_dt, four to five torch kernels).
 """
@@ -22,10 +23,24 @@ from toolkit.layers.mamba2_mixer import mamba2_dt as dt_reference  # noqa: F401 
 
 
 @triton.jit
-def _ssu_kernel(state_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, idx_ptr, y_ptr,
+def _prepared_dt(v, lo, hi, HAS_CLAMP: tl.constexpr):
+    """clamp(softplus(v), lo, hi) for fp32 v, softplus as torch computes it (threshold 20); log1p(e)
+    by Goldberg's trick, exact where 1 + e rounds to 1."""
+    e = tl.exp(tl.minimum(v, 20.0))
+    u = 1.0 + e
+    log1p_e = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
+    dt = tl.where(v > 20.0, v, log1p_e)
+    if HAS_CLAMP:
+        dt = tl.minimum(tl.maximum(dt, lo), hi)
+    return dt
+
+
+@triton.jit
+def _ssu_kernel(state_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, idx_ptr, y_ptr, dt_bias_ptr,
                 heads_per_group, head_dim, d_state,
-                s_slot, s_head, s_p, x_b, x_h, dt_b, bc_b, bc_g, y_b, y_h,
-                HAS_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+                s_slot, s_head, s_p, x_b, x_h, dt_b, bc_b, bc_g, y_b, y_h, dt_lo, dt_hi,
+                HAS_D: tl.constexpr, DT_BIAS: tl.constexpr, DT_CLAMP: tl.constexpr,
+                BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program (row, head, block of P): one [BLOCK_P, N] tile of the state."""
     row = tl.program_id(0)
     h = tl.program_id(1)
@@ -39,6 +54,8 @@ def _ssu_kernel(state_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, idx_ptr, y
     g = h // heads_per_group
     x = tl.load(x_ptr + row * x_b + h * x_h + p, mask=mp, other=0.0).to(tl.float32)
     dt = tl.load(dt_ptr + row * dt_b + h).to(tl.float32)
+    if DT_BIAS:                                              # raw dt: prepare it here (mamba2_dt)
+        dt = _prepared_dt(dt + tl.load(dt_bias_ptr + h).to(tl.float32), dt_lo, dt_hi, DT_CLAMP)
     dA = tl.exp(dt * tl.load(a_ptr + h).to(tl.float32))
     Bv = tl.load(b_ptr + row * bc_b + g * bc_g + n, mask=mn, other=0.0).to(tl.float32)
     Cv = tl.load(c_ptr + row * bc_b + g * bc_g + n, mask=mn, other=0.0).to(tl.float32)
@@ -55,8 +72,10 @@ def _ssu_kernel(state_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, idx_ptr, y
 
 def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
                            B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None,
-                           state_indices: torch.Tensor) -> torch.Tensor:
-    """Launcher: checks shapes, dtypes and strides; updates `state` in place; returns y fp32."""
+                           state_indices: torch.Tensor, dt_bias: torch.Tensor | None = None,
+                           dt_limit=None) -> torch.Tensor:
+    """Launcher: checks shapes, dtypes and strides; updates `state` in place; returns y fp32.
+    With dt_bias [H], dt is raw and prepared in the kernel as `mamba2_dt(dt, dt_bias, dt_limit)`."""
     if state.dim() != 4:
         raise ValueError(f"state must be [S, H, P, N], got {tuple(state.shape)}")
     _, heads, head_dim, d_state = state.shape
@@ -81,16 +100,20 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
             raise ValueError(f"{name} must be contiguous in its last dimension, strides {t.stride()}")
     if B.stride() != C.stride():
         raise ValueError(f"B and C must share strides, got {B.stride()} and {C.stride()}")
+    if dt_bias is not None and (tuple(dt_bias.shape) != (heads,) or dt_bias.device != x.device):
+        raise ValueError(f"dt_bias must be [H={heads}] on {x.device}, got {tuple(dt_bias.shape)} on {dt_bias.device}")
+    lo, hi = (float(dt_limit[0]), float(dt_limit[1])) if dt_limit is not None else (0.0, float("inf"))
     y = torch.empty(b, heads, head_dim, dtype=torch.float32, device=x.device)
     if b == 0:
         return y
     block_p = min(triton.next_power_of_2(head_dim), 32)
     _ssu_kernel[(b, heads, triton.cdiv(head_dim, block_p))](
         state, x, dt, A, B, C, D if D is not None else A, state_indices, y,
-        heads // groups, head_dim, d_state,
+        dt_bias if dt_bias is not None else A, heads // groups, head_dim, d_state,
         state.stride(0), state.stride(1), state.stride(2), x.stride(0), x.stride(1), dt.stride(0),
-        B.stride(0), B.stride(1), y.stride(0), y.stride(1),
-        HAS_D=D is not None, BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(d_state))
+        B.stride(0), B.stride(1), y.stride(0), y.stride(1), lo, hi,
+        HAS_D=D is not None, DT_BIAS=dt_bias is not None, DT_CLAMP=dt_bias is not None and (lo > 0.0 or hi != float("inf")),
+        BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(d_state))
     return y
 
 
@@ -103,13 +126,7 @@ def _dt_kernel(dt_ptr, bias_ptr, out_ptr, heads, stride_t, lo, hi, HAS_CLAMP: tl
     mask = h < heads
     v = (tl.load(dt_ptr + t * stride_t + h, mask=mask, other=0.0).to(tl.float32)
          + tl.load(bias_ptr + h, mask=mask, other=0.0).to(tl.float32))
-    # softplus as torch computes it (threshold 20); log1p(e) by Goldberg's trick, exact where 1 + e rounds to 1
-    e = tl.exp(tl.minimum(v, 20.0))
-    u = 1.0 + e
-    log1p_e = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
-    dt = tl.where(v > 20.0, v, log1p_e)
-    if HAS_CLAMP:
-        dt = tl.minimum(tl.maximum(dt, lo), hi)
+    dt = _prepared_dt(v, lo, hi, HAS_CLAMP)
     tl.store(out_ptr + t * heads + h, dt, mask=mask)
 
 

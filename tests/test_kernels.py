@@ -92,6 +92,32 @@ def test_selective_state_update_equals_reference(dtype, groups, with_d):
     assert torch.equal(ours_state[[0, 3]], state[[0, 3]]) and (y[1] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dt_limit", [None, (0.0, float("inf")), (0.05, 0.8)])
+def test_selective_state_update_prepares_raw_dt_like_mamba2_dt(dtype, dt_limit):
+    """dt_bias given: dt is the raw in_proj column (a strided view), prepared in the kernel; equal to
+    preparing it first with the torch reference of `mamba2_dt` and updating with that."""
+    from toolkit.kernels import selective_state_update as ssu
+    g = torch.Generator().manual_seed(5)
+    slots, heads, head_dim, d_state, b = 6, 4, 8, 16, 5
+    state = torch.randn(slots, heads, head_dim, d_state, generator=g)
+    proj = (6 * torch.randn(b, heads * head_dim + 2 * d_state + heads, generator=g)).to(dtype)
+    x = proj[:, :heads * head_dim].view(b, heads, head_dim)
+    B = proj[:, heads * head_dim:heads * head_dim + d_state].view(b, 1, d_state)
+    C = proj[:, heads * head_dim + d_state:heads * head_dim + 2 * d_state].view(b, 1, d_state)
+    dt_raw = proj[:, -heads:]
+    dt_bias = torch.randn(heads, generator=g).to(dtype)
+    A, D = -torch.rand(heads, generator=g) - 0.5, torch.randn(heads, generator=g)
+    idx = torch.tensor([3, 0, -1, 5, 1])
+    ours_state, ref_state = state.clone(), state.clone()
+    y = ssu.selective_state_update(ours_state, x, dt_raw, A, B, C, D, idx, dt_bias, dt_limit)
+    y_ref = ssu.reference(ref_state, x, ssu.dt_reference(dt_raw, dt_bias, dt_limit), A, B, C, D, idx)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_state, ref_state, atol=1e-5, rtol=1e-5)
+    y_ref_raw = ssu.reference(state.clone(), x, dt_raw, A, B, C, D, idx, dt_bias, dt_limit)  # the op's own form
+    torch.testing.assert_close(y_ref_raw, y_ref, atol=0, rtol=0)
+
+
 def test_selective_state_update_launcher_names_what_is_wrong():
     from toolkit.kernels import selective_state_update as ssu
     state = torch.zeros(3, 4, 8, 16)
@@ -102,3 +128,6 @@ def test_selective_state_update_launcher_names_what_is_wrong():
     with pytest.raises(ValueError, match=r"x must be \[B, H=4, P=8\]"):
         ssu.selective_state_update(state, torch.zeros(2, 8, 4), dt, A, B[:, :1], B[:, :1], None,
                                    torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"dt_bias must be \[H=4\]"):
+        ssu.selective_state_update(state, x, dt, A, B[:, :1], B[:, :1], None, torch.zeros(2, dtype=torch.long),
+                                   torch.zeros(3))

@@ -1,7 +1,7 @@
 """Kernels per decode step (toolkit/inspect/launches.py). A CUDA-graph decode step at batch 1 costs
 about its kernel count times a few microseconds, so the Triton backend's fusions are pinned here:
-a Mamba2 layer's decode is 8 launches (norm, residual add, in_proj, dt, conv, state update, gated
-norm, out_proj) where the torch references take about 75; RoPE is one launch for q and k."""
+a Mamba2 layer's decode is 7 launches (norm, residual add, in_proj, conv, state update with dt
+prepared inside, gated norm, out_proj) where the torch references take about 75; RoPE is one launch for q and k."""
 from __future__ import annotations
 
 import pytest
@@ -41,14 +41,14 @@ def _decode_forward_launches(preset: str, backend: str) -> tuple[LaunchCounter, 
     return forward, layers
 
 
-def test_mamba2_decode_layer_is_eight_launches_on_the_triton_backend():
+def test_mamba2_decode_layer_is_seven_launches_on_the_triton_backend():
     counter, layers = _decode_forward_launches("tiny-mamba2", "triton")
     per_layer = {"linear": 2, "add": 1}                     # in/out projections, residual add
-    per_layer_triton = {"_rms_norm_kernel": 1, "_dt_kernel": 1, "_conv_update_kernel": 1, "_ssu_kernel": 1,
+    per_layer_triton = {"_rms_norm_kernel": 1, "_conv_update_kernel": 1, "_ssu_kernel": 1,
                         "_rms_norm_gated_kernel": 1}
     assert dict(counter.torch_ops) == {**{k: v * layers for k, v in per_layer.items()}, "embedding": 1}
     assert dict(counter.triton) == {k: v * layers + (k == "_rms_norm_kernel") for k, v in per_layer_triton.items()}
-    assert counter.total == 8 * layers + 2                   # + embedding and the final norm
+    assert counter.total == 7 * layers + 2                   # + embedding and the final norm
 
 
 def test_rope_and_norms_are_one_launch_each_in_attention_layers():

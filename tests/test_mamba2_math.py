@@ -149,3 +149,27 @@ def test_chunk_scan_rejects_bad_layout():
     x, dt, A, B, C, D, _ = _ssm_inputs(20, 1, seed=7)
     with pytest.raises(ValueError, match="chunk layout"):
         ssd_chunk_scan_varlen(x, dt, A, B, C, D, torch.tensor([0, 20]), torch.tensor([0]), torch.tensor([0]), 16, None)
+
+
+def test_cached_A_follows_in_place_edits_and_inference_mode_parameters():
+    """A = -exp(A_log) is cached per weight version (no kernels per step); an in-place edit of
+    A_log must show in the next call, and parameters made under inference_mode (no version
+    counter) are recomputed every time."""
+    from toolkit.layers.mamba2_mixer import Mamba2Mixer
+    kw = dict(layer_name="m", hidden_size=16, num_heads=4, head_dim=4, state_size=8, n_groups=1, conv_kernel=4,
+              chunk_size=8)
+    mixer = Mamba2Mixer(**kw)
+    with torch.no_grad():
+        mixer.A_log.copy_(torch.tensor([0.0, 1.0, 2.0, 3.0]))
+    first = mixer.neg_exp_A()
+    assert mixer.neg_exp_A() is first                                  # cached
+    with torch.no_grad():
+        mixer.A_log.mul_(2.0)
+    torch.testing.assert_close(mixer.neg_exp_A(), -torch.exp(torch.tensor([0.0, 2.0, 4.0, 6.0])))
+    with torch.inference_mode():
+        frozen = Mamba2Mixer(**kw)
+        frozen.A_log.fill_(1.0)
+        assert frozen.A_log.is_inference()
+        torch.testing.assert_close(frozen.neg_exp_A(), torch.full((4,), -torch.e))
+        frozen.A_log.fill_(0.0)
+        torch.testing.assert_close(frozen.neg_exp_A(), torch.full((4,), -1.0))

@@ -227,9 +227,14 @@ def ssd_chunk_scan_varlen(
 
 def mamba2_update_at_slots(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
                            B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None,
-                           state_indices: torch.Tensor) -> torch.Tensor:
+                           state_indices: torch.Tensor, dt_bias: torch.Tensor | None = None,
+                           dt_limit: Sequence[float] | None = None) -> torch.Tensor:
     """`ssm_step` in place at state indices: ssm_state [S, H, P, N] (row i reads and writes slot
-    state_indices[i]; -1: padded row, y = 0, nothing touched). Returns y fp32 [B, H, P]."""
+    state_indices[i]; -1: padded row, y = 0, nothing touched). Returns y fp32 [B, H, P].
+    With dt_bias, dt is raw: `mamba2_dt(dt, dt_bias, dt_limit)` is applied first (the kernel
+    does it in the same launch, as mamba_ssm's `dt_softplus`)."""
+    if dt_bias is not None:
+        dt = mamba2_dt(dt, dt_bias, dt_limit)
     y, new = ssm_step(initial_states_at(ssm_state, state_indices, None), x, dt, A, B, C, D)
     write_states_at(ssm_state, state_indices, new)
     return torch.where((state_indices >= 0).view(-1, 1, 1), y, torch.zeros((), dtype=y.dtype, device=y.device))
@@ -375,13 +380,13 @@ class Mamba2Mixer(StateSlotMixer):
         weight = self.conv1d.weight[:, 0, :]
         bias = self.conv1d.bias
         A = self.neg_exp_A()
-        dt = self.ops.mamba2_dt(dt_raw, self.dt_bias, self.time_step_limit)
 
         def decode(tok: slice, states: States, idx: torch.Tensor) -> torch.Tensor:
             conv_state, ssm_state = states
             xbc_d = self.ops.conv_update(xbc[tok], conv_state, idx, weight, bias, self.activation)
             x, B, C = self._split_xbc(xbc_d)
-            return self.ops.mamba2_update(ssm_state, x, dt[tok], A, B, C, self.D, idx)
+            return self.ops.mamba2_update(ssm_state, x, dt_raw[tok], A, B, C, self.D, idx,
+                                          self.dt_bias, self.time_step_limit)
 
         def prefill(tok: slice, states: States, idx: torch.Tensor, has_init: torch.Tensor,
                     cu_seqlens: torch.Tensor, md) -> torch.Tensor:
@@ -395,7 +400,8 @@ class Mamba2Mixer(StateSlotMixer):
                 chunks = (cu, sidx, last, self.chunk_size)
             else:
                 chunks = (md.cu_chunk_seqlen_p, md.seq_idx_p, md.last_chunk_indices_p, int(md.chunk_size))
-            return self.ops.ssd_scan(x, dt[tok], A, B, C, self.D, *chunks, ssm_state, idx, has_init)
+            dt = self.ops.mamba2_dt(dt_raw[tok], self.dt_bias, self.time_step_limit)
+            return self.ops.ssd_scan(x, dt, A, B, C, self.D, *chunks, ssm_state, idx, has_init)
 
         y = self.run_state_slots(attn_metadata, (t, self.num_heads, self.head_dim), torch.float32, decode, prefill)
         y = y.reshape(t, self.intermediate_size)

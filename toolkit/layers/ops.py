@@ -16,7 +16,8 @@ a padded prefill sequence is computed from a zero state (the profile run relies 
     mamba1_scan(x [T, Di], dt [T, Di], A, B [T, N], C [T, N], D, cu_seqlens [P+1],
                 ssm_state, state_indices [P], has_initial_state [P]) -> y fp32 [T, Di]
     mamba2_update(ssm_state [S, H, P, N], x [B, H, P], dt [B, H], A [H], B [B, G, N], C, D,
-                  state_indices) -> y fp32 [B, H, P]
+                  state_indices, dt_bias [H] | None = None, dt_limit = None) -> y fp32 [B, H, P]
+        with dt_bias, dt is raw and prepared inside (mamba2_dt below)
     ssd_scan(x [T, H, P], dt [T, H], A, B [T, G, N], C, D, cu_chunk_seqlens [C+1], seq_idx [C],
              last_chunk_indices [P], chunk_size, ssm_state, state_indices [P],
              has_initial_state [P]) -> y fp32 [T, H, P]
@@ -41,7 +42,7 @@ a padded prefill sequence is computed from a zero state (the profile run relies 
 The Triton set does each of these in one launch, which is what a CUDA-graph decode step needs:
 its time at batch 1 is the number of kernels times a few microseconds (benchmarks/launch_count.py).
 
-dt is already softplus'ed (and clamped); A is already -exp(A_log). SSM math is fp32.
+dt is already softplus'ed (and clamped) unless an op takes dt_bias; A is already -exp(A_log). SSM math is fp32.
 """
 from __future__ import annotations
 

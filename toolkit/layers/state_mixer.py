@@ -151,7 +151,11 @@ class StateSlotMixer(nn.Module, ABC):
     def neg_exp_A(self) -> torch.Tensor:
         """A = -exp(A_log) in fp32, cached while the parameter `A_log` is unchanged (same tensor,
         same version: a weight load bumps it). vLLM computes A once at load time; recomputing it
-        would cost a decode step two kernels per layer, and a CUDA graph reads the cached tensor."""
+        would cost a decode step two kernels per layer, and a CUDA graph reads the cached tensor.
+        Parameters made under torch.inference_mode have no version counter, so an in-place edit
+        could not be seen: A is then recomputed on every call."""
+        if self.A_log.is_inference():
+            return -torch.exp(self.A_log.to(torch.float32))
         key = (id(self.A_log), self.A_log._version, self.A_log.device)
         if self._neg_exp_A is None or self._neg_exp_A[0] != key:
             self._neg_exp_A = (key, -torch.exp(self.A_log.detach().to(torch.float32)))
