@@ -89,6 +89,42 @@ def cases(device: torch.device, dtype: torch.dtype, small: bool) -> list[Case]:
                         lambda s=state, x=x, d=dt_, A=A, B=B, C=C, D=D, i=idx: tri.mamba2_update(s, x, d, A, B, C, D, i),
                         lambda s=state, x=x, d=dt_, A=A, B=B, C=C, D=D, i=idx: ref.mamba2_update(s, x, d, A, B, C, D, i)))
 
+    # the same update as the model calls it: raw dt (a column of in_proj's output) prepared in the kernel
+    b = 2 if small else 256
+    state = rnd(b + 1, H, P, N, dt=f32)
+    x, dt_raw, dt_bias, A = rnd(b, H, P), rnd(b, H), rnd(H), -rnd(H, dt=f32).abs()
+    B, C, D = rnd(b, G, N), rnd(b, G, N), rnd(H, dt=f32)
+    idx = torch.arange(1, b + 1, device=device, dtype=torch.int32)
+    nbytes = 2 * b * H * P * N * 4 + b * H * P * (e + 4) + 2 * b * G * N * e + b * H * e
+    lim = (0.0, float("inf"))
+    out.append(Case("mamba2 state update, raw dt", f"B={b} H={H} P={P} N={N}", nbytes,
+                    lambda a=(state, x, dt_raw, A, B, C, D, idx, dt_bias, lim): tri.mamba2_update(*a),
+                    lambda a=(state, x, dt_raw, A, B, C, D, idx, dt_bias, lim): ref.mamba2_update(*a)))
+
+    # RMS norms: every block's (mamba2-130m hidden 768) and Mamba2's gated norm (1536 channels, one group)
+    for tokens in ([3] if small else [1, 256, 8192]):
+        hid = 40 if small else 768
+        xn, wn = rnd(tokens, hid), rnd(hid)
+        out.append(Case("rms norm", f"T={tokens} D={hid}", 2 * tokens * hid * e + hid * e,
+                        lambda x=xn, w=wn: tri.rms_norm(x, w, 1e-5), lambda x=xn, w=wn: ref.rms_norm(x, w, 1e-5)))
+    for tokens in ([3] if small else [1, 256]):
+        inter = 48 if small else 1536
+        y, z, wn = rnd(tokens, inter, dt=f32), rnd(tokens, inter), rnd(inter)
+        out.append(Case("gated rms norm", f"T={tokens} D={inter}", tokens * inter * (4 + 2 * e) + inter * e,
+                        lambda y=y, z=z, w=wn: tri.rms_norm_gated(y, z, w, inter, 1e-5, False, False, dtype),
+                        lambda y=y, z=z, w=wn: ref.rms_norm_gated(y, z, w, inter, 1e-5, False, False, dtype)))
+
+    # RoPE on q and k: lfm2-350m attention (16 / 8 heads, head_dim 64)
+    from toolkit.layers.rotary import default_inv_freq
+    rq, rk, rd = (4, 2, 16) if small else (16, 8, 64)
+    for tokens in ([3] if small else [1, 256]):
+        q, k = rnd(tokens, rq, rd), rnd(tokens, rk, rd)
+        pos = torch.arange(tokens, device=device) + 1000
+        inv = default_inv_freq(rd, 1e6).to(device)
+        out.append(Case("rotary q+k", f"T={tokens} Hq={rq} Hkv={rk} D={rd}", 2 * tokens * (rq + rk) * rd * e + tokens * 8,
+                        lambda q=q, k=k, p=pos, i=inv: tri.rotary(p, q, k, i, 1.0, rd),
+                        lambda q=q, k=k, p=pos, i=inv: ref.rotary(p, q, k, i, 1.0, rd)))
+
     # Mamba1 selective state update: mamba-130m layer
     Di, N1 = (16, 16) if small else (1536, 16)
     for b in ([2] if small else [1, 128, 256]):

@@ -12,6 +12,11 @@ from toolkit.errors import UnsupportedArchitectureError
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "swish": F.silu}
 
 
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up (`Ops.silu_and_mul`; the Triton kernel does it in one launch)."""
+    return F.silu(gate) * up
+
+
 def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """Activation by HF `hidden_act` name (only the SiLU family is used by the supported models)."""
     try:
@@ -30,7 +35,9 @@ class SwiGLUMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.act_fn = get_activation(hidden_act)
+        get_activation(hidden_act)              # validate: only the SiLU family is supported
+        from toolkit.layers.ops import TORCH_OPS    # ops imports this module's reference
+        self.ops = TORCH_OPS                        # set_ops() swaps in the Triton kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_proj(x), self.up_proj(x)))

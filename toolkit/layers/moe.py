@@ -133,12 +133,14 @@ class FusedExperts(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden_size, intermediate_size))
-        self.act_fn = get_activation(hidden_act)
+        get_activation(hidden_act)              # validate: only the SiLU family is supported
+        from toolkit.layers.ops import TORCH_OPS    # ops imports the layers' references
+        self.ops = TORCH_OPS                        # set_ops() swaps in the Triton kernel
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on x [N, H] -> [N, H]."""
         gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-        return F.linear(self.act_fn(gate) * up, self.down_proj[e])
+        return F.linear(self.ops.silu_and_mul(gate, up), self.down_proj[e])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights [T, k] (x.dtype), ids [T, k] -> sum_k weights * expert_ids(x); a loop

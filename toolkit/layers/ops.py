@@ -38,6 +38,7 @@ a padded prefill sequence is computed from a zero state (the profile run relies 
         clamp(softplus(dt_raw + dt_bias), lo, hi)
     rotary(positions [T], q [T, Hq, D], k [T, Hkv, D], inv_freq fp32 [R/2], scaling, rotary_dim R)
         -> (q, k) with RoPE on their first R channels                   (rotary.apply_rotary)
+    silu_and_mul(gate [..., D], up [..., D]) -> silu(gate) * up          (mlp.silu_and_mul)
 
 The Triton set does each of these in one launch, which is what a CUDA-graph decode step needs:
 its time at batch 1 is the number of kernels times a few microseconds (benchmarks/launch_count.py).
@@ -58,6 +59,7 @@ from toolkit.layers import causal_conv1d as conv
 from toolkit.layers import gdn
 from toolkit.layers import mamba1_mixer as m1
 from toolkit.layers import mamba2_mixer as m2
+from toolkit.layers import mlp
 from toolkit.layers import norms
 from toolkit.layers import rotary
 from toolkit import sampling
@@ -81,6 +83,7 @@ class Ops:
     rms_norm_gated: Callable
     mamba2_dt: Callable
     rotary: Callable
+    silu_and_mul: Callable
 
 
 TORCH_OPS = Ops(
@@ -100,6 +103,7 @@ TORCH_OPS = Ops(
     rms_norm_gated=norms.rms_norm_gated_op,
     mamba2_dt=m2.mamba2_dt,
     rotary=rotary.apply_rotary,
+    silu_and_mul=mlp.silu_and_mul,
 )
 
 
@@ -120,7 +124,7 @@ def triton_ops(device: torch.device) -> Ops:
         os.environ["TRITON_INTERPRET"] = "1"
     from toolkit.kernels import (causal_conv1d, gated_delta_rule, kv_cache, paged_attention, gumbel, rms_norm,
                                  selective_scan, selective_state_update, ssd_scan)
-    from toolkit.kernels import rotary as rotary_kernel
+    from toolkit.kernels import activation, rotary as rotary_kernel
     return Ops(
         name="triton",
         conv_update=causal_conv1d.causal_conv1d_update,
@@ -138,6 +142,7 @@ def triton_ops(device: torch.device) -> Ops:
         rms_norm_gated=rms_norm.rms_norm_gated,
         mamba2_dt=selective_state_update.mamba2_dt,
         rotary=rotary_kernel.apply_rotary,
+        silu_and_mul=activation.silu_and_mul,
     )
 
 

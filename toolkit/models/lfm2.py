@@ -17,7 +17,7 @@ from transformers import PretrainedConfig
 
 from toolkit.errors import UnsupportedArchitectureError
 from toolkit.layers.attention import PagedAttention
-from toolkit.layers.mlp import get_activation
+from toolkit.layers.ops import TORCH_OPS
 from toolkit.layers.norms import RMSNorm
 from toolkit.layers.short_conv import ShortConv
 from toolkit.models.base import CausalLM, DecoderBody, PreNormBlock
@@ -59,10 +59,10 @@ class Lfm2MLP(nn.Module):
         self.w1 = nn.Linear(hidden_size, ffn_dim, bias=False)
         self.w3 = nn.Linear(hidden_size, ffn_dim, bias=False)
         self.w2 = nn.Linear(ffn_dim, hidden_size, bias=False)
-        self.act_fn = get_activation("silu")
+        self.ops = TORCH_OPS                    # set_ops() swaps in the Triton kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.act_fn(self.w1(x)) * self.w3(x))
+        return self.w2(self.ops.silu_and_mul(self.w1(x), self.w3(x)))
 
 
 def lfm2_mixer(config: PretrainedConfig, layer_idx: int, layer_type: str) -> tuple[str, nn.Module]:
