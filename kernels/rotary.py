@@ -62,8 +62,9 @@ def _check(name: str, x: torch.Tensor, positions: torch.Tensor, rotary_dim: int)
 def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor,
                  scaling: float, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher: checks shapes, dtypes and strides; returns (q, k) rotated, new tensors."""
-    if positions.dim() != 1 or positions.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"positions must be int32/int64 [T], got {positions.dtype} {tuple(positions.shape)}")
+    if positions.dim() != 1 or positions.dtype not in (torch.int32, torch.int64) or positions.stride(0) != 1:
+        raise ValueError(f"positions must be a contiguous int32/int64 [T], got {positions.dtype} "
+                         f"{tuple(positions.shape)} strides {positions.stride()}")
     if (not isinstance(rotary_dim, int) or rotary_dim < 2 or rotary_dim % 2
             or tuple(inv_freq.shape) != (rotary_dim // 2,) or inv_freq.dtype != torch.float32):
         raise ValueError(f"inv_freq must be float32 [rotary_dim / 2] for an even rotary_dim >= 2, got "

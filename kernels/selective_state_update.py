@@ -95,7 +95,8 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
     if tuple(state_indices.shape) != (b,) or state_indices.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"state_indices must be int32/int64 [B={b}], got {state_indices.dtype} "
                          f"{tuple(state_indices.shape)}")
-    for name, t in (("state", state), ("x", x), ("B", B), ("C", C)):
+    vectors = (("dt", dt), ("A", A), ("D", D), ("dt_bias", dt_bias))
+    for name, t in (("state", state), ("x", x), ("B", B), ("C", C)) + tuple((n, v) for n, v in vectors if v is not None):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension, strides {t.stride()}")
     if B.stride() != C.stride():

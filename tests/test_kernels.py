@@ -131,3 +131,13 @@ def test_selective_state_update_launcher_names_what_is_wrong():
     with pytest.raises(ValueError, match=r"dt_bias must be \[H=4\]"):
         ssu.selective_state_update(state, x, dt, A, B[:, :1], B[:, :1], None, torch.zeros(2, dtype=torch.long),
                                    torch.zeros(3))
+
+
+def test_selective_state_update_refuses_a_strided_dt():
+    """The kernel reads dt[row, h] at row stride + h: a dt strided along H must be refused, not misread."""
+    from toolkit.kernels import selective_state_update as ssu
+    state = torch.zeros(3, 4, 8, 16)
+    x, A, B = torch.zeros(2, 4, 8), torch.zeros(4), torch.zeros(2, 1, 16)
+    with pytest.raises(ValueError, match="dt must be contiguous in its last dimension"):
+        ssu.selective_state_update(state, x, torch.zeros(2, 8)[:, ::2], A, B, B, None,
+                                   torch.zeros(2, dtype=torch.long))

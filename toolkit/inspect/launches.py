@@ -14,7 +14,6 @@ from __future__ import annotations
 import sys
 from collections import Counter
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # ops that allocate or alias without launching a kernel (views are recognised by their schema)
