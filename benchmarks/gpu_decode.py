@@ -8,7 +8,9 @@ Per preset and batch it prints the decode step (method of the H200 HF baseline: 
 tN = generate N; step = (tN - t1) / (N - 1), best of --repeats after a warm-up run, the device synchronised
 around each timed call), the ratio to HF, and the fraction of the memory roofline: the bytes a decode
 step must move at least (the weights once, plus every sequence's recurrent state read and written, plus
-its KV cache read) over the measured copy bandwidth, divided by the measured step. Then the prefill of
+its KV cache read) over the measured copy bandwidth, divided by the measured step; for the graph engine
+also the GPU time of one graph replay (CUDA events), which splits the step into device forward and
+the rest (host work, eager launches, sampling, the sync). Then the prefill of
 128 prompts x 64 tokens (generate with max_tokens=1). Targets (mamba2-130m shape, bf16): decode step at
 batch 1 <= 0.5 ms; batch 128 >= 60% of the roofline.
 """
@@ -71,6 +73,34 @@ def min_step_bytes(llm: LLM, batch: int, context: int) -> int:
     return weights + batch * (2 * state + kv * context)
 
 
+def graph_gpu_time(llm: LLM, run) -> tuple[float, int]:
+    """(mean GPU milliseconds of one decode-graph replay, replays) over `run()`, timed with CUDA
+    events around each replay: the part of a decode step the device spends in the forward. The
+    rest of the step (host Python, eager launches, LM head, sampling, the one sync) is the step
+    minus this. (nan, 0) where no graph replays (eager engines, CPU)."""
+    graphs = llm.model_runner.cudagraph_manager
+    if not torch.cuda.is_available() or not graphs.captured:
+        return float("nan"), 0
+    pairs = []
+    replay = graphs.replay
+
+    def timed(size: int):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = replay(size)
+        end.record()
+        pairs.append((start, end))
+        return out
+
+    graphs.replay = timed
+    try:
+        run()
+    finally:
+        del graphs.replay                   # back to the class's method
+    torch.cuda.synchronize()
+    return sum(a.elapsed_time(b) for a, b in pairs) / max(len(pairs), 1), len(pairs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", nargs="+", default=["mamba2-130m-shape", "lfm2-350m-shape", "bamba-300m-shape"])
@@ -127,8 +157,10 @@ def main() -> None:
                 except torch.OutOfMemoryError:          # HF's bamba at batch 128 did in the baseline
                     steps[name] = float("nan")
                     torch.cuda.empty_cache()
+            graph_ms, replays = graph_gpu_time(graphs, runner_gen(graphs, prompts, args.new_tokens))
             for name, step in steps.items():
-                decode_rows.append([preset, str(batch), name, f"{step * 1e3:.3f}",
+                in_graph = f"{graph_ms:.3f}" if name.startswith("runner") and replays and engines[name] is graphs else ""
+                decode_rows.append([preset, str(batch), name, f"{step * 1e3:.3f}", in_graph,
                                     f"{steps['hf generate'] / step:.1f}x", f"{100 * floor / step:.0f}%"])
                 print("  ".join(decode_rows[-1]), flush=True)
         seqs, toks = args.prefill
@@ -147,7 +179,10 @@ def main() -> None:
         del hf, engines
         torch.cuda.empty_cache() if device == "cuda" else None
     print()
-    print_markdown_table(["preset", "batch", "engine", "decode step ms", "vs HF", "of roofline"], decode_rows)
+    print_markdown_table(["preset", "batch", "engine", "decode step ms", "graph GPU ms", "vs HF", "of roofline"],
+                         decode_rows)
+    print("graph GPU ms: the device time of one graph replay (CUDA events); the step minus it is the host,\n"
+          "the eager launches (inputs, LM head, sampling) and the one sync: what async scheduling would hide.")
     print()
     print_markdown_table(["preset", "prefill", "engine", "prefill+1 ms", "vs HF"], prefill_rows)
 
