@@ -23,7 +23,7 @@ import triton.language as tl
 from toolkit.layers.norms import rms_norm as reference  # noqa: F401  (torch reference)
 from toolkit.layers.norms import rms_norm_gated_op as gated_reference  # noqa: F401  (torch reference)
 
-_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
@@ -42,8 +42,9 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, dim, stride_x, stride_o, eps, BLOCK_
 @triton.jit
 def _rms_norm_gated_kernel(x_ptr, z_ptr, w_ptr, out_ptr, group_size, stride_x, stride_z, stride_o, eps,
                            HAS_GATE: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, CAST_NORMED: tl.constexpr,
-                           PROD_DTYPE: tl.constexpr, BLOCK_G: tl.constexpr):
-    """Program (row, group)."""
+                           ROUND_PROD: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Program (row, group). ROUND_PROD: the reference's weight product is in x's (16-bit) dtype,
+    so it is rounded there; otherwise that product is fp32."""
     row = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * group_size + tl.arange(0, BLOCK_G)
     mask = tl.arange(0, BLOCK_G) < group_size
@@ -56,14 +57,18 @@ def _rms_norm_gated_kernel(x_ptr, z_ptr, w_ptr, out_ptr, group_size, stride_x, s
         normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / group_size + eps)
         if CAST_NORMED:
             normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)
-        r = (w * normed).to(PROD_DTYPE).to(tl.float32)
+        r = w * normed
+        if ROUND_PROD:
+            r = r.to(x_ptr.dtype.element_ty).to(tl.float32)
         if HAS_GATE:
             r = r * silu_z
     else:
         if HAS_GATE:
             x = x * silu_z
         normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / group_size + eps)
-        r = (w * normed.to(x_ptr.dtype.element_ty).to(tl.float32)).to(PROD_DTYPE).to(tl.float32)
+        r = w * normed.to(x_ptr.dtype.element_ty).to(tl.float32)
+        if ROUND_PROD:
+            r = r.to(x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_o + d, r.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -86,7 +91,7 @@ def _check_weight(weight: torch.Tensor, dim: int, x: torch.Tensor) -> None:
     if weight.device != x.device:
         raise ValueError(f"weight is on {weight.device}, x on {x.device}")
     for name, t in (("x", x), ("weight", weight)):
-        if t.dtype not in _TL:
+        if t.dtype not in _FLOATS:
             raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
 
 
@@ -116,14 +121,15 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Ten
     if gate is not None:
         if gate.shape != x.shape:
             raise ValueError(f"gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
-        if gate.device != x.device or gate.dtype not in _TL:
+        if gate.device != x.device or gate.dtype not in _FLOATS:
             raise ValueError(f"gate must be a float32/float16/bfloat16 tensor on {x.device}, got {gate.dtype} "
                              f"on {gate.device}")
         gate_rows = _rows("gate", gate, dim)
+    # the dtype of the reference's weight product: fp32, or x's when weight and x share a 16-bit dtype
     prod = torch.promote_types(weight.dtype, x.dtype if (cast_normed or not norm_before_gate) else torch.float32)
     default = x.dtype if norm_before_gate else prod
     out = torch.empty(x.shape, dtype=out_dtype or default, device=x.device)
-    if out.dtype not in _TL:
+    if out.dtype not in _FLOATS:
         raise ValueError(f"out_dtype must be float32, float16 or bfloat16, got {out.dtype}")
     if rows.shape[0]:
         block = triton.next_power_of_2(group_size)
@@ -131,5 +137,5 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Ten
         _rms_norm_gated_kernel[(rows.shape[0], dim // group_size)](
             rows, z, weight, out, group_size, rows.stride(0), z.stride(0), dim, float(eps),
             HAS_GATE=gate is not None, NORM_BEFORE_GATE=norm_before_gate, CAST_NORMED=cast_normed,
-            PROD_DTYPE=_TL[prod], BLOCK_G=block, num_warps=min(16, max(1, block // 256)))
+            ROUND_PROD=prod != torch.float32, BLOCK_G=block, num_warps=min(16, max(1, block // 256)))
     return out
