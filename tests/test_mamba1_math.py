@@ -3,6 +3,7 @@ token (with initial states), a prefill fed in pieces equals one call, and the sc
 torch reference (`mamba_selective_scan`) from a zero state."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -106,3 +107,12 @@ def test_scan_matches_hf_torch_reference():
 def test_weightless_rms_norm():
     x = torch.randn(5, 7)
     torch.testing.assert_close(weightless_rms_norm(x, 1e-6), x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weightless_rms_norm_is_the_rms_norm_op_with_a_weight_of_ones(dtype):
+    """FalconMamba's B/C/dt norms run as the RMS-norm op (one Triton launch) with a weight of ones:
+    bit-identical to HF's weightless norm, as x * 1 is exact."""
+    from toolkit.layers.norms import rms_norm
+    x = (3 * torch.randn(5, 7, 24)).to(dtype)
+    assert torch.equal(rms_norm(x, torch.ones(24, dtype=dtype), 1e-6), weightless_rms_norm(x, 1e-6))

@@ -197,6 +197,7 @@ class Mamba1Mixer(StateSlotMixer):
         self.activation = activation
         self.bcdt_norm = bcdt_norm
         self.bcdt_norm_eps = float(bcdt_norm_eps)
+        self._ones_cache: dict[tuple, torch.Tensor] = {}
         get_activation(activation)  # validate early
 
         di, n, r = intermediate_size, state_size, self.time_step_rank
@@ -230,17 +231,22 @@ class Mamba1Mixer(StateSlotMixer):
         """Conv output xc [T, Di] -> (dt [T, Di] fp32 softplus'ed, B [T, N], C [T, N])."""
         n, r = self.state_size, self.time_step_rank
         ts, B, C = torch.split(self.x_proj(xc), [r, n, n], dim=-1)
-        if self.bcdt_norm == "weightless":
-            ts = weightless_rms_norm(ts, self.bcdt_norm_eps)
-            B = weightless_rms_norm(B, self.bcdt_norm_eps)
-            C = weightless_rms_norm(C, self.bcdt_norm_eps)
+        if self.bcdt_norm == "weightless":     # = the op's RMS norm with a weight of ones (x * 1 is exact)
+            ts, B, C = (self.ops.rms_norm(v, self._ones(v), self.bcdt_norm_eps) for v in (ts, B, C))
         elif self.bcdt_norm == "weighted":
             ts = self.dt_layernorm(ts)
             B = self.b_layernorm(B)
             C = self.c_layernorm(C)
         dt_raw = F.linear(ts, self.dt_proj.weight)            # bias added in fp32, as HF's scan does
-        dt = F.softplus(dt_raw.to(torch.float32) + self.dt_proj.bias.to(torch.float32))
-        return dt, B, C
+        # softplus(dt_raw + bias) in fp32: Mamba2's dt preparation without its clamp (one launch)
+        return self.ops.mamba2_dt(dt_raw, self.dt_proj.bias, None), B, C
+
+    def _ones(self, like: torch.Tensor) -> torch.Tensor:
+        """A weight of ones [like.shape[-1]] in like's dtype and device, cached (the weightless norm)."""
+        key = (like.shape[-1], like.dtype, like.device)
+        if key not in self._ones_cache:
+            self._ones_cache[key] = torch.ones(like.shape[-1], dtype=like.dtype, device=like.device)
+        return self._ones_cache[key]
 
     def forward(self, hidden: torch.Tensor, attn_metadata: dict[str, object] | None) -> torch.Tensor:
         """hidden [T, hidden_size] -> [T, hidden_size].
