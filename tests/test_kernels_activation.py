@@ -24,6 +24,30 @@ def test_silu_and_mul_equals_reference(dtype, dim):
     torch.testing.assert_close(ours, ref, **TOL[dtype])
 
 
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float32])
+def test_silu_and_mul_mamba1_gating_bf16_gate_on_fp32_y(out_dtype):
+    """Mamba1: y fp32 * silu(z) with z bf16 computes in fp32 (no rounding of silu), then the cast."""
+    g = torch.Generator().manual_seed(2)
+    z = (3 * torch.randn(4, 40, generator=g)).to(torch.bfloat16)
+    y = 3 * torch.randn(4, 40, generator=g)
+    ours, ref = ka.silu_and_mul(z, y, out_dtype), ka.reference(z, y, out_dtype)
+    assert ours.dtype == ref.dtype == (out_dtype or torch.float32)
+    if ours.dtype == torch.float32:
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    else:                                                      # one rounding, at the end
+        assert ((ours.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7 + 1e-30).all()
+
+
+def test_silu_and_mul_bf16_pair_to_fp32_rounds_like_torch():
+    """Both bf16 with an fp32 output: the product is rounded to bf16 first, as torch's ops then .float()."""
+    g = torch.Generator().manual_seed(3)
+    gate, up = (3 * torch.randn(2, 64, generator=g)).bfloat16(), (3 * torch.randn(2, 64, generator=g)).bfloat16()
+    ours = ka.silu_and_mul(gate, up, torch.float32)
+    assert ours.dtype == torch.float32
+    assert torch.equal(ours, ours.bfloat16().float())          # exactly representable in bf16
+    torch.testing.assert_close(ours, ka.reference(gate, up, torch.float32), **TOL[torch.bfloat16])
+
+
 def test_silu_and_mul_leading_dims_and_empty():
     g = torch.Generator().manual_seed(1)
     gate, up = torch.randn(2, 3, 8, generator=g), torch.randn(2, 3, 8, generator=g)
@@ -36,5 +60,7 @@ def test_bad_input_names_the_argument():
         ka.silu_and_mul(torch.zeros(2, 8), torch.zeros(2, 4))
     with pytest.raises(ValueError, match="gate must be contiguous"):
         ka.silu_and_mul(torch.zeros(8, 2).t(), torch.zeros(2, 8))
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+        ka.silu_and_mul(torch.zeros(2, 8), torch.zeros(2, 8), torch.int32)
     with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
         ka.silu_and_mul(torch.zeros(2, 8, dtype=torch.int32), torch.zeros(2, 8, dtype=torch.int32))

@@ -277,8 +277,7 @@ class Mamba1Mixer(StateSlotMixer):
             return self.ops.mamba1_scan(xc, dt, A, B, C, self.D, cu, ssm_state, idx, has_init)
 
         y = self.run_state_slots(attn_metadata, (t, di), torch.float32, decode, prefill)
-        y = y * F.silu(z.to(torch.float32))
-        return self.out_proj(y.to(dtype))
+        return self.out_proj(self.ops.silu_and_mul(z, y, out_dtype=dtype))     # y * silu(z) in fp32, then dtype
 
     def extra_repr(self) -> str:
         return f"layer_name={self.layer_name!r}, bcdt_norm={self.bcdt_norm!r}"

@@ -12,9 +12,12 @@ from toolkit.errors import UnsupportedArchitectureError
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "swish": F.silu}
 
 
-def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up (`Ops.silu_and_mul`; the Triton kernel does it in one launch)."""
-    return F.silu(gate) * up
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """silu(gate) * up in the dtype promote(gate, up) (gate upcast first: SwiGLU's bf16 pair computes
+    in bf16, Mamba1's bf16 gate on an fp32 y in fp32), then cast to out_dtype if given
+    (`Ops.silu_and_mul`; the Triton kernel does it all in one launch)."""
+    out = F.silu(gate.to(torch.promote_types(gate.dtype, up.dtype))) * up
+    return out if out_dtype is None else out.to(out_dtype)
 
 
 def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
