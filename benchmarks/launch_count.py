@@ -19,41 +19,18 @@ if "--device" not in sys.argv or sys.argv[sys.argv.index("--device") + 1] == "cp
     os.environ.setdefault("TRITON_INTERPRET", "1")    # before anything imports triton (a dispatch mode does)
 sys.path.insert(0, os.path.dirname(__file__))
 from table import print_markdown_table  # noqa: E402
-from toolkit import LLM, SamplingParams  # noqa: E402
-from toolkit.inspect.launches import LaunchCounter  # noqa: E402
+from toolkit import LLM  # noqa: E402
+from toolkit.inspect.launches import LaunchCounter, count_decode_step  # noqa: E402
 
 
 def decode_step_launches(preset: str, backend: str, device: str = "cpu") -> tuple[LaunchCounter, LaunchCounter, int]:
-    """(forward counter, whole runner step counter, number of layers) of the second decode step."""
+    """(forward counter, whole runner step counter, number of layers) of a decode step at batch 1."""
     llm = LLM(preset, inspect="off", backend=backend, device=device, enforce_eager=True, max_num_seqs=4,
               max_model_len=64, max_num_batched_tokens=64)
-    runner, model = llm.model_runner, llm.model
-    counters: list[tuple[LaunchCounter, LaunchCounter]] = []
-    execute, sample, forward = runner.execute_model, runner.sample_tokens, model.forward
-
-    def counted_forward(*args, **kwargs):
-        with counters[-1][0]:
-            return forward(*args, **kwargs)
-
-    def counted_execute(*args, **kwargs):
-        counters.append((LaunchCounter(), LaunchCounter()))
-        with counters[-1][1]:
-            return execute(*args, **kwargs)
-
-    def counted_sample(*args, **kwargs):
-        with counters[-1][1]:
-            return sample(*args, **kwargs)
-
-    model.forward, runner.execute_model, runner.sample_tokens = counted_forward, counted_execute, counted_sample
-    try:
-        llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}],
-                     SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    finally:
-        del model.forward, runner.execute_model, runner.sample_tokens
-        layers = len(model.body.layers)
-        llm.shutdown()
-    fwd, step = counters[-1]            # steps: prefill, decode, decode
-    return fwd, step, layers
+    forward, step = count_decode_step(llm)
+    layers = len(llm.model.body.layers)
+    llm.shutdown()
+    return forward, step, layers
 
 
 def main() -> None:

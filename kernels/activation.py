@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from toolkit.kernels.launcher_checks import rows_view
+
 from toolkit.layers.mlp import silu_and_mul as reference  # noqa: F401  (torch reference)
 
 _BLOCK = 1024
@@ -36,16 +38,6 @@ def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, dim, stride_g, stride_u, ROU
     tl.store(out_ptr + row * dim + d, prod.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows(name: str, t: torch.Tensor) -> torch.Tensor:
-    if t.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous in its last dimension, strides {t.stride()}")
-    try:
-        return t.view(-1, t.shape[-1])
-    except RuntimeError:
-        raise ValueError(f"{name} {tuple(t.shape)} with strides {t.stride()}: its leading dimensions do not "
-                         "flatten to rows without a copy") from None
-
-
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Launcher: checks shapes, dtypes and strides; returns silu(gate) * up (see the module docstring)."""
     floats = (torch.float32, torch.float16, torch.bfloat16)
@@ -56,7 +48,7 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | 
         raise ValueError(f"gate, up and out_dtype must be float32, float16 or bfloat16, got {gate.dtype}, "
                          f"{up.dtype} and {out_dtype}")
     promoted = torch.promote_types(gate.dtype, up.dtype)       # fp32, or the dtype gate and up share
-    g, u = _rows("gate", gate), _rows("up", up)
+    g, u = rows_view("gate", gate), rows_view("up", up)
     out = torch.empty(gate.shape, dtype=out_dtype or promoted, device=gate.device)
     rows, dim = g.shape
     if rows and dim:

@@ -32,3 +32,14 @@ def check_chunk_layout(chunk_size: int, cu_chunk_seqlens: torch.Tensor, seq_idx:
     check_index("state_indices", state_indices, rows, f"R={rows}")
     check_index("has_initial_state", has_initial_state, rows, f"R={rows}", (torch.bool, *INT_DTYPES))
     return nc, rows
+
+
+def rows_view(name: str, t: torch.Tensor) -> torch.Tensor:
+    """t [..., D] -> a [rows, D] view, unit stride along D (any row stride), for the row-wise kernels."""
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension, strides {t.stride()}")
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        raise ValueError(f"{name} {tuple(t.shape)} with strides {t.stride()}: its leading dimensions do not "
+                         "flatten to rows without a copy") from None

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from toolkit.kernels.launcher_checks import rows_view
+
 from toolkit.layers.norms import rms_norm as reference  # noqa: F401  (torch reference)
 from toolkit.layers.norms import rms_norm_gated_op as gated_reference  # noqa: F401  (torch reference)
 
@@ -76,13 +78,7 @@ def _rows(name: str, t: torch.Tensor, dim: int) -> torch.Tensor:
     """t [..., dim] -> a [rows, dim] view with unit stride along dim."""
     if t.shape[-1] != dim:
         raise ValueError(f"{name} must be [..., D={dim}] (D: the weight's length), got {tuple(t.shape)}")
-    if t.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous in its last dimension, strides {t.stride()}")
-    try:
-        return t.view(-1, dim)
-    except RuntimeError:
-        raise ValueError(f"{name} {tuple(t.shape)} with strides {t.stride()}: its leading dimensions do "
-                         "not flatten to rows without a copy") from None
+    return rows_view(name, t)
 
 
 def _check_weight(weight: torch.Tensor, dim: int, x: torch.Tensor) -> None:

@@ -35,6 +35,12 @@ def _prepared_dt(v, lo, hi, HAS_CLAMP: tl.constexpr):
     return dt
 
 
+def _dt_bounds(dt_limit) -> tuple[float, float, bool]:
+    """(lo, hi, whether to clamp) of a time_step_limit (lo, hi) or None, as `mamba2_dt` reads it."""
+    lo, hi = (float(dt_limit[0]), float(dt_limit[1])) if dt_limit is not None else (0.0, float("inf"))
+    return lo, hi, lo > 0.0 or hi != float("inf")
+
+
 @triton.jit
 def _ssu_kernel(state_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, idx_ptr, y_ptr, dt_bias_ptr,
                 heads_per_group, head_dim, d_state,
@@ -103,7 +109,7 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
         raise ValueError(f"B and C must share strides, got {B.stride()} and {C.stride()}")
     if dt_bias is not None and (tuple(dt_bias.shape) != (heads,) or dt_bias.device != x.device):
         raise ValueError(f"dt_bias must be [H={heads}] on {x.device}, got {tuple(dt_bias.shape)} on {dt_bias.device}")
-    lo, hi = (float(dt_limit[0]), float(dt_limit[1])) if dt_limit is not None else (0.0, float("inf"))
+    lo, hi, clamp = _dt_bounds(dt_limit)
     y = torch.empty(b, heads, head_dim, dtype=torch.float32, device=x.device)
     if b == 0:
         return y
@@ -113,7 +119,7 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
         dt_bias if dt_bias is not None else A, heads // groups, head_dim, d_state,
         state.stride(0), state.stride(1), state.stride(2), x.stride(0), x.stride(1), dt.stride(0),
         B.stride(0), B.stride(1), y.stride(0), y.stride(1), lo, hi,
-        HAS_D=D is not None, DT_BIAS=dt_bias is not None, DT_CLAMP=dt_bias is not None and (lo > 0.0 or hi != float("inf")),
+        HAS_D=D is not None, DT_BIAS=dt_bias is not None, DT_CLAMP=dt_bias is not None and clamp,
         BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(d_state))
     return y
 
@@ -141,9 +147,9 @@ def mamba2_dt(dt_raw: torch.Tensor, dt_bias: torch.Tensor, dt_limit=None) -> tor
     if tuple(dt_bias.shape) != (heads,) or dt_bias.stride(0) != 1 or dt_bias.device != dt_raw.device:
         raise ValueError(f"dt_bias must be a contiguous [H={heads}] on {dt_raw.device}, got {tuple(dt_bias.shape)} "
                          f"on {dt_bias.device}")
-    lo, hi = (float(dt_limit[0]), float(dt_limit[1])) if dt_limit is not None else (0.0, float("inf"))
+    lo, hi, clamp = _dt_bounds(dt_limit)
     out = torch.empty(t, heads, dtype=torch.float32, device=dt_raw.device)
     if t:
         _dt_kernel[(t,)](dt_raw, dt_bias, out, heads, dt_raw.stride(0), lo, hi,
-                         HAS_CLAMP=lo > 0.0 or hi != float("inf"), BLOCK_H=triton.next_power_of_2(heads))
+                         HAS_CLAMP=clamp, BLOCK_H=triton.next_power_of_2(heads))
     return out

@@ -8,32 +8,17 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
-from toolkit import LLM, SamplingParams  # noqa: E402
-from toolkit.inspect.launches import LaunchCounter  # noqa: E402
+from toolkit import LLM  # noqa: E402
+from toolkit.inspect.launches import LaunchCounter, count_decode_step  # noqa: E402
 
 
 def _decode_step_launches(preset: str, backend: str) -> tuple[LaunchCounter, LaunchCounter, int]:
-    """(forward, whole runner step) counters of the last of two decode steps at batch 1, and the layers."""
+    """(forward, whole runner step) counters of a decode step at batch 1, and the layers."""
     llm = LLM(preset, inspect="off", backend=backend, max_num_seqs=2, max_model_len=32, max_num_batched_tokens=32)
-    runner, model = llm.model_runner, llm.model
-    counters: list[tuple[LaunchCounter, LaunchCounter]] = []
-    forward, execute, sample = model.forward, runner.execute_model, runner.sample_tokens
-
-    def counted(fn, which):
-        def call(*args, **kwargs):
-            if fn is execute:
-                counters.append((LaunchCounter(), LaunchCounter()))
-            with counters[-1][which]:
-                return fn(*args, **kwargs)
-        return call
-
-    model.forward = counted(forward, 0)
-    runner.execute_model, runner.sample_tokens = counted(execute, 1), counted(sample, 1)
-    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
-                 use_tqdm=False)
-    layers = len(model.body.layers)
+    forward, step = count_decode_step(llm)
+    layers = len(llm.model.body.layers)
     llm.shutdown()
-    return counters[-1][0], counters[-1][1], layers
+    return forward, step, layers
 
 
 def _decode_forward_launches(preset: str, backend: str) -> tuple[LaunchCounter, int]:

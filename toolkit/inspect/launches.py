@@ -3,11 +3,13 @@ GPU (every dispatched op but views and allocations) and the Triton kernel launch
 
 On a GPU, a CUDA-graph decode step at small batch takes about (number of kernels) x (a few
 microseconds): the count, which the CPU can measure, is what decides it. Used by
-benchmarks/launch_count.py and tests/test_launch_counts.py.
+benchmarks/launch_count.py, tests/test_launch_counts.py and notebook 05.
 
     with LaunchCounter() as c:
         llm.step()
     c.total, c.torch_ops, c.triton        # Counter of op name -> launches
+
+    forward, step = count_decode_step(llm)   # one decode step: its model forward, and the whole step
 """
 from __future__ import annotations
 
@@ -76,3 +78,30 @@ class LaunchCounter(TorchDispatchMode):
         """(name, launches), most first; Triton kernels are prefixed "triton:"."""
         rows = [(n, c) for n, c in self.torch_ops.items()] + [(f"triton:{n}", c) for n, c in self.triton.items()]
         return sorted(rows, key=lambda r: -r[1])
+
+
+def count_decode_step(llm) -> tuple[LaunchCounter, LaunchCounter]:
+    """Counters of one decode step at batch 1 on `llm` (a greedy 3-token request; its last step is
+    counted): (the model forward, what a CUDA graph replays; the whole runner step, execute_model
+    and sample_tokens: inputs, metadata, forward, LM head, sampling). Leaves the engine as it was."""
+    from toolkit import SamplingParams
+    runner, model = llm.model_runner, llm.model
+    forward, execute, sample = model.forward, runner.execute_model, runner.sample_tokens
+    counters: list[tuple[LaunchCounter, LaunchCounter]] = []
+
+    def counted(fn, which: int):
+        def call(*args, **kwargs):
+            if fn is execute:                   # a new step
+                counters.append((LaunchCounter(), LaunchCounter()))
+            with counters[-1][which]:
+                return fn(*args, **kwargs)
+        return call
+
+    model.forward = counted(forward, 0)
+    runner.execute_model, runner.sample_tokens = counted(execute, 1), counted(sample, 1)
+    try:
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}],
+                     SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    finally:                                    # back to the class's methods
+        del model.forward, runner.execute_model, runner.sample_tokens
+    return counters[-1]                         # steps: prefill, decode, decode

@@ -70,11 +70,6 @@ def rms_norm_gated_op(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.
     return out if out_dtype is None else out.to(out_dtype)
 
 
-def _torch_ops():
-    from toolkit.layers.ops import TORCH_OPS     # ops imports this module's functions as references
-    return TORCH_OPS
-
-
 class RMSNorm(nn.Module):
     """RMSNorm with parameter `weight` [hidden_size]. forward(x [..., hidden_size]) -> same shape."""
 
@@ -82,7 +77,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.ops = _torch_ops()                  # set_ops() swaps in the Triton kernel
+        from toolkit.layers.ops import TORCH_OPS    # ops imports this module's references
+        self.ops = TORCH_OPS                        # set_ops() swaps in the Triton kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, self.weight, self.eps)
@@ -104,7 +100,8 @@ class RMSNormGated(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.group_size = group_size
         self.eps = eps
-        self.ops = _torch_ops()                  # set_ops() swaps in the Triton kernel
+        from toolkit.layers.ops import TORCH_OPS    # ops imports this module's references
+        self.ops = TORCH_OPS                        # set_ops() swaps in the Triton kernel
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
