@@ -9,14 +9,20 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
-.PHONY: demo test bench browser-setup notebooks
+.PHONY: demo test lint bench browser-setup notebooks
 demo: $(VENV)/.installed
 	$(PY) -m toolkit demo
 
 # `bin/pytest`, not `python -m pytest`: -m would put the repo root (and its kernels/ folder) on sys.path.
 # browser-setup: chromium (apt) and the widget JS (npm, into .browser/) for tests/test_browser.py, if missing.
-test: $(VENV)/.installed browser-setup
+test: $(VENV)/.installed lint browser-setup
 	TRITON_INTERPRET=1 $(VENV)/bin/pytest tests
+
+# ruff (the rule set in pyproject.toml) and the import floors (import-linter contracts in pyproject.toml;
+# the repository root on PYTHONPATH lets lint-imports read kernels/ as a package of its own)
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports
 
 browser-setup:
 	bash scripts/setup_browser_test.sh

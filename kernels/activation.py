@@ -12,9 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from toolkit.kernels.launcher_checks import rows_view
+from .launcher_checks import rows_view
 
-from toolkit.layers.mlp import silu_and_mul as reference  # noqa: F401  (torch reference)
 
 _BLOCK = 1024
 

@@ -31,9 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from toolkit.runner.block_table import PAD_SLOT_ID  # noqa: F401  (the padded-row marker)
-from toolkit.layers.causal_conv1d import conv_update_at_slots as reference  # noqa: F401  (torch reference)
-from toolkit.layers.causal_conv1d import conv_prefill_at_slots as prefill_reference  # noqa: F401  (torch reference)
 
 
 @triton.jit

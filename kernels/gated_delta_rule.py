@@ -37,11 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
-from toolkit.kernels.launcher_checks import check_chunk_layout, check_index
+from .launcher_checks import check_chunk_layout, check_index
 
-from toolkit.layers.gdn import L2NORM_EPS
-from toolkit.layers.gdn import gdn_update_at_slots as reference  # noqa: F401  (torch reference)
-from toolkit.layers.gdn import gdn_prefill_at_slots as prefill_reference  # noqa: F401  (torch reference)
+from .gated_delta_rule_ref import L2NORM_EPS
 
 
 @triton.jit

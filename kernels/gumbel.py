@@ -7,7 +7,7 @@ exceed V, the vocabulary dimension must be contiguous); seeds int64 [B, 2] (the 
     token[b] = argmax_v( scaled[b, v] + gumbel(seeds[b], positions[b], v) )   (first index on ties,
                                                                                  NaN wins, as torch)
 
-gumbel(s, p, v) is `toolkit.sampling.gumbel_noise`: a counter-based hash, bit-identical here,
+gumbel(s, p, v) is `gumbel_ref.gumbel_noise`: a counter-based hash, bit-identical here,
     key  = combine(combine(combine(0x85EBCA6B, s_hi), s_lo), p)      combine(h, x) = mix32(h ^ mix32(x ^ GOLDEN))
     bits = mix32(key ^ mix32(v ^ GOLDEN)) >> 8                      mix32 = lowbias32
     u = (bits + 0.5) / 2**24 ;  noise = -log(-log(u))               (float32)
@@ -24,11 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from toolkit.sampling import gumbel_argmax_ref as reference  # noqa: F401  (the torch reference)
-from toolkit.sampling import gumbel_noise as reference_noise  # noqa: F401
 
 BLOCK_V = 2048          # vocabulary tokens a program handles per loop step (tails masked)
-_SEED0 = tl.constexpr(0x85EBCA6B)    # the chain's initial value (toolkit.sampling.row_keys)
+_SEED0 = tl.constexpr(0x85EBCA6B)    # the chain's initial value (gumbel_ref.row_keys)
 _GOLDEN = tl.constexpr(0x9E3779B9)    # literals above 2**31 - 1 are uint32 in Triton
 
 
@@ -149,7 +147,7 @@ def gumbel_argmax(scaled: torch.Tensor, seeds: torch.Tensor, positions: torch.Te
 
 def gumbel_debug(seeds: torch.Tensor, positions: torch.Tensor,
                  vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel's hash and noise for every row and token, to check against toolkit.sampling:
+    """The kernel's hash and noise for every row and token, to check against gumbel_ref:
     (row keys int64 [B], 32-bit hashes int64 [B, V] (bits = hash >> 8), noise float32 [B, V])."""
     b = _check_seeds_positions(seeds, positions, None)
     if not isinstance(vocab_size, int) or vocab_size < 0:

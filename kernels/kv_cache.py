@@ -11,7 +11,6 @@ import torch
 import triton
 import triton.language as tl
 
-from toolkit.layers.attention import write_kv_cache as reference  # noqa: F401  (the torch reference)
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """RMS norms in one launch each (the torch references take 6 to 11 kernels): the plain norm of every
 block and the grouped, gated norm of the Mamba2 / GDN mixers. Triton kernels, launchers and the torch
-references (toolkit/layers/norms.py) they must equal, including where the references round.
+references (rms_norm_ref.py) they must equal, including where the references round.
 
 rms_norm(x [..., D], weight [D], eps) -> [..., D], dtype promote(weight, x):
     weight * (x / sqrt(mean(x^2) + eps) computed in fp32, rounded to x.dtype)        (HF LlamaRMSNorm)
@@ -20,10 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from toolkit.kernels.launcher_checks import rows_view
+from .launcher_checks import rows_view
 
-from toolkit.layers.norms import rms_norm as reference  # noqa: F401  (torch reference)
-from toolkit.layers.norms import rms_norm_gated_op as gated_reference  # noqa: F401  (torch reference)
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 

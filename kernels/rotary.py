@@ -16,7 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from toolkit.layers.rotary import apply_rotary as reference  # noqa: F401  (torch reference)
 
 
 @triton.jit

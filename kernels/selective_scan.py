@@ -31,9 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from toolkit.runner.block_table import PAD_SLOT_ID  # noqa: F401  (the padded-row marker)
-from toolkit.layers.mamba1_mixer import mamba1_scan_at_slots as scan_reference  # noqa: F401  (torch reference)
-from toolkit.layers.mamba1_mixer import mamba1_update_at_slots as reference  # noqa: F401  (torch reference)
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INTS = (torch.int32, torch.int64)

@@ -10,7 +10,7 @@ Returns y fp32 [B, H, P] (padded rows 0).
 
 Also here, as every Mamba2 prefill needs it before the SSD scan: `mamba2_dt`, the
 dt preparation clamp(softplus(dt_raw + dt_bias), lo, hi) in one launch (reference
-toolkit/layers/mamba2_mixer.mamba2_dt, four to five torch kernels).
+selective_state_update_ref.mamba2_dt, four to five torch kernels).
 """
 from __future__ import annotations
 
@@ -18,8 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from toolkit.layers.mamba2_mixer import mamba2_update_at_slots as reference  # noqa: F401  (torch reference)
-from toolkit.layers.mamba2_mixer import mamba2_dt as dt_reference  # noqa: F401  (torch reference)
 
 
 @triton.jit

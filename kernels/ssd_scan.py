@@ -35,9 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from toolkit.kernels.launcher_checks import check_chunk_layout
+from .launcher_checks import check_chunk_layout
 
-from toolkit.layers.mamba2_mixer import ssd_scan_at_slots as reference  # noqa: F401  (torch reference)
 
 
 @triton.jit

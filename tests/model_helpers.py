@@ -22,7 +22,7 @@ from toolkit.attention.mamba2 import Mamba2AttentionMetadata, compute_chunk_meta
 from toolkit.attention.paged_attn import PagedAttentionMetadata
 from toolkit.attention.short_conv import ShortConvAttentionMetadata
 from toolkit.models import PRESETS, load_model, save_hf_folder
-from toolkit.runner.kv_cache_spec import AttentionSpec, MambaSpec
+from toolkit.kv_cache_spec import AttentionSpec, MambaSpec
 
 # metadata class of each Mamba-family layer that reads only the base Mamba fields
 BASE_MAMBA_METADATA = {"mamba1": Mamba1AttentionMetadata, "short_conv": ShortConvAttentionMetadata}

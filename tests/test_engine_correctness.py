@@ -10,7 +10,7 @@ import torch
 from toolkit import LLM, InvalidRequestError, SamplingParams
 from toolkit.models import save_hf_folder
 from toolkit.runner.model_runner import ModelRunner
-from toolkit.sampling import Sampler
+from toolkit.runner.sampler import Sampler
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 FAMILIES = ["tiny-llama", "tiny-mamba", "tiny-falcon-mamba", "tiny-mamba2", "tiny-bamba",
@@ -281,7 +281,7 @@ def test_item10_seed_minus_one_means_no_seed():
 def test_noise_is_the_same_on_cuda_when_present():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: the CPU/CUDA comparison runs on a GPU machine")
-    from toolkit.sampling import gumbel_noise
+    from toolkit.kernels.gumbel_ref import gumbel_noise
     seeds = torch.randint(0, 2**32, (8, 2))
     pos = torch.randint(0, 10_000, (8,))
     assert torch.equal(gumbel_noise(seeds, pos, 1000), gumbel_noise(seeds.cuda(), pos.cuda(), 1000).cpu())

@@ -166,8 +166,8 @@ def test_a_decode_step_syncs_once(engines, monkeypatch, preset, params, mode):
 
 # ---- the sync-free replacements equal what they replace -------------------------------------------
 def test_padded_scatter_writes_real_rows_and_leaves_the_rest_bit_identical():
-    from toolkit.layers.attention import write_kv_cache
-    from toolkit.layers.causal_conv1d import write_states_at
+    from toolkit.kernels.kv_cache_ref import write_kv_cache
+    from toolkit.kernels.state_slots_ref import write_states_at
     g = torch.Generator().manual_seed(0)
     # a real row on slot 0 among padded rows; a padded row first; every row padded; none padded
     for idx in ([3, -1, 0, 5, -1], [-1, 2, -1], [-1, -1], [4]):

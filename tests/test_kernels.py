@@ -9,6 +9,7 @@ import torch
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
 from toolkit.kernels import causal_conv1d as conv  # noqa: E402
 from toolkit.kernels import kv_cache  # noqa: E402
+from toolkit.kernels import causal_conv1d_ref, kv_cache_ref, selective_state_update_ref  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -23,7 +24,7 @@ def test_kv_cache_write_equals_reference(dtype):
     ours = torch.zeros(blocks, 2, bs, heads, d, dtype=dtype)
     ref = ours.clone()
     kv_cache.write_kv_cache(ours, k, v, slots)
-    kv_cache.reference(ref, k, v, slots)
+    kv_cache_ref.write_kv_cache(ref, k, v, slots)
     assert torch.equal(ours, ref)
     assert ours.abs().sum() > 0
 
@@ -49,7 +50,7 @@ def test_causal_conv1d_update_equals_reference(dtype, k_width, with_bias, activa
     idx = torch.tensor([3, -1, 1, 5, -1], dtype=torch.int32)
     ours_state, ref_state = state.clone(), state.clone()
     ours = conv.causal_conv1d_update(x, ours_state, idx, weight, bias, activation)
-    ref = conv.reference(x, ref_state, idx, weight, bias, activation)
+    ref = causal_conv1d_ref.conv_update_at_slots(x, ref_state, idx, weight, bias, activation)
     # both sides compute in fp32 and round once to the output dtype: allow about one ulp of it
     tol = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
            torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}[dtype]
@@ -86,7 +87,7 @@ def test_selective_state_update_equals_reference(dtype, groups, with_d):
     idx = torch.tensor([2, -1, 4, 1])
     ours_state, ref_state = state.clone(), state.clone()
     y = ssu.selective_state_update(ours_state, x, dt, A, B, C, D, idx)
-    y_ref = ssu.reference(ref_state, x, dt, A, B, C, D, idx)
+    y_ref = selective_state_update_ref.mamba2_update_at_slots(ref_state, x, dt, A, B, C, D, idx)
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)      # fp32 math on both sides
     torch.testing.assert_close(ours_state, ref_state, atol=1e-6, rtol=1e-6)
     assert torch.equal(ours_state[[0, 3]], state[[0, 3]]) and (y[1] == 0).all()
@@ -111,10 +112,10 @@ def test_selective_state_update_prepares_raw_dt_like_mamba2_dt(dtype, dt_limit):
     idx = torch.tensor([3, 0, -1, 5, 1])
     ours_state, ref_state = state.clone(), state.clone()
     y = ssu.selective_state_update(ours_state, x, dt_raw, A, B, C, D, idx, dt_bias, dt_limit)
-    y_ref = ssu.reference(ref_state, x, ssu.dt_reference(dt_raw, dt_bias, dt_limit), A, B, C, D, idx)
+    y_ref = selective_state_update_ref.mamba2_update_at_slots(ref_state, x, selective_state_update_ref.mamba2_dt(dt_raw, dt_bias, dt_limit), A, B, C, D, idx)
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours_state, ref_state, atol=1e-5, rtol=1e-5)
-    y_ref_raw = ssu.reference(state.clone(), x, dt_raw, A, B, C, D, idx, dt_bias, dt_limit)  # the op's own form
+    y_ref_raw = selective_state_update_ref.mamba2_update_at_slots(state.clone(), x, dt_raw, A, B, C, D, idx, dt_bias, dt_limit)  # the op's own form
     torch.testing.assert_close(y_ref_raw, y_ref, atol=0, rtol=0)
 
 

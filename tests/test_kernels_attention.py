@@ -12,7 +12,8 @@ import torch
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
 from toolkit.attention.paged_attn import PagedAttentionMetadata  # noqa: E402
 from toolkit.kernels import paged_attention as pa  # noqa: E402
-from toolkit.layers.attention import write_kv_cache  # noqa: E402
+from toolkit.kernels import paged_attention_ref  # noqa: E402
+from toolkit.kernels.kv_cache_ref import write_kv_cache  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # both sides compute in fp32 and round once to the output dtype: about one ulp of it
@@ -65,7 +66,7 @@ def make_batch(rows, hq, hkv, head_dim, block_size, dtype, *, pad=3, extra_cols=
 
 
 def check(ours, q, cache, md, scale, dtype):
-    ref = pa.reference(q, cache, md, scale)
+    ref = paged_attention_ref.paged_attention_ref(q, cache, md, scale)
     n = md.num_actual_tokens
     assert ours.shape == q.shape and ours.dtype == q.dtype
     assert not ours.isnan().any()

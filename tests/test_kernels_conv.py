@@ -9,6 +9,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
 from toolkit.kernels import causal_conv1d as conv  # noqa: E402
+from toolkit.kernels import causal_conv1d_ref  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # both sides compute in fp32 and round once to the output dtype: allow about one ulp of it
@@ -31,7 +32,7 @@ def _case(g, dtype, dim, k_width, with_bias, lens, slots_total, state_dtype=None
 def _run_both(x, state, idx, has_init, cu, weight, bias, activation):
     ours_state, ref_state = state.clone(), state.clone()
     ours = conv.causal_conv1d_prefill(x, ours_state, idx, has_init, cu, weight, bias, activation)
-    ref = conv.prefill_reference(x, ref_state, idx, has_init, cu, weight, bias, activation)
+    ref = causal_conv1d_ref.conv_prefill_at_slots(x, ref_state, idx, has_init, cu, weight, bias, activation)
     return ours, ours_state, ref, ref_state
 
 

@@ -11,8 +11,10 @@ import torch
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
 from toolkit.attention.gdn import compute_gdn_chunk_metadata  # noqa: E402
 from toolkit.kernels import gated_delta_rule as gdr  # noqa: E402
-from toolkit.layers.causal_conv1d import initial_states_at  # noqa: E402
-from toolkit.layers.gdn import gdn_gating, gdn_recurrent_varlen  # noqa: E402
+from toolkit.kernels import gated_delta_rule_ref  # noqa: E402
+from toolkit.kernels.state_slots_ref import initial_states_at  # noqa: E402
+from toolkit.layers.gdn import gdn_gating  # noqa: E402
+from toolkit.kernels.gated_delta_rule_ref import gdn_recurrent_varlen
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # fp32 math on both sides from the same rounded inputs and y / state fp32: tight for every input dtype
@@ -53,7 +55,7 @@ def test_gdn_update_equals_reference(dtype, hk, hv, kd, vd):
     idx = torch.tensor([3, -1, 0, 6, -1], dtype=torch.int32)
     ours_state, ref_state = state.clone(), state.clone()
     y = gdr.gdn_update(ours_state, q, k, v, g, beta, idx)
-    y_ref = gdr.reference(ref_state, q, k, v, g, beta, idx)
+    y_ref = gated_delta_rule_ref.gdn_update_at_slots(ref_state, q, k, v, g, beta, idx)
     assert y.dtype == torch.float32 and y.shape == (5, hv, vd)
     torch.testing.assert_close(y, y_ref, **TOL)
     torch.testing.assert_close(ours_state, ref_state, **TOL)
@@ -69,7 +71,7 @@ def test_gdn_update_without_l2norm_and_int64_indices():
     idx = torch.tensor([2, 0, -1])
     ours_state, ref_state = state.clone(), state.clone()
     y = gdr.gdn_update(ours_state, q * 0.2, k * 0.2, v, g, beta, idx, use_qk_l2norm=False)
-    y_ref = gdr.reference(ref_state, q * 0.2, k * 0.2, v, g, beta, idx, use_qk_l2norm=False)
+    y_ref = gated_delta_rule_ref.gdn_update_at_slots(ref_state, q * 0.2, k * 0.2, v, g, beta, idx, use_qk_l2norm=False)
     torch.testing.assert_close(y, y_ref, **TOL)
     torch.testing.assert_close(ours_state, ref_state, **TOL)
     assert torch.equal(ours_state[[1, 3]], state[[1, 3]])
@@ -100,7 +102,7 @@ def test_gdn_prefill_equals_reference(dtype, hk, hv, kd, vd):
     args, state, idx, flags = _prefill_case(dtype, hk, hv, kd, vd, LENS, HAS_INIT, SLOTS, 9, seed=2)
     ours_state, ref_state = state.clone(), state.clone()
     y = gdr.gdn_prefill(*args, ours_state, idx, flags)
-    y_ref = gdr.prefill_reference(*args, ref_state, idx, flags)       # the chunked (UT transform) form
+    y_ref = gated_delta_rule_ref.gdn_prefill_at_slots(*args, ref_state, idx, flags)       # the chunked (UT transform) form
     assert y.dtype == torch.float32 and y.shape == y_ref.shape
     # fp32 on both sides; they differ in the order of operations only (per token vs per chunk)
     torch.testing.assert_close(y, y_ref, **TOL)
@@ -134,7 +136,7 @@ def test_gdn_prefill_profile_run_layout():
     args, state, idx, flags = _prefill_case(torch.float32, 2, 4, 16, 12, [19], [True], [-1], 2, seed=4)
     ours_state, ref_state = state.clone(), state.clone()
     y = gdr.gdn_prefill(*args, ours_state, idx, flags)
-    y_ref = gdr.prefill_reference(*args, ref_state, idx, flags)
+    y_ref = gated_delta_rule_ref.gdn_prefill_at_slots(*args, ref_state, idx, flags)
     torch.testing.assert_close(y, y_ref, **TOL)
     assert torch.equal(ours_state, state) and torch.equal(ref_state, state)
 
@@ -170,13 +172,13 @@ def test_gdn_real_shape_cuda():
                                             seed=5, device="cuda", chunk=64)
     ours_state, ref_state = state.clone(), state.clone()
     y = gdr.gdn_prefill(*args, ours_state, idx, flags)
-    y_ref = gdr.prefill_reference(*args, ref_state, idx, flags)
+    y_ref = gated_delta_rule_ref.gdn_prefill_at_slots(*args, ref_state, idx, flags)
     torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(ours_state, ref_state, atol=1e-4, rtol=1e-4)
     gen = torch.Generator().manual_seed(6)
     q, k, v, g, beta = _inputs(gen, torch.bfloat16, 9, hk, hv, kd, vd, "cuda")
     dec = torch.tensor([0, 5, -1, 39, 12, 2, -1, 20, 33], device="cuda")
     y = gdr.gdn_update(ours_state, q, k, v, g, beta, dec)
-    y_ref = gdr.reference(ref_state, q, k, v, g, beta, dec)
+    y_ref = gated_delta_rule_ref.gdn_update_at_slots(ref_state, q, k, v, g, beta, dec)
     torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(ours_state, ref_state, atol=1e-4, rtol=1e-4)

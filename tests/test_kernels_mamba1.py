@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
 from toolkit.kernels import selective_scan as ss  # noqa: E402
+from toolkit.kernels import selective_scan_ref  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 FP32 = dict(atol=1e-5, rtol=1e-5)         # fp32 math on both sides, only the summation order differs
@@ -42,7 +43,7 @@ def test_selective_state_update_equals_reference(dtype, di, n, with_d):
     idx = torch.tensor([3, -1, 0, 6, -1])
     ours_state, ref_state = state.clone(), state.clone()
     y = ss.selective_state_update(ours_state, x, dt, A, B, C, D, idx)
-    y_ref = ss.reference(ref_state, x, dt, A, B, C, D, idx)
+    y_ref = selective_scan_ref.mamba1_update_at_slots(ref_state, x, dt, A, B, C, D, idx)
     assert y.dtype == torch.float32 and y.shape == (b, di)
     torch.testing.assert_close(y, y_ref, **FP32)
     torch.testing.assert_close(ours_state, ref_state, **FP32)
@@ -67,7 +68,7 @@ def test_selective_scan_equals_reference(dtype, di, n, with_d):
     x, dt, A, B, C, D = _inputs(g, t, di, n, dtype, with_d)
     ours_state, ref_state = state.clone(), state.clone()
     y = ss.selective_scan(x, dt, A, B, C, D, cu, ours_state, idx, has_init)
-    y_ref = ss.scan_reference(x, dt, A, B, C, D, cu, ref_state, idx, has_init)
+    y_ref = selective_scan_ref.mamba1_scan_at_slots(x, dt, A, B, C, D, cu, ref_state, idx, has_init)
     assert y.dtype == torch.float32 and y.shape == (t, di)
     torch.testing.assert_close(y, y_ref, **FP32)
     torch.testing.assert_close(ours_state, ref_state, **FP32)
@@ -90,7 +91,7 @@ def test_selective_scan_without_flags_int64_and_contiguous_inputs():
                          for v in _inputs(g, int(cu[-1]), di, n, torch.float32, True))
     ours_state, ref_state = state.clone(), state.clone()
     y = ss.selective_scan(x, dt, A, B, C, D, cu, ours_state, idx, None)
-    y_ref = ss.scan_reference(x, dt, A, B, C, D, cu, ref_state, idx, None)
+    y_ref = selective_scan_ref.mamba1_scan_at_slots(x, dt, A, B, C, D, cu, ref_state, idx, None)
     torch.testing.assert_close(y, y_ref, **FP32)
     torch.testing.assert_close(ours_state, ref_state, **FP32)
     assert torch.equal(ours_state[1], state[1])
@@ -153,7 +154,7 @@ def test_mamba_130m_shapes_on_cuda():
     idx[[5, 40]] = -1
     ours_state, ref_state = state.clone(), state.clone()
     y = ss.selective_state_update(ours_state, x, dt, A, B, C, D, idx)
-    y_ref = ss.reference(ref_state, x, dt, A, B, C, D, idx)
+    y_ref = selective_scan_ref.mamba1_update_at_slots(ref_state, x, dt, A, B, C, D, idx)
     torch.testing.assert_close(y, y_ref, **tol)
     torch.testing.assert_close(ours_state, ref_state, **tol)
 
@@ -163,7 +164,7 @@ def test_mamba_130m_shapes_on_cuda():
     pidx = torch.tensor([7, 0, 79, 33], dtype=torch.int32, device=dev)
     has_init = torch.tensor([True, False, True, False], device=dev)
     y = ss.selective_scan(x, dt, A, B, C, D, cu, ours_state, pidx, has_init)
-    y_ref = ss.scan_reference(x, dt, A, B, C, D, cu, ref_state, pidx, has_init)
+    y_ref = selective_scan_ref.mamba1_scan_at_slots(x, dt, A, B, C, D, cu, ref_state, pidx, has_init)
     torch.testing.assert_close(y, y_ref, **tol)
     torch.testing.assert_close(ours_state, ref_state, **tol)
     torch.cuda.synchronize()

@@ -9,6 +9,7 @@ import torch
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
 from toolkit.kernels import rms_norm as kn  # noqa: E402
 from toolkit.kernels import selective_state_update as ssu  # noqa: E402
+from toolkit.kernels import rms_norm_ref, selective_state_update_ref  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # both sides compute in fp32 and round at the same places: allow about one ulp of the output dtype
@@ -27,7 +28,7 @@ def test_rms_norm_equals_reference(dtype, weight_dtype):
     wide = (3 * torch.randn(7, 72, generator=g)).to(dtype)
     x = wide[:, 5:45]                                         # D = 40, row stride 72
     w = _weight(g, 40, dtype if weight_dtype == "same" else weight_dtype)
-    ours, ref = kn.rms_norm(x, w, 1e-6), kn.reference(x, w, 1e-6)
+    ours, ref = kn.rms_norm(x, w, 1e-6), rms_norm_ref.rms_norm(x, w, 1e-6)
     assert ours.dtype == ref.dtype and ours.shape == ref.shape
     torch.testing.assert_close(ours, ref, **TOL[ref.dtype if ref.dtype != torch.float32 else dtype])
 
@@ -37,7 +38,7 @@ def test_rms_norm_per_head_rows_and_empty_batch():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(5, 3, 24, generator=g)
     w = _weight(g, 24, torch.float32)
-    torch.testing.assert_close(kn.rms_norm(x, w, 1e-5), kn.reference(x, w, 1e-5), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kn.rms_norm(x, w, 1e-5), rms_norm_ref.rms_norm(x, w, 1e-5), atol=1e-5, rtol=1e-5)
     assert kn.rms_norm(torch.zeros(0, 24), w, 1e-5).shape == (0, 24)
 
 
@@ -52,7 +53,7 @@ def test_rms_norm_gated_equals_reference(dtype, norm_before_gate, cast_normed, w
     x = (2 * torch.randn(6, d, generator=g)).to(dtype)
     w = _weight(g, d, dtype)
     args = (x, gate, w, d // groups, 1e-5, norm_before_gate, cast_normed)
-    ours, ref = kn.rms_norm_gated(*args), kn.gated_reference(*args)
+    ours, ref = kn.rms_norm_gated(*args), rms_norm_ref.rms_norm_gated_op(*args)
     assert ours.dtype == ref.dtype
     torch.testing.assert_close(ours, ref, **TOL[dtype])
 
@@ -65,7 +66,7 @@ def test_rms_norm_gated_mamba2_case_fp32_y_model_dtype_gate_and_out(norm_before_
     gate = torch.randn(4, 64, generator=g).to(torch.bfloat16)
     w = _weight(g, 64, torch.bfloat16)
     args = (y, gate, w, 32, 1e-6, norm_before_gate, False, torch.bfloat16)
-    ours, ref = kn.rms_norm_gated(*args), kn.gated_reference(*args)
+    ours, ref = kn.rms_norm_gated(*args), rms_norm_ref.rms_norm_gated_op(*args)
     assert ours.dtype == ref.dtype == torch.bfloat16
     torch.testing.assert_close(ours, ref, **TOL[torch.bfloat16])
     # the only rounding is the final one: at most one bf16 ulp apart
@@ -81,7 +82,7 @@ def test_mamba2_dt_equals_reference(dtype, limit):
     proj[:, :] = torch.linspace(-40, 40, 40 * (heads + 10)).reshape(40, heads + 10)   # tiny, small and past threshold 20
     dt_raw = proj.to(dtype)[:, 10:]                           # the dt columns of in_proj's output
     bias = torch.randn(heads, generator=g).to(dtype)
-    ours, ref = ssu.mamba2_dt(dt_raw, bias, limit), ssu.dt_reference(dt_raw, bias, limit)
+    ours, ref = ssu.mamba2_dt(dt_raw, bias, limit), selective_state_update_ref.mamba2_dt(dt_raw, bias, limit)
     assert ours.dtype == ref.dtype == torch.float32
     torch.testing.assert_close(ours, ref, atol=0, rtol=2e-6)  # relative: softplus(-40) is 4e-18
 

@@ -10,8 +10,9 @@ import torch
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
 from toolkit.attention.mamba2 import compute_chunk_metadata  # noqa: E402
 from toolkit.kernels import ssd_scan as ssd  # noqa: E402
-from toolkit.layers.causal_conv1d import initial_states_at  # noqa: E402
-from toolkit.layers.mamba2_mixer import ssm_scan_sequential_ref  # noqa: E402
+from toolkit.kernels import ssd_scan_ref  # noqa: E402
+from toolkit.kernels.state_slots_ref import initial_states_at  # noqa: E402
+from toolkit.kernels.ssd_scan_ref import ssm_scan_sequential_ref  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -56,7 +57,7 @@ def test_ssd_scan_equals_reference(dtype, heads, head_dim, d_state, groups, with
                                        with_d, chunk_size=8)
     ours_state, ref_state = state.clone(), state.clone()
     y = ssd.ssd_scan(*args, ours_state, idx, has_init)
-    y_ref = ssd.reference(*args, ref_state, idx, has_init)
+    y_ref = ssd_scan_ref.ssd_scan_at_slots(*args, ref_state, idx, has_init)
     assert y.dtype == torch.float32 and y.shape == y_ref.shape
     # fp32 math on both sides from the same (rounded) inputs; they differ in summation order only
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
@@ -102,7 +103,7 @@ def test_ssd_scan_real_shape_cuda():
                                        chunk_size=256, device="cuda")
     ours_state, ref_state = state.clone(), state.clone()
     y = ssd.ssd_scan(*args, ours_state, idx, has_init)
-    y_ref = ssd.reference(*args, ref_state, idx, has_init)
+    y_ref = ssd_scan_ref.ssd_scan_at_slots(*args, ref_state, idx, has_init)
     # chunks of 256 and N=128: longer sums than the tiny tests, and 3xTF32 tensor-core dots (about fp32
     # accuracy); the interpreter run of this case gave max errors ~2e-6 (y) and ~5e-6 (state) of the scale
     scale = y_ref.abs().max().item()

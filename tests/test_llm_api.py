@@ -238,8 +238,8 @@ def test_byte_fallback_tokenizer_round_trip():
 
 
 def test_demo_on_another_model(capsys):
-    from toolkit.demo import main
-    assert main(["--model", "tiny-lfm2", "--device", "cpu"]) == 0
+    from toolkit.cli import main
+    assert main(["demo", "--model", "tiny-lfm2", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "Lfm2ForCausalLM" in out and "MambaHybridModelState" in out
     assert "3/3 state slots free" in out

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from toolkit.errors import CheckpointError, UnknownModelError, UnsupportedArchitectureError
 from toolkit.models import MODEL_REGISTRY, PRESETS, get_model_class, load_model, save_hf_folder
-from toolkit.runner.kv_cache_spec import AttentionSpec, MambaSpec
+from toolkit.kv_cache_spec import AttentionSpec, MambaSpec
 
 
 # shape-true presets ("*-shape": real model dimensions, hundreds of MB) are for benchmarks

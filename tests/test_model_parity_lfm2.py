@@ -16,7 +16,7 @@ from toolkit.attention.short_conv import ShortConvAttentionMetadata
 from toolkit.layers.short_conv import ShortConv
 from toolkit.models import PRESETS, get_model_class
 from toolkit.models.lfm2 import Lfm2ForCausalLM, lfm2_ffn_dim
-from toolkit.runner.kv_cache_spec import AttentionSpec, MambaSpec
+from toolkit.kv_cache_spec import AttentionSpec, MambaSpec
 
 
 @torch.no_grad()

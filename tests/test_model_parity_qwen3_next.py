@@ -33,13 +33,16 @@ from test_metadata_builders import common
 from toolkit import LLM, MetadataContractError, SamplingParams
 from toolkit.attention.gdn import GDN_CHUNK_SIZE, GDNAttentionMetadata, GDNMetadataBuilder, compute_gdn_chunk_metadata
 from toolkit.attention.mamba2 import compute_chunk_metadata
-from toolkit.layers.gdn import (GatedDeltaNet, gdn_chunk_varlen, gdn_prefill_at_slots,
-                                gdn_recurrent_varlen, gdn_update_at_slots)
+from toolkit.layers.gdn import GatedDeltaNet
+from toolkit.kernels.gated_delta_rule_ref import (gdn_chunk_varlen,
+                                                  gdn_prefill_at_slots,
+                                                  gdn_recurrent_varlen,
+                                                  gdn_update_at_slots)
 from toolkit.layers.moe import merge_expert_checkpoint_tensors
 from toolkit.layers.norms import RMSNormThenGate
 from toolkit.models import PRESETS, get_model_class, load_model, save_hf_folder
 from toolkit.models.qwen3_next import OffsetRMSNorm, Qwen3NextForCausalLM
-from toolkit.runner.kv_cache_spec import AttentionSpec, MambaSpec
+from toolkit.kv_cache_spec import AttentionSpec, MambaSpec
 from toolkit.runner.model_states import MambaHybridModelState
 
 ARCH = "tiny-qwen3-next"

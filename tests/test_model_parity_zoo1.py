@@ -17,7 +17,7 @@ from toolkit.models import PRESETS, get_model_class, load_model, save_hf_folder
 from toolkit.models.falcon_mamba import FalconMambaForCausalLM
 from toolkit.models.jamba import JambaForCausalLM
 from toolkit.models.mamba import MambaForCausalLM
-from toolkit.runner.kv_cache_spec import AttentionSpec, MambaSpec
+from toolkit.kv_cache_spec import AttentionSpec, MambaSpec
 
 ARCHS = ("tiny-mamba", "tiny-falcon-mamba", "tiny-jamba")
 

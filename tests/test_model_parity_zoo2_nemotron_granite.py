@@ -24,7 +24,7 @@ from toolkit.models import PRESETS, get_model_class, load_model, save_hf_folder
 from toolkit.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from toolkit.models.nemotron_h import (NemotronHForCausalLM, NemotronHTopkRouter, merge_nemotron_h_experts,
                                        split_nemotron_h_experts)
-from toolkit.runner.kv_cache_spec import AttentionSpec, MambaSpec
+from toolkit.kv_cache_spec import AttentionSpec, MambaSpec
 from toolkit.runner.model_states import MambaHybridModelState
 
 ARCHS = ("tiny-nemotron-h", "tiny-granite-hybrid")

@@ -37,7 +37,7 @@ from toolkit.models import PRESETS, get_model_class, load_model, save_hf_folder
 from toolkit.models.falcon_h1 import FalconH1ForCausalLM
 from toolkit.models.zamba2 import Zamba2ForCausalLM, zamba2_shared_block_ties
 from toolkit.runner.kv_cache import make_kv_cache_groups
-from toolkit.runner.kv_cache_spec import AttentionSpec, MambaSpec
+from toolkit.kv_cache_spec import AttentionSpec, MambaSpec
 from toolkit.runner.model_states import MambaHybridModelState, init_model_state
 
 ARCHS = ("tiny-zamba2", "tiny-falcon-h1")

@@ -53,8 +53,9 @@ from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 
 from toolkit import LLM, InvalidRequestError, SamplingParams
-from toolkit.runner.block_table import PAD_SLOT_ID
-from toolkit.sampling import Sampler, derive_seed
+from toolkit.kv_cache_spec import PAD_SLOT_ID
+from toolkit.runner.sampler import Sampler
+from toolkit.sampling import derive_seed
 
 
 # ---- profiles ---------------------------------------------------------------------------------

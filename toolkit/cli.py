@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from toolkit import demo
 from toolkit.errors import ToolkitError
 
 COMMANDS = {
@@ -13,7 +14,6 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from toolkit import demo
     parser = argparse.ArgumentParser(
         prog="python -m toolkit",
         description="runnerscope: a steppable, inspectable MRV2-style runner for hybrid and "

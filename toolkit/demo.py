@@ -11,6 +11,7 @@ import sys
 
 from toolkit.inspect.step_record import StepRecord
 from toolkit.llm import LLM
+from toolkit.models import DEMO_MODELS, PRESETS
 from toolkit.sampling import SamplingParams
 
 DEFAULT_MODEL = "demo-hybrid"
@@ -40,7 +41,6 @@ def print_table(header: list[str], rows: list[list[str]]) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from toolkit.models import DEMO_MODELS, PRESETS
     parser.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME",
                         help=f"a trained demo model ({', '.join(DEMO_MODELS)}), a preset (random "
                              f"weights) or an HF model folder (config.json + *.safetensors); "
@@ -85,9 +85,3 @@ def run(args: argparse.Namespace) -> int:
             pools.append(f"{stats['state_slots_free']}/{stats['state_slots_total']} state slots free")
         print(f"\nafter: {', '.join(pools)}, {stats['runner_rows_in_use']} runner rows in use")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`demo` on its own (kept for callers of toolkit.demo.main)."""
-    from toolkit.cli import main as cli_main
-    return cli_main(["demo", *(argv or [])])

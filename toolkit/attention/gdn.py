@@ -27,7 +27,7 @@ import torch
 from toolkit.attention.common import CommonAttentionMetadata
 from toolkit.attention.mamba2 import compute_chunk_metadata
 from toolkit.attention.mamba_base import MAMBA_REQUIRED_FIELDS, BaseMambaAttentionMetadata, BaseMambaMetadataBuilder
-from toolkit.runner.host import to_device
+from toolkit.host import to_device
 
 # FLA's chunk size for the gated delta rule (BT = 64 in `chunk_gated_delta_rule`)
 GDN_CHUNK_SIZE = 64

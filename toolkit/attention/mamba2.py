@@ -15,7 +15,7 @@ import torch
 
 from toolkit.attention.common import CommonAttentionMetadata
 from toolkit.attention.mamba_base import BaseMambaAttentionMetadata, BaseMambaMetadataBuilder
-from toolkit.runner.host import to_device
+from toolkit.host import to_device
 
 
 @dataclass

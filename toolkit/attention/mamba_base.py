@@ -17,7 +17,7 @@ from toolkit.attention.builder import AttentionMetadataBuilder
 from toolkit.attention.common import CommonAttentionMetadata
 from toolkit.attention.contracts import FieldSpec
 from toolkit.errors import MetadataContractError
-from toolkit.runner.host import to_device
+from toolkit.host import to_device
 
 MAMBA_REQUIRED_FIELDS = (
     FieldSpec("query_start_loc", torch.int32, shape="[B+1]"),

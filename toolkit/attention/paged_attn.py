@@ -13,7 +13,7 @@ import torch
 from toolkit.attention.builder import AttentionMetadataBuilder
 from toolkit.attention.common import CommonAttentionMetadata
 from toolkit.attention.contracts import FieldSpec
-from toolkit.runner.host import to_device
+from toolkit.host import to_device
 
 
 @dataclass

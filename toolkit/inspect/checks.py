@@ -23,7 +23,7 @@ import torch
 
 from toolkit.errors import InvariantError
 from toolkit.inspect.step_record import CacheLedger, Violation
-from toolkit.runner.block_table import PAD_SLOT_ID
+from toolkit.kv_cache_spec import PAD_SLOT_ID
 
 
 def ledger_of(scheduler) -> CacheLedger:

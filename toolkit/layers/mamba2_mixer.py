@@ -3,13 +3,13 @@
 Notation: T tokens, H heads, P head_dim, N d_state, G n_groups (head h reads group h // (H // G)),
 K conv kernel, Dc = conv_dim = H*P + 2*G*N, S sequences, C chunks.
 
-The pure math lives in plain functions below (no module state, no in-place writes) so that
-kernels can be tested against them:
-  - `mamba2_dt`                  dt_raw -> softplus(dt_raw + dt_bias), clamped to time_step_limit
-  - conv with state: see causal_conv1d.py (shared with Mamba1 and ShortConv)
-  - `ssd_chunk_scan_varlen`      chunked SSD scan over vLLM's varlen chunk layout, initial states
-  - `ssm_step`                   one-token SSM update
-  - `ssm_scan_sequential_ref`    plain per-token recurrence (the reference for the chunked scan)
+The module wires the math; the math itself is the op set it calls (`self.ops`), whose torch
+references sit beside their kernels in toolkit/kernels/:
+  - `mamba2_dt`                  dt_raw -> softplus(dt_raw + dt_bias), clamped (selective_state_update_ref.py)
+  - conv with state              causal_conv1d_ref.py (shared with Mamba1, ShortConv and GDN)
+  - `ssd_chunk_scan_varlen`      chunked SSD scan over vLLM's varlen chunk layout (ssd_scan_ref.py)
+  - `ssm_step`                   one-token SSM update (selective_state_update_ref.py)
+  - `ssm_scan_sequential_ref`    plain per-token recurrence, the chunked scan's reference (ssd_scan_ref.py)
 All SSM math is fp32.
 """
 from __future__ import annotations
@@ -22,236 +22,15 @@ from torch import nn
 import torch.nn.functional as F
 
 from toolkit.attention.mamba2 import compute_chunk_metadata
-from toolkit.layers.causal_conv1d import initial_states_at, write_states_at
 from toolkit.layers.mlp import get_activation
 from toolkit.layers.norms import RMSNormGated, RMSNormThenGate
 from toolkit.layers.state_mixer import States, StateSlotMixer
-from toolkit.runner.kv_cache_spec import MambaSpec
+from toolkit.kv_cache_spec import MambaSpec
 
 
 # --------------------------------------------------------------------------------------------
 # pure math
 # --------------------------------------------------------------------------------------------
-
-
-def mamba2_dt(
-    dt_raw: torch.Tensor, dt_bias: torch.Tensor, dt_limit: Sequence[float] | None = None
-) -> torch.Tensor:
-    """dt_raw [T, H], dt_bias [H] -> fp32 [T, H] = clamp(softplus(dt_raw + dt_bias), *dt_limit)."""
-    dt = F.softplus(dt_raw.to(torch.float32) + dt_bias.to(torch.float32))
-    if dt_limit is not None:
-        lo, hi = float(dt_limit[0]), float(dt_limit[1])
-        if lo > 0.0 or hi != float("inf"):
-            dt = dt.clamp(min=lo, max=hi)
-    return dt
-
-
-def _heads_from_groups(t: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """[..., G, N] -> [..., H, N]: head h reads group h // (H // G)."""
-    g = t.shape[-2]
-    if num_heads % g != 0:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of n_groups {g}")
-    return t.repeat_interleave(num_heads // g, dim=-2)
-
-
-def ssm_step(
-    state: torch.Tensor,
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One-token SSM update.
-
-    state [B, H, P, N]; x [B, H, P]; dt [B, H] (already softplus'ed, > 0); A [H] (negative);
-    B, C [B, G, N]; D [H] | None.
-        new = state * exp(dt * A) + (dt * x) outer B ;  y = new . C + D * x
-    Returns (y [B, H, P] fp32, new_state [B, H, P, N] fp32).
-    """
-    h = x.shape[1]
-    xf, dtf = x.to(torch.float32), dt.to(torch.float32)
-    Bh = _heads_from_groups(B.to(torch.float32), h)
-    Ch = _heads_from_groups(C.to(torch.float32), h)
-    dA = torch.exp(dtf * A.to(torch.float32)[None, :])                       # [B, H]
-    new = state.to(torch.float32) * dA[:, :, None, None] + (dtf[:, :, None] * xf)[..., None] * Bh[:, :, None, :]
-    y = torch.einsum("bhpn,bhn->bhp", new, Ch)
-    if D is not None:
-        y = y + D.to(torch.float32)[None, :, None] * xf
-    return y, new
-
-
-def ssm_scan_sequential_ref(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None,
-    cu_seqlens: torch.Tensor,
-    initial_states: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference: the SSM recurrence one token at a time (see `ssm_step`).
-
-    x [T, H, P]; dt [T, H] (processed); A [H]; B, C [T, G, N]; D [H] | None;
-    cu_seqlens int [S+1]; initial_states [S, H, P, N] | None (zeros).
-    Returns (y [T, H, P] fp32, final_states [S, H, P, N] fp32).
-    """
-    t, h, p = x.shape
-    n = B.shape[-1]
-    cu = [int(v) for v in cu_seqlens.tolist()]
-    s = len(cu) - 1
-    y = torch.zeros(t, h, p, device=x.device, dtype=torch.float32)
-    finals = torch.zeros(s, h, p, n, device=x.device, dtype=torch.float32)
-    for i in range(s):
-        st = (
-            initial_states[i : i + 1].to(torch.float32)
-            if initial_states is not None
-            else torch.zeros(1, h, p, n, device=x.device, dtype=torch.float32)
-        )
-        for j in range(cu[i], cu[i + 1]):
-            yj, st = ssm_step(st, x[j : j + 1], dt[j : j + 1], A, B[j : j + 1], C[j : j + 1], D)
-            y[j] = yj[0]
-        finals[i] = st[0]
-    return y, finals
-
-
-def _segsum(a: torch.Tensor) -> torch.Tensor:
-    """a [..., L] -> [..., L, L] with out[..., l, s] = sum_{k=s+1..l} a[k] for l >= s, -inf above.
-
-    Built from a cumulative sum of masked copies (not cumsum differences) for stability.
-    """
-    L = a.shape[-1]
-    x = a[..., :, None].expand(*a.shape, L)                                  # x[..., l, s] = a[l]
-    strict = torch.tril(torch.ones(L, L, dtype=torch.bool, device=a.device), diagonal=-1)
-    x = x.masked_fill(~strict, 0.0)
-    seg = torch.cumsum(x, dim=-2)
-    incl = torch.tril(torch.ones(L, L, dtype=torch.bool, device=a.device), diagonal=0)
-    return seg.masked_fill(~incl, float("-inf"))
-
-
-def ssd_chunk_scan_varlen(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None,
-    cu_chunk_seqlens: torch.Tensor,
-    seq_idx: torch.Tensor,
-    last_chunk_indices: torch.Tensor,
-    chunk_size: int,
-    initial_states: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked SSD (state-space duality) scan over a varlen chunk layout.
-
-    x [T, H, P]; dt [T, H] (processed, fp32); A [H]; B, C [T, G, N]; D [H] | None;
-    cu_chunk_seqlens int [C+1]: chunk c covers tokens [cu[c], cu[c+1]) (0 < length <= chunk_size,
-        cu[0] == 0, cu[-1] == T, chunks in token order, never crossing a sequence);
-    seq_idx int [C]: sequence of each chunk (sequences' chunks are consecutive);
-    last_chunk_indices int [S]: last chunk of each sequence;
-    initial_states [S, H, P, N] | None: state before each sequence's first token (None = zeros).
-    Per chunk: the intra-chunk (diagonal) term is a masked "attention" C_l.B_s * exp(sum dA(s, l])
-    * dt_s * x_s; each chunk's start state comes from a recurrence over the chunks of its
-    sequence (state_after = exp(sum dA over chunk) * state_before + chunk_state), and adds
-    exp(cumsum dA)_l * C_l . state_before. Chunks shorter than chunk_size are zero-padded with dt = 0,
-    which makes padding exact (decay 1, no input).
-    Returns (y [T, H, P] fp32, final_states [S, H, P, N] fp32).
-    """
-    t, h, p = x.shape
-    n = B.shape[-1]
-    dev = x.device
-    f32 = torch.float32
-    cu = cu_chunk_seqlens.to(device=dev, dtype=torch.int64)
-    nc = cu.numel() - 1
-    num_seqs = last_chunk_indices.numel()
-    L = int(chunk_size)
-    if nc == 0:
-        return torch.zeros(t, h, p, device=dev, dtype=f32), torch.zeros(num_seqs, h, p, n, device=dev, dtype=f32)
-
-    lens = cu[1:] - cu[:-1]
-    ar = torch.arange(L, device=dev)
-    valid = ar[None, :] < lens[:, None]                                       # [C, L]
-    idx = torch.where(valid, cu[:-1, None] + ar[None, :], torch.zeros_like(ar)[None, :])
-    vf = valid.to(f32)
-    xc = x.to(f32)[idx] * vf[:, :, None, None]                                # [C, L, H, P]
-    dtc = dt.to(f32)[idx] * vf[:, :, None]                                    # [C, L, H]
-    Bc = _heads_from_groups(B.to(f32)[idx], h)                                # [C, L, H, N]
-    Cc = _heads_from_groups(C.to(f32)[idx], h)
-
-    dA = dtc * A.to(f32)[None, None, :]                                       # [C, L, H]
-    cum = torch.cumsum(dA, dim=1)                                             # [C, L, H]
-    xdt = xc * dtc[..., None]                                                 # [C, L, H, P]
-
-    # 1. intra-chunk (diagonal blocks)
-    decay_ls = torch.exp(_segsum(dA.permute(0, 2, 1)))                        # [C, H, L, L]
-    cb = torch.einsum("clhn,cshn->chls", Cc, Bc)
-    y = torch.einsum("chls,cshp->clhp", cb * decay_ls, xdt)
-
-    # 2. each chunk's own contribution to its end state (from a zero start)
-    decay_to_end = torch.exp(cum[:, -1:, :] - cum)                            # [C, L, H]
-    chunk_states = torch.einsum("clhn,clhp->chpn", Bc * decay_to_end[..., None], xdt)  # [C, H, P, N]
-    chunk_decay = torch.exp(cum[:, -1, :])                                    # [C, H]
-
-    # 3. state passing across the chunks of each sequence
-    seq_list = [int(v) for v in seq_idx.tolist()]
-    states_before = torch.empty(nc, h, p, n, device=dev, dtype=f32)
-    states_after = torch.empty(nc, h, p, n, device=dev, dtype=f32)
-    prev = None
-    for c in range(nc):
-        if c == 0 or seq_list[c] != seq_list[c - 1]:
-            prev = (
-                initial_states[seq_list[c]].to(f32)
-                if initial_states is not None
-                else torch.zeros(h, p, n, device=dev, dtype=f32)
-            )
-        states_before[c] = prev
-        prev = chunk_decay[c][:, None, None] * prev + chunk_states[c]
-        states_after[c] = prev
-
-    # 4. contribution of each chunk's start state
-    y = y + torch.einsum("clhn,chpn->clhp", Cc, states_before) * torch.exp(cum)[..., None]
-    if D is not None:
-        y = y + D.to(f32)[None, None, :, None] * xc
-
-    y_tok = y[valid]                                                          # [T, H, P], token order
-    if y_tok.shape[0] != t:
-        raise ValueError(
-            f"ssd_chunk_scan_varlen: chunk layout covers {y_tok.shape[0]} of {t} tokens "
-            f"(chunks must tile [0, T) and be at most chunk_size={L} long)"
-        )
-    finals = states_after[last_chunk_indices.to(device=dev, dtype=torch.int64)]
-    return y_tok, finals
-
-
-def mamba2_update_at_slots(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
-                           B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None,
-                           state_indices: torch.Tensor, dt_bias: torch.Tensor | None = None,
-                           dt_limit: Sequence[float] | None = None) -> torch.Tensor:
-    """`ssm_step` in place at state indices: ssm_state [S, H, P, N] (row i reads and writes slot
-    state_indices[i]; -1: padded row, y = 0, nothing touched). Returns y fp32 [B, H, P].
-    With dt_bias, dt is raw: `mamba2_dt(dt, dt_bias, dt_limit)` is applied first (the kernel
-    does it in the same launch, as mamba_ssm's `dt_softplus`)."""
-    if dt_bias is not None:
-        dt = mamba2_dt(dt, dt_bias, dt_limit)
-    y, new = ssm_step(initial_states_at(ssm_state, state_indices, None), x, dt, A, B, C, D)
-    write_states_at(ssm_state, state_indices, new)
-    return torch.where((state_indices >= 0).view(-1, 1, 1), y, torch.zeros((), dtype=y.dtype, device=y.device))
-
-
-def ssd_scan_at_slots(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                      D: torch.Tensor | None, cu_chunk_seqlens: torch.Tensor, seq_idx: torch.Tensor,
-                      last_chunk_indices: torch.Tensor, chunk_size: int, ssm_state: torch.Tensor,
-                      state_indices: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
-    """`ssd_chunk_scan_varlen` in place at state indices: sequence i starts from
-    ssm_state[state_indices[i]] if has_initial_state[i] else zeros; its final state is written
-    back there. Returns y fp32 [T, H, P]."""
-    init = initial_states_at(ssm_state, state_indices, has_initial_state)
-    y, final = ssd_chunk_scan_varlen(x, dt, A, B, C, D, cu_chunk_seqlens, seq_idx, last_chunk_indices,
-                                     chunk_size, init)
-    write_states_at(ssm_state, state_indices, final)
-    return y
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from toolkit.layers.mlp import get_activation
+from toolkit.layers.ops import TORCH_OPS
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
@@ -134,7 +135,6 @@ class FusedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden_size, intermediate_size))
         get_activation(hidden_act)              # validate: only the SiLU family is supported
-        from toolkit.layers.ops import TORCH_OPS    # ops imports the layers' references
         self.ops = TORCH_OPS                        # set_ops() swaps in the Triton kernel
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:

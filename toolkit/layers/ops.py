@@ -1,6 +1,7 @@
 """The ops a model's forward calls, as one of two interchangeable sets with the same signatures:
-`TORCH_OPS` (plain torch, every platform: the references) and the Triton kernels in
-`toolkit.kernels` (`triton_ops()`). `set_ops(model, ops)` hands a set to every layer.
+`TORCH_OPS` (plain torch, every platform: the references, `toolkit/kernels/*_ref.py`) and the
+Triton kernels beside them (`triton_ops()`). Every layer that calls ops starts with TORCH_OPS;
+`set_ops(model, ops)` hands a set to every layer (the runner does, for its backend).
 
 Recurrent-state ops work *in place at state indices*, as vLLM's kernels do: they read a row's
 initial state from `cache[state_indices[row]]` and write its new state back there. A state index of
@@ -31,14 +32,14 @@ a padded prefill sequence is computed from a zero state (the profile run relies 
                 seq_idx [C], last_chunk_indices [P], chunk_size, ssm_state, state_indices [P],
                 has_initial_state [P], use_qk_l2norm=True) -> y fp32 [T, Hv, V]
         q, k raw (l2-normalised and q scaled inside the op); g is the fp32 log decay
-    rms_norm(x [..., D], weight [D], eps) -> [..., D]                   (norms.rms_norm)
+    rms_norm(x [..., D], weight [D], eps) -> [..., D]                   (rms_norm_ref.rms_norm)
     rms_norm_gated(x [..., D], gate | None, weight [D], group_size, eps, norm_before_gate,
-                   cast_normed, out_dtype | None) -> [..., D]           (norms.rms_norm_gated_op)
+                   cast_normed, out_dtype | None) -> [..., D]           (rms_norm_ref.rms_norm_gated_op)
     mamba2_dt(dt_raw [T, H], dt_bias [H], dt_limit (lo, hi) | None) -> fp32 [T, H]
         clamp(softplus(dt_raw + dt_bias), lo, hi)
     rotary(positions [T], q [T, Hq, D], k [T, Hkv, D], inv_freq fp32 [R/2], scaling, rotary_dim R)
-        -> (q, k) with RoPE on their first R channels                   (rotary.apply_rotary)
-    silu_and_mul(gate [..., D], up [..., D]) -> silu(gate) * up          (mlp.silu_and_mul)
+        -> (q, k) with RoPE on their first R channels                   (rotary_ref.apply_rotary)
+    silu_and_mul(gate [..., D], up [..., D]) -> silu(gate) * up          (activation_ref.silu_and_mul)
 
 The Triton set does each of these in one launch, which is what a CUDA-graph decode step needs:
 its time at batch 1 is the number of kernels times a few microseconds (benchmarks/launch_count.py).
@@ -48,21 +49,17 @@ dt is already softplus'ed (and clamped) unless an op takes dt_bias; A is already
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
 
-from toolkit.layers import attention as attn
-from toolkit.layers import causal_conv1d as conv
-from toolkit.layers import gdn
-from toolkit.layers import mamba1_mixer as m1
-from toolkit.layers import mamba2_mixer as m2
-from toolkit.layers import mlp
-from toolkit.layers import norms
-from toolkit.layers import rotary
-from toolkit import sampling
+from toolkit.config import triton_installed
+from toolkit.kernels import activation_ref, causal_conv1d_ref, gated_delta_rule_ref, gumbel_ref, kv_cache_ref
+from toolkit.kernels import paged_attention_ref, rms_norm_ref, rotary_ref, selective_scan_ref
+from toolkit.kernels import selective_state_update_ref, ssd_scan_ref
 
 
 @dataclass(frozen=True)
@@ -88,22 +85,22 @@ class Ops:
 
 TORCH_OPS = Ops(
     name="torch",
-    conv_update=conv.conv_update_at_slots,
-    conv_prefill=conv.conv_prefill_at_slots,
-    mamba1_update=m1.mamba1_update_at_slots,
-    mamba1_scan=m1.mamba1_scan_at_slots,
-    mamba2_update=m2.mamba2_update_at_slots,
-    ssd_scan=m2.ssd_scan_at_slots,
-    write_kv_cache=attn.write_kv_cache,
-    paged_attention=attn.paged_attention_ref,
-    gumbel_argmax=sampling.gumbel_argmax_ref,
-    gdn_update=gdn.gdn_update_at_slots,
-    gdn_prefill=gdn.gdn_prefill_at_slots,
-    rms_norm=norms.rms_norm,
-    rms_norm_gated=norms.rms_norm_gated_op,
-    mamba2_dt=m2.mamba2_dt,
-    rotary=rotary.apply_rotary,
-    silu_and_mul=mlp.silu_and_mul,
+    conv_update=causal_conv1d_ref.conv_update_at_slots,
+    conv_prefill=causal_conv1d_ref.conv_prefill_at_slots,
+    mamba1_update=selective_scan_ref.mamba1_update_at_slots,
+    mamba1_scan=selective_scan_ref.mamba1_scan_at_slots,
+    mamba2_update=selective_state_update_ref.mamba2_update_at_slots,
+    ssd_scan=ssd_scan_ref.ssd_scan_at_slots,
+    write_kv_cache=kv_cache_ref.write_kv_cache,
+    paged_attention=paged_attention_ref.paged_attention_ref,
+    gumbel_argmax=gumbel_ref.gumbel_argmax_ref,
+    gdn_update=gated_delta_rule_ref.gdn_update_at_slots,
+    gdn_prefill=gated_delta_rule_ref.gdn_prefill_at_slots,
+    rms_norm=rms_norm_ref.rms_norm,
+    rms_norm_gated=rms_norm_ref.rms_norm_gated_op,
+    mamba2_dt=selective_state_update_ref.mamba2_dt,
+    rotary=rotary_ref.apply_rotary,
+    silu_and_mul=activation_ref.silu_and_mul,
 )
 
 
@@ -111,8 +108,6 @@ def triton_ops(device: torch.device) -> Ops:
     """The Triton kernels. On a CPU they run under the Triton interpreter (TRITON_INTERPRET=1), slow
     and meant for tests. Triton reads the variable when it is imported, so it is set here when
     nothing has imported triton yet, and refused with the reason when something has."""
-    import sys
-    from toolkit.config import triton_installed
     if not triton_installed():
         raise ValueError("backend='triton' but triton is not installed (no wheels for macOS and "
                          "Windows); use backend='auto' or 'torch'")
@@ -122,9 +117,10 @@ def triton_ops(device: torch.device) -> Ops:
                              "TRITON_INTERPRET=1 before triton is imported; triton was imported without "
                              "it. Set the variable at the top of the script or notebook.")
         os.environ["TRITON_INTERPRET"] = "1"
-    from toolkit.kernels import (causal_conv1d, gated_delta_rule, kv_cache, paged_attention, gumbel, rms_norm,
-                                 selective_scan, selective_state_update, ssd_scan)
-    from toolkit.kernels import activation, rotary as rotary_kernel
+    # imported here, not at the top: triton may be missing (macOS, Windows), and on a CPU it must
+    # be imported after TRITON_INTERPRET is set above
+    from toolkit.kernels import (activation, causal_conv1d, gated_delta_rule, gumbel, kv_cache, paged_attention,
+                                 rms_norm, rotary, selective_scan, selective_state_update, ssd_scan)
     return Ops(
         name="triton",
         conv_update=causal_conv1d.causal_conv1d_update,
@@ -141,7 +137,7 @@ def triton_ops(device: torch.device) -> Ops:
         rms_norm=rms_norm.rms_norm,
         rms_norm_gated=rms_norm.rms_norm_gated,
         mamba2_dt=selective_state_update.mamba2_dt,
-        rotary=rotary_kernel.apply_rotary,
+        rotary=rotary.apply_rotary,
         silu_and_mul=activation.silu_and_mul,
     )
 

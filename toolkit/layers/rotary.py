@@ -4,7 +4,8 @@ HF layout ("rotate_half", non-interleaved): for the first `rotary_dim` channels 
     x_rot' = x_rot * cos + rotate_half(x_rot) * sin,  rotate_half([a, b]) = [-b, a],
 with cos/sin = cos/sin(positions * inv_freq) duplicated to `rotary_dim` channels and cast to the
 input dtype before use (as HF does). Channels past `rotary_dim` pass through unchanged
-(`partial_rotary_factor` < 1, e.g. Bamba uses 0.5).
+(`partial_rotary_factor` < 1, e.g. Bamba uses 0.5). The rotation is an op (`self.ops.rotary`):
+torch reference in toolkit/kernels/rotary_ref.py.
 
 Frequencies are computed in fp32 on the CPU at construction and kept as a plain (non-buffer)
 tensor, so `model.to(bfloat16)` cannot degrade them and meta-device construction works.
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from toolkit.errors import UnsupportedArchitectureError
+from toolkit.layers.ops import TORCH_OPS
 
 # Rope types whose frequencies depend on the running sequence length (HF `dynamic_rope_update`).
 _DYNAMIC_ROPE_TYPES = {"dynamic", "longrope"}
@@ -26,40 +28,6 @@ def default_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
     """inv_freq[i] = 1 / theta ** (2i / rotary_dim), i < rotary_dim // 2 (fp32, CPU)."""
     exps = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / rotary_dim
     return 1.0 / (theta**exps)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """[..., 2m] -> [..., 2m]: [a, b] -> [-b, a]."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [T], inv_freq fp32 [R/2] -> (cos, sin) each [T, R] in `dtype` (HF: fp32, scaled, cast)."""
-    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim], cos/sin [T, R] -> x with its first R channels rotated (same dtype)."""
-    rd = cos.shape[-1]
-    c, s = cos[:, None, :], sin[:, None, :]
-    if rd == x.shape[-1]:
-        return x * c + rotate_half(x) * s
-    x_rot, x_pass = x[..., :rd], x[..., rd:]
-    return torch.cat((x_rot * c + rotate_half(x_rot) * s, x_pass), dim=-1)
-
-
-def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor,
-                 scaling: float, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op (`Ops.rotary`; the Triton kernel has this signature): positions [T] int, q [T, Hq, D],
-    k [T, Hkv, D], inv_freq fp32 [rotary_dim / 2] -> (q, k) rotated, new tensors."""
-    if 2 * inv_freq.shape[0] != rotary_dim:
-        raise ValueError(f"inv_freq has {inv_freq.shape[0]} frequencies, rotary_dim {rotary_dim} needs {rotary_dim // 2}")
-    cos, sin = cos_sin(positions, inv_freq, scaling, q.dtype)
-    return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
 class RotaryEmbedding(nn.Module):
@@ -94,7 +62,6 @@ class RotaryEmbedding(nn.Module):
         self.attention_scaling = float(scaling)
         self._inv_freq_cpu = inv_freq
         self._inv_freq_cache: dict[torch.device, torch.Tensor] = {}
-        from toolkit.layers.ops import TORCH_OPS    # ops imports this module's reference
         self.ops = TORCH_OPS                        # set_ops() swaps in the Triton kernel
 
     @staticmethod

@@ -7,8 +7,8 @@
 
 The only state is the conv state, vLLM "SD" layout [L-1, D] per request slot (the L-1 values of
 `u` preceding the next token, oldest first; HF keeps L of them, the oldest of which the next
-step never reads). The conv math is `causal_conv1d_varlen` / `causal_conv1d_step` with
-activation=None.
+step never reads). The conv math is `causal_conv1d_varlen` / `causal_conv1d_step`
+(toolkit/kernels/causal_conv1d_ref.py) with activation=None.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from toolkit.layers.state_mixer import States, StateSlotMixer
-from toolkit.runner.kv_cache_spec import MambaSpec
+from toolkit.kv_cache_spec import MambaSpec
 
 
 class ShortConv(StateSlotMixer):

@@ -1,4 +1,4 @@
-"""What the recurrent-state mixers (Mamba1Mixer, Mamba2Mixer, ShortConv) share: binding their
+"""What the recurrent-state mixers (Mamba1Mixer, Mamba2Mixer, ShortConv, GatedDeltaNet) share: binding their
 per-request state tensors, and dispatching a step's tokens to decode / prefill over state slots.
 
 Notation: T tokens in the step, S state slots, nd decode tokens (= decode rows, one token each),
@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from toolkit.layers.ops import TORCH_OPS
 
 States = tuple[torch.Tensor, ...]
 DecodeFn = Callable[[slice, States, torch.Tensor], torch.Tensor]
@@ -55,7 +56,6 @@ class StateSlotMixer(nn.Module, ABC):
 
     def __init__(self, layer_name: str) -> None:
         super().__init__()
-        from toolkit.layers.ops import TORCH_OPS   # ops imports the mixers' reference functions
         self.layer_name = layer_name
         self.ops = TORCH_OPS                        # set_ops() swaps in the Triton kernels
         self._neg_exp_A: tuple[tuple, torch.Tensor] | None = None

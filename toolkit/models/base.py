@@ -23,7 +23,7 @@ from transformers import PretrainedConfig
 
 from toolkit.layers.attention import PagedAttention
 from toolkit.layers.norms import RMSNorm, RMSNormGated
-from toolkit.runner.kv_cache_spec import AttentionSpec, MambaSpec
+from toolkit.kv_cache_spec import AttentionSpec, MambaSpec
 
 
 class PreNormBlock(nn.Module):

@@ -10,9 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from toolkit.runner.host import copy_to
-
-PAD_SLOT_ID = -1
+from toolkit.host import copy_to
+from toolkit.kv_cache_spec import PAD_SLOT_ID
 
 
 class BlockTables:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from toolkit.runner.host import copy_to, to_device
+from toolkit.host import copy_to, to_device
 from toolkit.runner.request_states import RequestStates
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from toolkit.config import RunnerConfig
-from toolkit.runner.kv_cache_spec import AttentionSpec, KVCacheSpec, MambaSpec
+from toolkit.kv_cache_spec import AttentionSpec, KVCacheSpec, MambaSpec
 
 
 @dataclass

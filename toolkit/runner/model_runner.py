@@ -16,14 +16,15 @@ from torch import nn
 from toolkit.config import RunnerConfig
 from toolkit.layers.ops import TORCH_OPS, set_ops, triton_ops
 from toolkit.runner.attn_utils import AttnMetadata, init_attn_groups
-from toolkit.runner.block_table import PAD_SLOT_ID, BlockTables
+from toolkit.kv_cache_spec import PAD_SLOT_ID
+from toolkit.runner.block_table import BlockTables
 from toolkit.runner.cudagraph import CudaGraphManager
 from toolkit.runner.input_batch import (InputBatch, InputBuffers, make_dummy, pad_decode_batch, prepare_inputs,
                                         sort_batch)
 from toolkit.runner.kv_cache import allocate_kv_caches, make_kv_cache_groups
 from toolkit.runner.model_states import init_model_state
 from toolkit.runner.request_states import RequestStates
-from toolkit.sampling import Sampler
+from toolkit.runner.sampler import Sampler
 from toolkit.scheduler import SchedulerOutput
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from toolkit.runner.host import to_device
+from toolkit.host import to_device
 from toolkit.runner.input_batch import InputBatch
 from toolkit.runner.kv_cache import KVCacheGroup
 from toolkit.runner.model_states.default import DefaultModelState

@@ -1,18 +1,25 @@
-"""Depthwise causal conv1d over per-request conv state (the Mamba1 / Mamba2 / ShortConv front end).
+"""Depthwise causal conv1d over per-request conv state, in torch: the reference of
+`causal_conv1d.py` and the op set the CPU runs (the Mamba1 / Mamba2 / ShortConv / GDN front end).
 
 Conv state layout is vLLM's "SD": [K-1, D], the K-1 inputs preceding the next token, oldest first.
-Plain torch, fp32 math: the reference any conv kernel is tested against.
+Plain torch, fp32 math.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from toolkit.layers.mlp import get_activation
-from toolkit.layers.padded_scatter import padded_rows_redirected
+from .state_slots_ref import initial_states_at, write_states_at
+
+ACTIVATIONS = {"silu": F.silu, "swish": F.silu}     # HF `hidden_act` names the kernels support
 
 
 def _act(x: torch.Tensor, activation: str | None) -> torch.Tensor:
-    return x if activation is None else get_activation(activation)(x)
+    if activation is None:
+        return x
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r}: the conv applies {sorted(ACTIVATIONS)} or None")
+    return ACTIVATIONS[activation](x)
 
 
 def causal_conv1d_varlen(
@@ -83,30 +90,6 @@ def causal_conv1d_step(
         out = out + bias.to(torch.float32)
     out = _act(out, activation).to(x.dtype)
     return out, win[:, 1:].to(conv_state.dtype)
-
-
-# ---- in place at state indices (the signatures of the kernels in toolkit/kernels/causal_conv1d.py)
-
-
-def initial_states_at(cache: torch.Tensor, state_indices: torch.Tensor,
-                    has_initial_state: torch.Tensor | None) -> torch.Tensor:
-    """cache[state_indices] where the row has an initial state (and is not padded), else 0."""
-    idx = state_indices.to(torch.int64)
-    has = idx >= 0
-    if has_initial_state is not None:
-        has = has & has_initial_state.to(device=idx.device, dtype=torch.bool)
-    rows = cache[idx.clamp(min=0)]
-    return torch.where(has.view(-1, *(1,) * (rows.dim() - 1)), rows, torch.zeros((), dtype=cache.dtype,
-                                                                                  device=cache.device))
-
-
-def write_states_at(cache: torch.Tensor, state_indices: torch.Tensor, new: torch.Tensor) -> None:
-    """cache[state_indices[i]] = new[i] (cast to the cache dtype), padded rows skipped."""
-    if state_indices.numel() == 0:
-        return
-    rows, slots, keep = padded_rows_redirected(state_indices)     # no boolean mask: no sync
-    keep = keep.view(-1, *(1,) * (new.dim() - 1))
-    cache[slots] = torch.where(keep, new[rows].to(cache.dtype), cache[slots])
 
 
 def conv_update_at_slots(x: torch.Tensor, conv_state: torch.Tensor, state_indices: torch.Tensor,

@@ -1,4 +1,6 @@
-"""What each cache-holding layer asks the runner to allocate (vLLM `AttentionSpec` / `MambaSpec`).
+"""The cache vocabulary shared by layers, attention builders and the runner (vLLM's
+`kv_cache_interface.py`): what each cache-holding layer asks the runner to allocate
+(`AttentionSpec` / `MambaSpec`) and the ids that address the caches.
 
 Layers report a spec; the runner groups layers by spec kind into KV-cache groups, allocates, and
 binds the tensors back into the layers with `layer.bind_kv_cache(...)`.
@@ -8,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+PAD_SLOT_ID = -1   # a slot mapping / state index of a padded token or row: nothing is read or written
 
 
 @dataclass(frozen=True)

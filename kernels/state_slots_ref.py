@@ -1,0 +1,43 @@
+"""Reading and writing per-request state at state indices, in torch: the `state_indices`
+contract every state kernel of this folder keeps (a row reads `cache[state_indices[row]]` and
+writes its new state back there; PAD_SLOT_ID (-1) marks a padded row, which reads zeros and writes
+nothing). The `*_ref.py` references build on these helpers."""
+from __future__ import annotations
+
+import torch
+
+
+def padded_rows_redirected(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A scatter `dst[index[i]] = src[i]` that skips the rows with index < 0, without a boolean mask
+    (its data-dependent shape would sync host and device, and cannot be captured in a CUDA graph).
+
+    Returns (rows, targets, keep), each [N]: write src[rows[i]] (where keep[i]) to dst[targets[i]].
+    A skipped row repeats the write of the first kept row (same target, same value: a harmless
+    duplicate); if no row is kept, every row targets entry 0 with keep False, and the caller writes
+    that entry's own value back. Entries no kept row targets are left bit-identical."""
+    index = index.to(torch.int64)
+    kept = index >= 0
+    first_kept = kept.to(torch.int32).argmax()          # 0 when no row is kept
+    rows = torch.where(kept, torch.arange(index.numel(), device=index.device), first_kept)
+    return rows, index[rows].clamp(min=0), kept[rows]
+
+
+def initial_states_at(cache: torch.Tensor, state_indices: torch.Tensor,
+                    has_initial_state: torch.Tensor | None) -> torch.Tensor:
+    """cache[state_indices] where the row has an initial state (and is not padded), else 0."""
+    idx = state_indices.to(torch.int64)
+    has = idx >= 0
+    if has_initial_state is not None:
+        has = has & has_initial_state.to(device=idx.device, dtype=torch.bool)
+    rows = cache[idx.clamp(min=0)]
+    return torch.where(has.view(-1, *(1,) * (rows.dim() - 1)), rows, torch.zeros((), dtype=cache.dtype,
+                                                                                  device=cache.device))
+
+
+def write_states_at(cache: torch.Tensor, state_indices: torch.Tensor, new: torch.Tensor) -> None:
+    """cache[state_indices[i]] = new[i] (cast to the cache dtype), padded rows skipped."""
+    if state_indices.numel() == 0:
+        return
+    rows, slots, keep = padded_rows_redirected(state_indices)     # no boolean mask: no sync
+    keep = keep.view(-1, *(1,) * (new.dim() - 1))
+    cache[slots] = torch.where(keep, new[rows].to(cache.dtype), cache[slots])
