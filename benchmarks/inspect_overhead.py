@@ -18,6 +18,7 @@ import torch
 
 from table import print_markdown_table
 from toolkit import LLM, SamplingParams
+from toolkit.request import request_output
 
 
 class BareLLM(LLM):
@@ -29,7 +30,7 @@ class BareLLM(LLM):
         sampled = self.model_runner.sample_tokens()
         finished, _ = self.scheduler.update_from_output(sched_out, sampled)
         self.model_runner.remove_requests([r.request_id for r in finished])
-        return None, [self._output(r) for r in finished]
+        return None, [request_output(r, self.tokenizer.decode) for r in finished]
 
 
 MODES = {  # name -> (class, LLM kwargs)

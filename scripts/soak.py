@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
             n_tensors, _ = tensors_alive()
             stats = llm.stats()
-            fin_ids = llm._finished_ids
+            fin_ids = llm._request_ids.finished
             mark = dict(step=step, rate=n_steps / (now - t_last), rss=rss_bytes(), tensors=n_tensors,
                         fin_ids=len(fin_ids), fin_bytes=set_bytes(fin_ids), trace=len(llm.trace),
                         heap=tracemalloc.get_traced_memory()[0] if args.tracemalloc else 0)
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
               f"at step {last['step']}: {growth / 2**20:+.2f} MiB ({growth / 1024 / max(k, 1e-9):+.1f} KiB per 1000 steps)")
         print(f"torch tensors alive: {first['tensors']} -> {last['tensors']}; llm.trace: {first['trace']} -> "
               f"{last['trace']} records (capacity {args.trace_capacity})")
-        print(f"llm._finished_ids (by design: one id per finished or aborted request, never pruned): "
+        print(f"finished request ids (by design: one id per finished or aborted request, never pruned): "
               f"{first['fin_ids']} -> {last['fin_ids']} ids, {first['fin_bytes'] / 1024:.1f} -> "
               f"{last['fin_bytes'] / 1024:.1f} KiB ({(last['fin_bytes'] - first['fin_bytes']) / max(k, 1e-9) / 1024:+.1f} "
               f"KiB per 1000 steps, about {last['fin_bytes'] / max(last['fin_ids'], 1):.0f} bytes per id)")

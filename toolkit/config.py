@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import torch
 
 
-
 @dataclass
 class RunnerConfig:
     device: torch.device
@@ -37,6 +36,18 @@ class RunnerConfig:
     @property
     def max_blocks_per_req(self) -> int:
         return -(-self.max_model_len // self.block_size)
+
+
+def resolve_max_model_len(max_model_len: int | None, hf_config) -> int:
+    """None: the model's max_position_embeddings, at most 2048; a larger value than the model's
+    limit is refused."""
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if max_model_len is None:
+        return min(limit or 2048, 2048)
+    if limit is not None and max_model_len > limit:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                         f"max_position_embeddings={limit}")
+    return max_model_len
 
 
 def resolve_device_dtype(device: str | torch.device, dtype: str | torch.dtype

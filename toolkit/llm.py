@@ -1,31 +1,30 @@
 """`LLM`: the user-facing engine (vLLM names): generate(), add_request(), step(), warmup(),
-shutdown(). It owns a Scheduler (who runs, which blocks) and a ModelRunner (what runs)."""
+shutdown(). It wires a Scheduler (who runs, which blocks), a ModelRunner (what runs) and, when
+inspection or checks are on, a Recorder (what happened), and delegates to them."""
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any, Iterable
 
 import torch
 from tqdm.auto import tqdm
 
-from toolkit.config import RunnerConfig, resolve_backend, resolve_device_dtype
-from toolkit.runner.cudagraph import resolve_mode as resolve_cudagraph_mode
+from toolkit.config import RunnerConfig, resolve_backend, resolve_device_dtype, resolve_max_model_len
 from toolkit.errors import EngineClosedError, InvalidRequestError, ToolkitError
 from toolkit.inspect import checks
-from toolkit.inspect.memory import MemoryReport, TensorWatch, collect, graph_bytes, object_bytes
-from toolkit.inspect.recorder import MODES, Recorder, failed_stage_record, warmup_record
-from toolkit.inspect.step_record import ScheduledRequest, StepRecord, snapshot
+from toolkit.inspect.memory import MemoryMarks, MemoryReport, collect
+from toolkit.inspect.recorder import MODES, Recorder, StepOutcome, step_record
+from toolkit.inspect.step_record import StepRecord
 from toolkit.inspect.trace import Trace
 from toolkit.kv_cache_manager import CacheGroupKind
 from toolkit.models import load_model
-from toolkit.request import CompletionOutput, Request, RequestOutput
+from toolkit.request import (Prompt, Request, RequestIds, RequestLimits, RequestOutput, own_params,
+                             prompt_token_ids, request_output)
+from toolkit.runner.cudagraph import resolve_mode as resolve_cudagraph_mode
 from toolkit.runner.model_runner import ModelRunner
-from toolkit.sampling import MAX_SEED, SamplingParams, derive_seed
+from toolkit.sampling import SamplingParams, check_seed, derive_seed
 from toolkit.scheduler import Scheduler
 from toolkit.tokenizer import collect_eos_token_ids, load_tokenizer
-
-Prompt = str | dict
 
 
 class LLM:
@@ -45,54 +44,49 @@ class LLM:
             max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, seed=seed, inspect=inspect,
             trace_capacity=trace_capacity, checks=checks, backend=backend, enforce_eager=enforce_eager,
             cudagraph_mode=cudagraph_mode)
+        # arguments first, so that a bad one fails before the model loads
         if inspect not in MODES:
             raise ValueError(f"inspect={inspect!r}: use one of {MODES}")
-        self.trace = Trace(trace_capacity)          # validates the capacity before the model loads
-        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
-            raise ValueError(f"seed={seed!r}: must be an int in [0, {MAX_SEED}]")
+        self.trace = Trace(trace_capacity)
+        check_seed(seed)
         dev, dt = resolve_device_dtype(device, dtype)
         self.backend = resolve_backend(backend, dev)      # "torch" or "triton"
         self.cudagraph_mode = resolve_cudagraph_mode(cudagraph_mode, enforce_eager, dev, self.backend)
         loaded = load_model(model, dtype=dt, device=dev, seed=seed)
-        hf_config = loaded.config
-        limit = getattr(hf_config, "max_position_embeddings", None)
-        if max_model_len is None:
-            max_model_len = min(limit or 2048, 2048)
-        elif limit is not None and max_model_len > limit:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
-                             f"max_position_embeddings={limit}")
+        self.hf_config = loaded.config
         self.cfg = RunnerConfig(device=dev, dtype=dt, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                                max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, seed=seed,
-                                backend=self.backend, cudagraph_mode=self.cudagraph_mode)
-        self.hf_config = hf_config
+                                max_model_len=resolve_max_model_len(max_model_len, loaded.config),
+                                num_kv_blocks=num_kv_blocks, seed=seed, backend=self.backend,
+                                cudagraph_mode=self.cudagraph_mode)
         self.model_name = model
-        self.vocab_size = int(hf_config.vocab_size)
+        self.vocab_size = int(loaded.config.vocab_size)
         self.tokenizer_dir = loaded.tokenizer_dir       # save_hf_folder(llm, ...) copies it
         self.tokenizer = load_tokenizer(loaded.tokenizer_dir, self.vocab_size)
-        self.eos_token_ids = collect_eos_token_ids(hf_config, loaded.source, self.tokenizer)
+        self.eos_token_ids = collect_eos_token_ids(loaded.config, loaded.source, self.tokenizer)
+
         self.model_runner = ModelRunner(loaded.model, self.cfg)
         groups = self.model_runner.kv_cache_groups
         attn = [g for g in groups if g.kind == "attention"]
         self.scheduler = Scheduler(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, groups=[CacheGroupKind(g.kind, g.block_size) for g in groups],
+            max_model_len=self.cfg.max_model_len,
+            groups=[CacheGroupKind(g.kind, g.block_size) for g in groups],
             num_kv_blocks=attn[0].num_blocks if attn else 0)
+        self.limits = RequestLimits(self.vocab_size, self.cfg.max_model_len, block_size,
+                                    self.scheduler.kv.kv_pool.num_total if attn else None)
+        self._request_ids = RequestIds()
         self._carried_outputs: list[RequestOutput] = []   # finished inside generate(), not its own
-        self._finished_ids: set[str] = set()              # user request ids are never reused
-        self._next_request_id = 0
         self._arrivals = 0            # user requests only: warmup does not shift derived seeds
         self._step_index = 0
         self._closed = False
         self.cudagraph_report = None      # CaptureReport after warmup() captured graphs (CUDA)
         self.inspect = inspect
         self.checks = (inspect != "off") if checks is None else bool(checks)
-        self._recorder: Recorder | None = None
-        if inspect != "off" or self.checks:
-            self._recorder = Recorder(inspect, self.checks)
-            self._recorder.attach(self.model_runner)
-        self._tensor_watch = TensorWatch.of_runner(self.model_runner)
-        self._memory_marks: dict[str, dict[str, int]] = {"load": self._measure_memory()}
+        self._recorder = (Recorder(inspect, self.checks, self.model_runner, self.scheduler, self.trace,
+                                   self.backend) if inspect != "off" or self.checks else None)
+        self._memory = MemoryMarks(self.model_runner, self.trace, dev)
+        self._memory.mark("load")
 
     @property
     def model(self) -> torch.nn.Module:
@@ -108,60 +102,11 @@ class LLM:
                       request_id: str | None, taken: set[str] = frozenset()) -> Request:
         """Validate everything a step could fail on; `taken`: ids claimed by the same call."""
         self._check_open()
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        # the request's own copy, validated again: the caller may change or reuse the object
-        params = dataclasses.replace(params)
-        if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, ids = None, prompt["prompt_token_ids"]
-            if not isinstance(ids, (list, tuple)) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise InvalidRequestError("prompt_token_ids must be a list of ints")
-            ids = list(ids)
-        else:
-            raise InvalidRequestError("a prompt is a string or {'prompt_token_ids': [...]}, "
-                                      f"got {type(prompt).__name__}")
-        if not ids:
-            raise InvalidRequestError("the prompt is empty")
-        bad_stops = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad_stops:
-            raise InvalidRequestError(f"SamplingParams.stop_token_ids {bad_stops[:5]} are outside the "
-                                      f"vocabulary [0, {self.vocab_size}): they could never stop a request")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token ids {bad[:5]} are out of range [0, {self.vocab_size})")
-        if len(ids) >= self.cfg.max_model_len:
-            raise InvalidRequestError(f"the prompt has {len(ids)} tokens; max_model_len="
-                                      f"{self.cfg.max_model_len} leaves no room for an output token")
-        kv_total = self.scheduler.kv.kv_pool.num_total
-        if any(g.kind == "attention" for g in self.scheduler.kv.groups):
-            # every token but the last sampled one goes through the model and into the cache
-            cached = min(len(ids) + params.max_tokens, self.cfg.max_model_len) - 1
-            need = -(-cached // self.cfg.block_size)
-            if need > kv_total:
-                raise InvalidRequestError(f"the request can need {need} KV blocks but the cache "
-                                          f"has {kv_total} (num_kv_blocks)")
-        if request_id is None:
-            request_id = self._auto_request_id(taken)
-        elif not isinstance(request_id, str) or not request_id:
-            raise InvalidRequestError(f"request_id={request_id!r}: must be a non-empty str")
-        elif request_id in self.scheduler.requests or request_id in taken:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        elif request_id in self._finished_ids:
-            raise InvalidRequestError(f"request id {request_id!r} was used by a request that finished; "
-                                      "ids are unique per LLM (the trace refers to them): choose another")
+        params = own_params(params)
+        text, ids = prompt_token_ids(prompt, self.tokenizer.encode)
+        self.limits.check(ids, params)
+        request_id = self._request_ids.claim(request_id, self.scheduler.requests, taken)
         return Request(request_id, ids, params, frozenset(self.eos_token_ids), prompt=text)
-
-    def _auto_request_id(self, taken: set[str]) -> str:
-        """vLLM-style counter ids ("0", "1", ...), skipping ids a user chose."""
-        while True:
-            rid = str(self._next_request_id)
-            self._next_request_id += 1
-            if rid not in self.scheduler.requests and rid not in taken and rid not in self._finished_ids:
-                return rid
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -186,7 +131,7 @@ class LLM:
         if self.scheduler.abort_request(request_id) is None:
             return False
         self.model_runner.remove_requests([request_id])
-        self._finished_ids.add(request_id)
+        self._request_ids.finished.add(request_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -210,15 +155,12 @@ class LLM:
         step's requests are put back to be recomputed and the exception propagates; the engine
         serves the next step and the outputs are those of an uninterrupted run. A runtime check
         that fails raises InvariantError after the step has completed and been recorded."""
-        recorder = self._recorder
         warm = stage.startswith("warmup")
-        where = f"{stage} step" if warm else f"step {self._step_index}"
         start = time.perf_counter()
         sched_out = self.scheduler.schedule()
         scheduled_at = time.perf_counter()
-        ledger = checks.ledger_of(self.scheduler) if self.checks else None   # what check_metadata compares
-        if recorder is not None:
-            recorder.begin(where)
+        if self._recorder is not None:
+            self._recorder.begin(f"{stage} step" if warm else f"step {self._step_index}")
         try:
             state = self.model_runner.execute_model(sched_out)
             sampled = self.model_runner.sample_tokens()
@@ -230,41 +172,18 @@ class LLM:
         done = time.perf_counter()
         self.model_runner.remove_requests([r.request_id for r in finished])
         if not warm:                    # warmup's own ids ("warmup-<i>") may be used again
-            self._finished_ids.update(r.request_id for r in finished)
-        outputs = [self._output(r) for r in finished]
+            self._request_ids.finished.update(r.request_id for r in finished)
+        outputs = [request_output(r, self.tokenizer.decode) for r in finished]
         step_index = None if warm else self._step_index
         if not warm:
             self._step_index += 1
-        if recorder is None and not want_record:
+        if self._recorder is None and not want_record:
             return None, outputs
-        record = StepRecord(
-            step_index=step_index, stage=stage, backend=self.backend, scheduled=scheduled_rows(state),
-            graph=state.graph if state else "eager", padded_size=state.padded_size if state else None,
-            preempted_request_ids=list(sched_out.preempted_req_ids),
-            finished_request_ids=[r.request_id for r in finished],
-            input_batch=snapshot(state.input_batch) if state else None,
-            attn_metadata=snapshot(state.attn_metadata.groups) if state else [],
-            logits=snapshot(state.logits) if state else None,
-            sampled_token_ids=sampled, kept_token_ids=kept, outputs=list(outputs),
-            timings={"schedule": scheduled_at - start, **(state.timings if state else {}),
-                     "update": done - update_start})
-        if recorder is not None:
-            record.ledger = checks.ledger_of(self.scheduler)
-            record.violations = recorder.finish_record(record, self.model_runner, state, ledger)
-            if self.checks:
-                record.violations += checks.check_ledger(self.scheduler, self.model_runner, where)
-            self.trace.append(record)
-            checks.raise_if_any(record.violations)
-        return record, outputs
-
-    def _output(self, req: Request) -> RequestOutput:
-        shown = req.output_token_ids
-        if req.finish_reason() == "stop" and not req.sampling_params.include_stop_str_in_output:
-            shown = shown[:-1]          # vLLM: the stop token stays in token_ids, not in text
-        text = self.tokenizer.decode(shown)
-        return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids),
-                             [CompletionOutput(0, text, list(req.output_token_ids), req.finish_reason())],
-                             finished=True)
+        outcome = StepOutcome(step_index, stage, sched_out, state, sampled, kept, finished, outputs,
+                              {"schedule": scheduled_at - start, "update": done - update_start})
+        if self._recorder is None:
+            return step_record(outcome, self.backend), outputs
+        return self._recorder.record_step(outcome), outputs
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -289,13 +208,13 @@ class LLM:
             params_list = [sampling_params] * len(prompts)
         taken: set[str] = set()
         requests = []
-        next_id = self._next_request_id
+        next_auto = self._request_ids.next_auto
         try:
             for p, sp in zip(prompts, params_list):
                 requests.append(self._make_request(p, sp, None, taken))
                 taken.add(requests[-1].request_id)
         except InvalidRequestError:
-            self._next_request_id = next_id     # a refused call uses up no automatic ids
+            self._request_ids.next_auto = next_auto     # a refused call uses up no automatic ids
             raise
         for r in requests:
             self._enqueue(r)
@@ -342,17 +261,12 @@ class LLM:
                 exec_state = fn()
             except ToolkitError as err:       # e.g. a metadata contract: the stage is in the trace
                 if self._recorder is not None:
-                    self.trace.append(failed_stage_record(f"warmup/{name}", err))
-                    self.trace[-1].backend = self.backend
+                    self._recorder.record_failed_stage(f"warmup/{name}", err)
                 raise
             timings[name] = time.perf_counter() - start
             if exec_state is not None and self._recorder is not None:
-                record = warmup_record(f"warmup/{name}", exec_state, self.checks)
-                record.timings = {"total": timings[name]}
-                record.backend = self.backend
-                self.trace.append(record)
-                checks.raise_if_any(record.violations)
-        self._memory_marks["warmup"] = self._measure_memory()
+                self._recorder.record_stage(f"warmup/{name}", exec_state, timings[name])
+        self._memory.mark("warmup")
         return timings
 
     def _capture(self, progress: bool) -> None:
@@ -394,26 +308,15 @@ class LLM:
         runner = self.model_runner
         runner.shutdown()
         collect()
-        self._memory_marks["shutdown"] = self._measure_memory()
+        self._memory.mark("shutdown")
         if self.checks:
             checks.raise_if_any(checks.check_shutdown(runner))
-
-    # ---- memory ---------------------------------------------------------------------------
-    def _measure_memory(self) -> dict[str, int]:
-        out = self._tensor_watch.measure()
-        out["graphs"] = graph_bytes(getattr(self.model_runner, "cudagraph_manager", None))
-        out["trace"] = object_bytes(list(self.trace))
-        if self.cfg.device.type == "cuda":
-            out["cuda_allocated"] = torch.cuda.memory_allocated(self.cfg.device)
-        return out
 
     def memory_report(self) -> MemoryReport:
         """Bytes by category (weights, kv_cache, state_cache, persistent_buffers, graphs, trace;
         cuda_allocated on a GPU), measured from the tensors at load, after warmup, after
         shutdown, and now."""
-        marks = dict(self._memory_marks)
-        marks["now"] = self._measure_memory()
-        return MemoryReport(marks, str(self.cfg.device))
+        return self._memory.report()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -425,14 +328,3 @@ class LLM:
 
     def __exit__(self, *exc: Iterable) -> None:
         self.shutdown()
-
-
-def scheduled_rows(state) -> list[ScheduledRequest]:
-    """The batch's rows as the runner ran them (batch order), from its ExecuteModelState."""
-    if state is None:
-        return []
-    b = state.input_batch
-    return [ScheduledRequest(r, int(n), int(c), bool(p), bool(d)) for r, n, c, p, d in zip(
-        b.req_ids, b.num_scheduled_tokens, b.num_computed_tokens_np, b.is_prefilling_np,
-        b.runs_as_decode_np)]
-

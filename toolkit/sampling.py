@@ -75,6 +75,12 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def check_seed(seed: object) -> None:
+    """An LLM's seed: an int in [0, MAX_SEED]."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed={seed!r}: must be an int in [0, {MAX_SEED}]")
+
+
 def derive_seed(llm_seed: int, arrival_index: int) -> int:
     """The seed of an unseeded request: splitmix64 of (LLM seed, arrival counter), in [0, 2**64)."""
     def splitmix64(z: int) -> int:

@@ -104,6 +104,32 @@ def graph_bytes(manager) -> int:
     return sum(_nbytes(t) for t in getattr(manager, "held_tensors", lambda: [])())
 
 
+class MemoryMarks:
+    """Bytes by category measured at named moments of an engine's life ("load", "warmup",
+    "shutdown"), for `llm.memory_report()`. Cheap: it measures only when asked."""
+
+    def __init__(self, runner, trace, device: torch.device) -> None:
+        self.runner = runner
+        self.trace = trace
+        self.device = device
+        self.watch = TensorWatch.of_runner(runner)
+        self.marks: dict[str, dict[str, int]] = {}
+
+    def measure(self) -> dict[str, int]:
+        out = self.watch.measure()
+        out["graphs"] = graph_bytes(getattr(self.runner, "cudagraph_manager", None))
+        out["trace"] = object_bytes(list(self.trace))
+        if self.device.type == "cuda":
+            out["cuda_allocated"] = torch.cuda.memory_allocated(self.device)
+        return out
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = self.measure()
+
+    def report(self) -> "MemoryReport":
+        return MemoryReport({**self.marks, "now": self.measure()}, str(self.device))
+
+
 @dataclass
 class MemoryReport:
     """Bytes by category at each mark ("load", "warmup", "shutdown", "now")."""

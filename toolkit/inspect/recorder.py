@@ -1,8 +1,10 @@
-"""Recorder: turns what the runner did in a step into a StepRecord, and runs the runtime checks.
+"""Recorder: turns what the runner did in a step into a StepRecord, runs the runtime checks and
+keeps the records in the trace. The LLM facade hands it each step's outcome (`StepOutcome`) and
+each warmup stage; it is None with `inspect="off"` and checks off.
 
 `LLM(inspect=...)`:
 - "off": no Recorder; the runner's observer hook is None, so a step pays one `if` per hook.
-  `step()` still returns a StepRecord (built from the runner's objects after the step).
+  `step()` still returns a StepRecord (`step_record`, built from the runner's objects after the step).
 - "metadata": every step (step(), generate(), warmup()) becomes a StepRecord in `llm.trace`:
   batch, metadata, logits, the scheduler's decision, per-stage timings, the cache ledger.
 - "full": also every recurrent layer's state for every row, before and after the forward,
@@ -12,11 +14,18 @@ Everything recorded is a copy of what the runner used (`snapshot`), taken after 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from toolkit.inspect import checks
-from toolkit.inspect.step_record import TOP_K_LOGITS, LayerState, StepRecord, Violation, snapshot
+from toolkit.inspect.step_record import (TOP_K_LOGITS, LayerState, StepRecord, Violation, scheduled_rows,
+                                         snapshot)
+from toolkit.inspect.trace import Trace
 from toolkit.layers.state_mixer import StateSlotMixer
+from toolkit.request import Request, RequestOutput
+from toolkit.runner.model_runner import ExecuteModelState, ModelRunner
+from toolkit.scheduler import Scheduler, SchedulerOutput
 
 MODES = ("off", "metadata", "full")
 
@@ -34,22 +43,64 @@ def gather_states(runner, state) -> list[tuple[str, list[torch.Tensor]]]:
     return out
 
 
-class Recorder:
-    """The runner's StepObserver while inspection is on; the LLM asks it for records."""
+@dataclass
+class StepOutcome:
+    """What one engine step did, as the facade saw it: the scheduler's decision, the runner's
+    execute state (None when nothing was scheduled), the samples and what finished."""
+    step_index: int | None              # the user's step counter; None for warmup
+    stage: str                          # "step", "generate" or "warmup/requests"
+    sched_out: SchedulerOutput
+    exec_state: ExecuteModelState | None
+    sampled: dict[str, int]
+    kept: dict[str, int]
+    finished: list[Request]
+    outputs: list[RequestOutput]
+    timings: dict[str, float]           # seconds: "schedule", "update" (the runner adds its own)
 
-    def __init__(self, mode: str, checks_on: bool):
+
+def step_record(step: StepOutcome, backend: str) -> StepRecord:
+    """The StepRecord of a step: snapshots of the objects the runner used, taken after the step."""
+    state = step.exec_state
+    return StepRecord(
+        step_index=step.step_index, stage=step.stage, backend=backend,
+        scheduled=scheduled_rows(state.input_batch) if state else [],
+        graph=state.graph if state else "eager", padded_size=state.padded_size if state else None,
+        preempted_request_ids=list(step.sched_out.preempted_req_ids),
+        finished_request_ids=[r.request_id for r in step.finished],
+        input_batch=snapshot(state.input_batch) if state else None,
+        attn_metadata=snapshot(state.attn_metadata.groups) if state else [],
+        logits=snapshot(state.logits) if state else None,
+        sampled_token_ids=step.sampled, kept_token_ids=step.kept, outputs=list(step.outputs),
+        timings={"schedule": step.timings["schedule"], **(state.timings if state else {}),
+                 "update": step.timings["update"]})
+
+
+class Recorder:
+    """The runner's StepObserver while inspection (or checking) is on, and the keeper of the
+    trace: the facade calls `begin` after scheduling, `record_step` after the step, and
+    `record_stage` / `record_failed_stage` for warmup stages."""
+
+    def __init__(self, mode: str, checks_on: bool, runner: ModelRunner, scheduler: Scheduler, trace: Trace,
+                 backend: str):
         if mode not in MODES:
             raise ValueError(f"inspect={mode!r}: use one of {MODES}")
         self.mode = mode
         self.checks_on = checks_on
+        self.runner = runner
+        self.scheduler = scheduler
+        self.trace = trace
+        self.backend = backend
         self.where = ""
+        self._ledger_at_schedule = None
         self._before: list | None = None
         self._after: list | None = None
         self._pending: list[Violation] = []
         self._layer_info: dict[str, tuple[str, list[str]]] = {}
+        self._attach()
 
-    def attach(self, runner) -> None:
+    def _attach(self) -> None:
         """Learn each recurrent layer's kind and state names; hook into the runner."""
+        runner = self.runner
         specs = {n: g.spec for g in runner.kv_cache_groups if g.kind == "mamba" for n in g.layer_names}
         for module in runner.model.modules():
             if isinstance(module, StateSlotMixer) and module.layer_name in specs:
@@ -57,9 +108,11 @@ class Recorder:
                                                        list(module.state_names))
         runner.observer = self if (self.mode == "full" or self.checks_on) else None
 
-    # ---- StepObserver hooks ---------------------------------------------------------------
+    # ---- a step -------------------------------------------------------------------------------
     def begin(self, where: str) -> None:
+        """Called after scheduling: the ledger `check_metadata` compares the step with."""
         self.where, self._before, self._after, self._pending = where, None, None, []
+        self._ledger_at_schedule = checks.ledger_of(self.scheduler) if self.checks_on else None
 
     def before_forward(self, runner, state) -> None:
         if self.mode == "full":
@@ -72,8 +125,19 @@ class Recorder:
         if self.mode == "full":
             self._after = gather_states(runner, state)
 
-    # ---- records ----------------------------------------------------------------------------
-    def layer_states(self, request_ids: list[str], slots_by_layer: dict[str, list[int]]) -> list[LayerState]:
+    def record_step(self, step: StepOutcome) -> StepRecord:
+        """The step's record, with the full-mode fields and the checks' violations, appended to
+        the trace; raises InvariantError (after recording) if a check failed."""
+        record = step_record(step, self.backend)
+        record.ledger = checks.ledger_of(self.scheduler)
+        record.violations = self._finish_record(record, step.exec_state)
+        if self.checks_on:
+            record.violations += checks.check_ledger(self.scheduler, self.runner, self.where)
+        self.trace.append(record)
+        checks.raise_if_any(record.violations)
+        return record
+
+    def _layer_states(self, request_ids: list[str], slots_by_layer: dict[str, list[int]]) -> list[LayerState]:
         if self._before is None or self._after is None:
             return []
         out = []
@@ -83,19 +147,20 @@ class Recorder:
                                   before, after))
         return out
 
-    def finish_record(self, record: StepRecord, runner, exec_state, ledger_at_schedule) -> list[Violation]:
+    def _finish_record(self, record: StepRecord, exec_state) -> list[Violation]:
         """Fill the full-mode fields and run the post-step checks; returns the violations."""
+        runner = self.runner
         if exec_state is not None and self.mode == "full":
             slots = {n: exec_state.block_tables[g.group_id][:, 0].tolist()
                      for g in runner.kv_cache_groups if g.kind == "mamba" for n in g.layer_names}
-            record.states = self.layer_states(exec_state.input_batch.req_ids, slots)
+            record.states = self._layer_states(exec_state.input_batch.req_ids, slots)
             if exec_state.logits is not None:
                 top = exec_state.logits.topk(min(TOP_K_LOGITS, exec_state.logits.shape[-1]), dim=-1)
                 record.top_logit_values, record.top_logit_ids = top.values.clone(), top.indices.clone()
         violations = list(self._pending)
         if self.checks_on and exec_state is not None:
             violations += checks.check_metadata(record.attn_metadata, record.scheduled,
-                                                ledger_at_schedule, self.where)
+                                                self._ledger_at_schedule, self.where)
             if exec_state.logits is not None:
                 violations += checks.check_logits(exec_state.logits, exec_state.input_batch.req_ids,
                                                   self.where)
@@ -103,24 +168,26 @@ class Recorder:
         self._pending = []
         return violations
 
+    # ---- warmup stages -------------------------------------------------------------------------
+    def record_stage(self, stage: str, exec_state: ExecuteModelState, seconds: float) -> None:
+        """A profile run or a dummy batch (no scheduler, no requests); raises InvariantError
+        (after recording) if its metadata breaks a check."""
+        groups = snapshot(exec_state.attn_metadata.groups)
+        record = StepRecord(step_index=None, scheduled=[], preempted_request_ids=[],
+                            input_batch=snapshot(exec_state.input_batch), attn_metadata=groups,
+                            logits=None, sampled_token_ids={}, kept_token_ids={}, outputs=[], stage=stage,
+                            timings={"total": seconds}, backend=self.backend)
+        if self.checks_on:
+            record.violations = checks.check_dummy_metadata(groups, stage)
+        self.trace.append(record)
+        checks.raise_if_any(record.violations)
 
-def warmup_record(stage: str, exec_state, checks_on: bool) -> StepRecord:
-    """A record of a profile run or a dummy batch (no scheduler, no requests)."""
-    groups = snapshot(exec_state.attn_metadata.groups)
-    record = StepRecord(step_index=None, scheduled=[], preempted_request_ids=[],
-                        input_batch=snapshot(exec_state.input_batch), attn_metadata=groups,
-                        logits=None, sampled_token_ids={}, kept_token_ids={}, outputs=[], stage=stage)
-    if checks_on:
-        record.violations = checks.check_dummy_metadata(groups, stage)
-    return record
-
-
-def failed_stage_record(stage: str, err: Exception) -> StepRecord:
-    """A warmup stage that raised before it had a batch to show: the record carries the error as a
-    violation (field and builder of a MetadataContractError where it has them)."""
-    field = getattr(err, "field", "") or type(err).__name__
-    where = f"{stage}, {getattr(err, 'builder', '') or 'the stage'}"
-    return StepRecord(step_index=None, scheduled=[], preempted_request_ids=[], input_batch=None,
-                      attn_metadata=[], logits=None, sampled_token_ids={}, kept_token_ids={},
-                      outputs=[], stage=stage,
-                      violations=[Violation(type(err).__name__, where, field, str(err))])
+    def record_failed_stage(self, stage: str, err: Exception) -> None:
+        """A warmup stage that raised before it had a batch to show: the record carries the error
+        as a violation (field and builder of a MetadataContractError where it has them)."""
+        field = getattr(err, "field", "") or type(err).__name__
+        where = f"{stage}, {getattr(err, 'builder', '') or 'the stage'}"
+        self.trace.append(StepRecord(step_index=None, scheduled=[], preempted_request_ids=[], input_batch=None,
+                                     attn_metadata=[], logits=None, sampled_token_ids={}, kept_token_ids={},
+                                     outputs=[], stage=stage, backend=self.backend,
+                                     violations=[Violation(type(err).__name__, where, field, str(err))]))

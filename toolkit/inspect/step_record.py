@@ -49,6 +49,13 @@ class ScheduledRequest:
                                 # one-token prompt chunk too); the rest ran as prefills
 
 
+def scheduled_rows(batch: InputBatch) -> list[ScheduledRequest]:
+    """The batch's rows as the runner ran them (batch order)."""
+    return [ScheduledRequest(r, int(n), int(c), bool(p), bool(d)) for r, n, c, p, d in zip(
+        batch.req_ids, batch.num_scheduled_tokens, batch.num_computed_tokens_np, batch.is_prefilling_np,
+        batch.runs_as_decode_np)]
+
+
 @dataclass
 class CacheLedger:
     """Who holds which ids, per KV-cache group: KV block ids for an attention group, the one
