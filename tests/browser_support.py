@@ -334,7 +334,8 @@ class LabNotebook:
         self.wait_text(note, note_text)
         self.page.wait_for_function(
             """([el, old]) => { const imgs = [...el.querySelectorAll('img')];
-                return imgs.length > 0 && imgs.every(i => i.complete && i.naturalWidth > 0 && !old.includes(i.src)); }""",
+                return imgs.length > 0
+                    && imgs.every(i => i.complete && i.naturalWidth > 0 && !old.includes(i.src)); }""",
             arg=[images.element_handle(), sorted(old)], timeout=self.timeout)
 
 

@@ -17,9 +17,8 @@ import re
 import shutil
 from pathlib import Path
 
-import pytest
-
 import browser_support as B
+import pytest
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
 

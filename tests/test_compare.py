@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from toolkit import LLM, SamplingParams
-from toolkit.inspect.compare import DivergenceReport, TraceDiff, compare_with_hf, diff_traces
+from toolkit.inspect.compare_hf import DivergenceReport, compare_with_hf
 from toolkit.inspect.trace import Trace
+from toolkit.inspect.trace_diff import TraceDiff, diff_traces
 from toolkit.models import save_hf_folder
 
 # two prompts of different lengths; with a budget of 8 tokens the long one is prefilled in chunks

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from toolkit import (LLM, InvariantError, MetadataContractError, ModelStateError, SamplingParams,
-                     ToolkitError)
+from toolkit import LLM, InvariantError, MetadataContractError, ModelStateError, SamplingParams, ToolkitError
 from toolkit.inspect import faults
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from harness import NO_ATTENTION
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from harness import NO_ATTENTION
 from toolkit import LLM, SamplingParams
 from toolkit.inspect.step_record import StepRecord
 from toolkit.layers.state_mixer import StateSlotMixer

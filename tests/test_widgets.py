@@ -3,16 +3,26 @@ hold the values of the matching StepRecord (checked against the record, not cons
 from __future__ import annotations
 
 import re
+from html import unescape
 
+import ipywidgets as W
 import numpy as np
 import pytest
 import torch
 
-from toolkit import LLM
+from toolkit import LLM, MetadataContractError, SamplingParams
 from toolkit.inspect import Trace, faults
-from toolkit.widgets import (BatchView, BlockTableView, MetadataView, StateView, StepInspector,
-                             TimelineView, WarmupMemoryView)
-from toolkit.widgets import plots
+from toolkit.inspect import html as H
+from toolkit.widgets import (
+    BatchView,
+    BlockTableView,
+    MetadataView,
+    StateView,
+    StepInspector,
+    TimelineView,
+    WarmupMemoryView,
+    plots,
+)
 
 TABS = {"Batch": 0, "Metadata": 1, "Blocks": 2, "State": 3, "Timeline": 4, "Warmup": 5}
 
@@ -178,3 +188,125 @@ def test_plots_downsample_and_mark_non_finite():
     grid = plots.block_grid_png([[3, 4, 0], [5, 0, 0]], ["a", "b"], "t", used=[2, 1])
     assert grid.startswith(b"\x89PNG")
     assert np.array_equal(plots.pick_indices(5), np.arange(5))
+
+
+# ---- views with nothing to show say why, and show no image --------------------------------------
+def shown_images(widget: W.Widget) -> list[W.Image]:
+    """Every image of the widget tree that the page would draw (hidden ones left out)."""
+    out = [widget] if isinstance(widget, W.Image) and widget.layout.display != "none" else []
+    for child in getattr(widget, "children", ()):
+        out += shown_images(child)
+    return out
+
+
+def view_text(view) -> str:
+    """What a view shows, as text with the HTML entities decoded."""
+    value = view.html.value if hasattr(view, "html") else view.note.value
+    return unescape(value)
+
+
+def assert_says_why(view, sentence: str) -> None:
+    """The view shows `sentence`, live and in its static HTML, and no image at all."""
+    assert sentence in view_text(view), view_text(view)
+    assert "<img" not in view_text(view)
+    assert not shown_images(view.widget), [len(bytes(i.value)) for i in shown_images(view.widget)]
+    static = view._repr_mimebundle_()["text/html"]
+    assert sentence in unescape(static) and "<img" not in static
+
+
+INSPECT_FULL = 'states are recorded only with inspect="full" and this engine runs with inspect="metadata"'
+
+
+def test_state_tab_of_a_metadata_engine_says_states_need_inspect_full():
+    """Notebook 01's case: a hybrid model, inspect="metadata" (the default). The State tab names
+    the real reason, says how to turn states on, and shows no (broken) image."""
+    llm = LLM("tiny-bamba", device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=8)
+    assert llm.inspect == "metadata"
+    ins = StepInspector(llm, max_tokens=4)
+    ins.add_request("5, 6, 7")
+    ins.step_button.click()
+    rec = ins.record
+    assert rec.scheduled and "mamba" in [g.kind for g in rec.attn_metadata] and not rec.states
+    show(ins, "State")
+    assert_says_why(ins.state, INSPECT_FULL)
+    assert 'LLM(..., inspect="full")' in view_text(ins.state)
+    assert "no recurrent layer" not in view_text(ins.state)
+    assert ins.state.images.children == () and bytes(ins.state.norms.value) == b""
+    alone = StateView(llm.trace)                 # a trace alone does not know the engine's mode
+    assert_says_why(alone, 'no states in this record: they are recorded only with inspect="full"')
+    assert "no recurrent layer" not in view_text(alone)
+
+
+def test_state_view_of_a_model_without_recurrent_layers():
+    with LLM("tiny-llama", device="cpu", dtype="float32", max_num_seqs=2, max_num_batched_tokens=8,
+             inspect="full") as llm:
+        llm.add_request({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2, temperature=0.0))
+        llm.step()
+        assert [g.kind for g in llm.trace[-1].attn_metadata] == ["attention"]
+        view = StateView(llm.trace, inspect="full")
+    assert_says_why(view, "no recurrent layer in this model (its layer groups: attention)")
+    assert "inspect=" not in view_text(view)
+
+
+def test_every_tab_of_an_empty_trace_says_there_are_no_records():
+    llm = LLM("tiny-mamba2", device="cpu", dtype="float32", max_num_seqs=2, max_num_batched_tokens=8,
+              inspect="full")
+    ins = StepInspector(llm)
+    views = {"Batch": ins.batch, "Metadata": ins.metadata, "Blocks": ins.blocks, "State": ins.state,
+             "Timeline": ins.timeline}
+    for tab, view in views.items():
+        show(ins, tab)
+        assert_says_why(view, "no records yet: add a request and step the engine")
+    show(ins, "Warmup")
+    assert "no warmup in this trace (call llm.warmup())" in view_text(ins.warmup)
+    ins.add_request("5, 6, 7")                   # a step, then Reset: the views drop the old records
+    ins.step_button.click()
+    for tab in ("Batch", "Timeline"):
+        show(ins, tab)
+    assert "no records yet" not in view_text(ins.batch) and shown_images(ins.timeline.widget)
+    ins.reset_button.click()
+    assert_says_why(ins.timeline, "no records yet")
+    show(ins, "Batch")
+    assert_says_why(ins.batch, "no records yet")
+
+
+def test_warmup_records_say_why_they_have_no_rows_states_or_metadata():
+    with LLM("tiny-bamba", device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=8,
+             inspect="full") as llm:
+        llm.warmup(progress=False)
+    profile, dummy = llm.trace[0], llm.trace[1]
+    assert profile.stage == "warmup/profile run" and dummy.stage.startswith("warmup/dummy batch")
+    assert_says_why(BatchView(dummy), f"no request rows: {dummy.stage} is a warmup stage, which runs a dummy "
+                                      f"batch ({dummy.input_batch.num_reqs} rows, "
+                                      f"{dummy.input_batch.num_tokens} tokens) for no request")
+    assert_says_why(StateView(llm.trace, record=dummy, inspect="full"),
+                    f"{dummy.stage} ran no requests, so it holds no request state")
+    assert_says_why(MetadataView(profile), "no attention metadata in this step (a profile run builds none)")
+    assert_says_why(BlockTableView(profile), "no block tables in this step (a profile run builds none)")
+    warmup_only = Trace(None, [r for r in llm.trace if not r.scheduled])
+    assert len(warmup_only) == 4
+    assert_says_why(TimelineView(warmup_only), "no step has run a request yet (the trace holds only warmup stages)")
+
+
+def test_a_stage_that_raised_and_an_idle_step_say_why_they_are_empty():
+    with faults.inject("missing_seq_lens_cpu_upper_bound"):
+        llm = LLM("tiny-bamba", device="cpu", dtype="float32", max_num_seqs=2, max_num_batched_tokens=8)
+        with pytest.raises(MetadataContractError):
+            llm.warmup(progress=False)
+    failed = llm.trace[-1]
+    assert failed.input_batch is None and failed.violations
+    assert_says_why(BatchView(failed), f"no batch: {failed.stage} raised before it built one")
+    assert_says_why(MetadataView(failed), f"no attention metadata: {failed.stage} raised before it built any")
+    assert_says_why(BlockTableView(failed), f"no block tables: {failed.stage} raised before it built any")
+    with LLM("tiny-bamba", device="cpu", dtype="float32", max_num_seqs=2, max_num_batched_tokens=8) as idle:
+        rec = idle.step()                        # nothing to run: the step schedules nothing
+    assert rec.stage == "step" and not rec.scheduled
+    assert_says_why(BatchView(rec), "nothing scheduled in this step: no request was waiting to run")
+    assert_says_why(MetadataView(rec), "no attention metadata: nothing was scheduled in this step")
+    assert_says_why(StateView(Trace(None, [rec]), inspect="full"), "step ran no requests")
+
+
+def test_an_image_needs_a_picture():
+    with pytest.raises(ValueError, match="no PNG data"):
+        H.img(b"", "nothing")
+    assert H.img(b"\x89PNG", "x").startswith('<img alt="x" src="data:image/png;base64,')

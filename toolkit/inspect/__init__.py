@@ -3,15 +3,22 @@
 - `StepRecord` / `Trace` (`llm.trace`): the recorded steps (step_record.py, trace.py, recorder.py)
 - runtime checks raising `toolkit.InvariantError` (checks.py)
 - `faults`: the fault catalogue, `faults.catalogue()`, `faults.inject(name)` (faults.py)
-- `compare_with_hf`, `diff_traces`: first divergence vs HF transformers / between two traces
-- `MemoryReport` (`llm.memory_report()`), render functions behind every `_repr_html_` (render.py)
+- `compare_with_hf` (compare_hf.py, hf_reference.py): first divergence vs HF transformers
+- `diff_traces` (trace_diff.py): where two traces of the same workload part
+- `MemoryReport` (`llm.memory_report()`, memory.py); kernel launch counts (launches.py)
+- views: html.py (the one HTML style), summaries.py (tensors and values in a few words),
+  record_views.py (StepRecord, Trace, ... as text and HTML), reprs.py (`install_reprs()`,
+  called once below, attaches them as the records' `__repr__` / `_repr_html_`)
 """
 from toolkit.inspect import faults
-from toolkit.inspect import render as _render  # installs _repr_html_/__repr__ on the records
-from toolkit.inspect.compare import DivergenceReport, TraceDiff, compare_with_hf, diff_traces
+from toolkit.inspect.compare_hf import DivergenceReport, compare_with_hf
 from toolkit.inspect.memory import MemoryReport
+from toolkit.inspect.reprs import install_reprs
 from toolkit.inspect.step_record import CacheLedger, LayerState, StepRecord, Violation
 from toolkit.inspect.trace import Trace
+from toolkit.inspect.trace_diff import Difference, TraceDiff, diff_traces
+
+install_reprs()
 
 __all__ = ["StepRecord", "Trace", "LayerState", "CacheLedger", "Violation", "faults",
-           "compare_with_hf", "diff_traces", "DivergenceReport", "TraceDiff", "MemoryReport"]
+           "compare_with_hf", "diff_traces", "DivergenceReport", "TraceDiff", "Difference", "MemoryReport"]

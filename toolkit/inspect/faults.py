@@ -20,7 +20,13 @@ from typing import Callable, Iterator
 
 import torch
 
+import toolkit.runner.model_runner as model_runner
+from toolkit.attention.mamba_base import BaseMambaMetadataBuilder
 from toolkit.errors import ToolkitError
+from toolkit.inspect import html as H
+from toolkit.runner.input_batch import runs_as_decode
+from toolkit.runner.model_runner import ModelRunner
+from toolkit.runner.model_states import DefaultModelState, MambaHybridModelState
 
 
 @dataclass(frozen=True)
@@ -44,7 +50,6 @@ def _patch(stack: contextlib.ExitStack, owner: object, name: str, value: object)
 
 # ---- the plants ---------------------------------------------------------------------------------
 def _plant_missing_upper_bound(stack: contextlib.ExitStack) -> None:
-    from toolkit.runner.model_states.mamba_hybrid import MambaHybridModelState
     original = MambaHybridModelState.attn_metadata_kwargs
 
     def forgets(self, input_batch, for_capture):
@@ -55,8 +60,6 @@ def _plant_missing_upper_bound(stack: contextlib.ExitStack) -> None:
 
 
 def _plant_attention_free_default_state(stack: contextlib.ExitStack) -> None:
-    import toolkit.runner.model_runner as model_runner
-    from toolkit.runner.model_states import DefaultModelState, MambaHybridModelState
     original = model_runner.init_model_state
 
     def routes_by_is_hybrid_only(model, cfg):
@@ -68,7 +71,6 @@ def _plant_attention_free_default_state(stack: contextlib.ExitStack) -> None:
 
 
 def _plant_in_common_fields(stack: contextlib.ExitStack, edit: Callable[[dict], None]) -> None:
-    from toolkit.attention.mamba_base import BaseMambaMetadataBuilder
     original = BaseMambaMetadataBuilder.common_fields
 
     def faulty(self, common, s):
@@ -94,8 +96,6 @@ def _plant_initial_state_flag(stack: contextlib.ExitStack) -> None:
 
 
 def _plant_slot_not_zeroed(stack: contextlib.ExitStack) -> None:
-    from toolkit.runner.model_states.mamba_hybrid import MambaHybridModelState
-
     def add_request_without_zeroing(self, req_idx, new_req):
         slots = [s for g in self.mamba_groups for s in new_req.block_ids[g.group_id]]
         if 0 in slots:
@@ -125,7 +125,6 @@ class CapturedGraphsStandIn:
 
 
 def _plant_graph_manager_kept(stack: contextlib.ExitStack) -> None:
-    from toolkit.runner.model_runner import ModelRunner
     original_init, original_shutdown = ModelRunner.__init__, ModelRunner.shutdown
 
     def init_with_graphs(self, model, cfg):
@@ -142,17 +141,12 @@ def _plant_graph_manager_kept(stack: contextlib.ExitStack) -> None:
 
 
 def _plant_padded_row_on_real_slot(stack: contextlib.ExitStack) -> None:
-    from toolkit.runner.model_runner import ModelRunner
-
     def on_slot_one(self, num_rows):       # padded rows get block / slot 1 instead of the null 0
         return tuple(t[:num_rows].fill_(1) for t in self.block_tables.input_block_tables)
     _patch(stack, ModelRunner, "_padded_block_tables", on_slot_one)
 
 
 def _plant_prefill_before_decode(stack: contextlib.ExitStack) -> None:
-    import toolkit.runner.model_runner as model_runner
-    from toolkit.runner.input_batch import runs_as_decode
-
     def prefills_first(req_ids, num_scheduled, num_computed):
         return sorted(req_ids, key=lambda r: (1 if runs_as_decode(num_scheduled[r], num_computed[r]) else 0,
                                               num_scheduled[r]))
@@ -241,11 +235,8 @@ def inject(*names: str) -> Iterator[list[Fault]]:
 
 
 def catalogue_html(faults: list[Fault] | None = None) -> str:
-    from html import escape
-    rows = "".join(
-        f"<tr><td style='padding:3px 8px;font-family:monospace'>{escape(f.name)}</td>"
-        f"<td style='padding:3px 8px'>{escape(f.breaks)}</td><td style='padding:3px 8px'>{escape(f.mirrors)}</td>"
-        f"<td style='padding:3px 8px'>{escape(f.detection)}</td></tr>" for f in (faults or catalogue()))
-    return ("<table style='background:#fff;color:#222;border-collapse:collapse;font-size:12px'>"
-            "<tr style='background:#eef'><th>fault</th><th>what breaks</th><th>mirrors</th>"
-            f"<th>how it is detected</th></tr>{rows}</table>")
+    """The catalogue (or the given faults) as a table: name, what breaks, the bug it mirrors, and
+    how the toolkit reports it."""
+    rows = [[H.span(f.name, H.MONO), H.escape(f.breaks), H.escape(f.mirrors), H.escape(f.detection)]
+            for f in (faults or catalogue())]
+    return H.wrap(H.table(["fault", "what breaks", "mirrors", "how it is detected"], rows))

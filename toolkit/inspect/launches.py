@@ -18,6 +18,8 @@ from collections import Counter
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from toolkit.sampling import SamplingParams
+
 # ops that allocate or alias without launching a kernel (views are recognised by their schema)
 _NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view",
               "lift_fresh", "promote_types", "_local_scalar_dense", "resize_", "set_", "record_stream"}
@@ -84,7 +86,6 @@ def count_decode_step(llm) -> tuple[LaunchCounter, LaunchCounter]:
     """Counters of one decode step at batch 1 on `llm` (a greedy 3-token request; its last step is
     counted): (the model forward, what a CUDA graph replays; the whole runner step, execute_model
     and sample_tokens: inputs, metadata, forward, LM head, sampling). Leaves the engine as it was."""
-    from toolkit import SamplingParams
     runner, model = llm.model_runner, llm.model
     forward, execute, sample = model.forward, runner.execute_model, runner.sample_tokens
     counters: list[tuple[LaunchCounter, LaunchCounter]] = []

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from toolkit.inspect import html as H
+
 CATEGORIES = ("weights", "kv_cache", "state_cache", "persistent_buffers", "graphs", "trace")
 
 
@@ -147,18 +149,16 @@ class MemoryReport:
         extra = sorted({k for m in self.marks.values() for k in m} - set(CATEGORIES))
         return list(CATEGORIES) + extra
 
-    def _repr_html_(self) -> str:
+    def table_html(self) -> str:
+        """Title and table, unframed (for a view that shows the report among other things)."""
         cols = list(self.marks)
-        head = "".join(f"<th style='text-align:right;padding:2px 8px'>{c}</th>" for c in cols)
-        rows = []
-        for cat in self.categories():
-            cells = "".join(f"<td style='text-align:right;padding:2px 8px'>{_fmt(self.marks[c].get(cat, 0))}</td>"
-                            for c in cols)
-            rows.append(f"<tr><td style='padding:2px 8px'>{cat}</td>{cells}</tr>")
-        return ("<table style='background:#fff;color:#222;border-collapse:collapse;font:12px monospace'>"
-                f"<caption style='text-align:left'>memory by category ({self.device})</caption>"
-                f"<tr><th style='text-align:left;padding:2px 8px'>category</th>{head}</tr>"
-                + "".join(rows) + "</table>")
+        rows = [[H.escape(cat)] + [H.escape(_fmt(self.marks[c].get(cat, 0))) for c in cols]
+                for cat in self.categories()]
+        return (H.title(f"memory by category ({self.device})")
+                + H.table(["category", *cols], rows, right=range(1, len(cols) + 1)))
+
+    def _repr_html_(self) -> str:
+        return H.wrap(self.table_html())
 
 
 def _fmt(n: int) -> str:

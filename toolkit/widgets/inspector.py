@@ -13,17 +13,30 @@ visible tab is redrawn (the others when they are opened).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import ipywidgets as W
 
 from toolkit.errors import ToolkitError
-from toolkit.inspect import render as R
+from toolkit.inspect import html as H
+from toolkit.inspect.record_views import step_record_html
 from toolkit.sampling import SamplingParams
-from toolkit.widgets.views import (BatchView, BlockTableView, MetadataView, StateView, TimelineView,
-                                   WarmupMemoryView, view_names)
+from toolkit.widgets.views import (
+    BatchView,
+    BlockTableView,
+    MetadataView,
+    StateView,
+    TimelineView,
+    WarmupMemoryView,
+    view_names,
+)
+
+if TYPE_CHECKING:
+    from toolkit.llm import LLM
 
 
 class StepInspector:
-    def __init__(self, llm, max_tokens: int = 16):
+    def __init__(self, llm: LLM, max_tokens: int = 16):
         if llm.inspect == "off":
             raise ValueError("StepInspector reads llm.trace, which inspect='off' leaves empty: "
                              "build the LLM with inspect='metadata' or 'full'")
@@ -46,7 +59,7 @@ class StepInspector:
         self.batch = BatchView(decode=self._decode)
         self.metadata = MetadataView()
         self.blocks = BlockTableView()
-        self.state = StateView()
+        self.state = StateView(inspect=llm.inspect)
         self.timeline = TimelineView()
         self.warmup = WarmupMemoryView()
         self._views = [self.batch, self.metadata, self.blocks, self.state, self.timeline, self.warmup]
@@ -97,31 +110,31 @@ class StepInspector:
             ids = _parse_ids(text)
             rid = self.llm.add_request({"prompt_token_ids": ids} if ids is not None else text, params)
             self.prompt.value = ""
-            self.status.value = R.wrap(R.escape(f"added request {rid!r} ({params.max_tokens} tokens max)"))
+            self.status.value = H.wrap(H.escape(f"added request {rid!r} ({params.max_tokens} tokens max)"))
         self._guard(go, follow=False)
         return rid
 
     def reset(self) -> None:
         """A new LLM from the same arguments (the old one is shut down)."""
-        from toolkit.llm import LLM
-        args = dict(self.llm.init_args)
+        engine, args = type(self.llm), dict(self.llm.init_args)
         self.llm.shutdown()
-        self.llm = LLM(**args)
-        self.status.value = R.wrap(R.escape(f"reset: a new LLM({args['model']!r}, ...)"))
+        self.llm = engine(**args)
+        self.state.inspect = self.llm.inspect
+        self.status.value = H.wrap(H.escape(f"reset: a new {engine.__name__}({args['model']!r}, ...)"))
         self._follow_latest()
 
     def _guard(self, fn, follow: bool = True, idle: str | None = None) -> None:
         """Run an action; a toolkit error (e.g. an InvariantError) is shown, not raised, and the
         step that raised it is still in the trace."""
         if idle is not None and not self.llm.has_unfinished_requests():
-            self.status.value = R.wrap(R.span(idle, R.MUTED))
+            self.status.value = H.note(idle)
             return
         try:
             fn()
             if follow:
                 self.status.value = ""
         except ToolkitError as err:
-            self.status.value = R.wrap(R.span(f"{type(err).__name__}: {err}", R.ALERT))
+            self.status.value = H.wrap(H.span(f"{type(err).__name__}: {err}", H.ALERT))
         if follow:
             self._follow_latest()
 
@@ -144,11 +157,11 @@ class StepInspector:
         self._drawn.clear()
         rec = self.record
         if rec is None:
-            self.position.value = R.escape("empty trace: add a request and Step (or call llm.warmup())")
+            self.position.value = H.escape("empty trace: add a request and Step (or call llm.warmup())")
         else:
             where = rec.stage if rec.is_warmup else f"step {rec.step_index} (by {rec.stage}())"
             bad = f", {len(rec.violations)} violation(s)" if rec.violations else ""
-            self.position.value = R.escape(f"record {self.slider.value + 1}/{len(self.llm.trace)}: "
+            self.position.value = H.escape(f"record {self.slider.value + 1}/{len(self.llm.trace)}: "
                                            f"{where}{bad}")
         self._draw_visible()
 
@@ -156,13 +169,12 @@ class StepInspector:
         index = self.tabs.selected_index or 0
         if index in self._drawn:
             return
-        rec, trace = self.record, self.llm.trace
-        if rec is not None:
-            prev = trace[self.slider.value - 1] if self.slider.value > 0 else None
-            [lambda: self.batch.show(rec), lambda: self.metadata.show(rec, prev),
-             lambda: self.blocks.show(rec), lambda: self.state.show(trace, rec),
-             lambda: self.timeline.show(trace),
-             lambda: self.warmup.show(trace, self.llm.memory_report())][index]()
+        rec, trace = self.record, self.llm.trace      # no record: each view says there is none yet
+        prev = trace[self.slider.value - 1] if rec is not None and self.slider.value > 0 else None
+        [lambda: self.batch.show(rec), lambda: self.metadata.show(rec, prev),
+         lambda: self.blocks.show(rec), lambda: self.state.show(trace, rec),
+         lambda: self.timeline.show(trace),
+         lambda: self.warmup.show(trace, self.llm.memory_report())][index]()
         self._drawn.add(index)
 
     def _decode(self, ids: list[int]) -> str:
@@ -180,8 +192,8 @@ class StepInspector:
     def _repr_html_(self) -> str:
         rec = self.record
         if rec is None:
-            return R.wrap(R.escape("StepInspector: empty trace"))
-        return R.wrap(R.title(f"StepInspector ({self.position.value})") + R.step_record_html(rec))
+            return H.wrap(H.escape("StepInspector: empty trace"))
+        return H.wrap(H.title(f"StepInspector ({self.position.value})") + step_record_html(rec))
 
     def __repr__(self) -> str:
         return f"StepInspector({self.llm.model_name!r}, {len(self.llm.trace)} records, showing {self.slider.value})"

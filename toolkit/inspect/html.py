@@ -1,0 +1,119 @@
+"""The one place that styles HTML: palette, inline styles and the building blocks every view uses
+(record views, compare_with_hf / diff_traces reports, the fault catalogue, the memory ledger and
+the widgets).
+
+Rules, and why:
+- The HTML must read the same in JupyterLab (light or dark theme), VS Code (which paints outputs
+  on white whatever its theme) and nbconvert exports, so every element carries explicit light
+  colours and a background; nothing inherits the notebook theme's.
+- Inline styles only: no <style> block, no external CSS, no links, no <script>. Outputs are
+  sanitised or sandboxed differently by each front end (and exports open offline), so only what
+  sits on the element itself survives everywhere.
+- Text is escaped here (`escape`, `span`, `title`, headers of `table`); table cells are HTML
+  already, built with these helpers by the caller.
+"""
+from __future__ import annotations
+
+import base64
+import html
+from typing import Any, Collection, Sequence
+
+# ---- palette -------------------------------------------------------------------------------------
+FG, BG, LINE, HEAD_BG = "#1f2328", "#ffffff", "#d0d7de", "#f6f8fa"
+ROW_LINE = "#eaeef2"
+BAD_FG, BAD_BG, BAD_LINE, RED = "#82071e", "#ffebe9", "#ffcecb", "#cf222e"
+GOOD_FG, GOOD_BG, GOOD_LINE, GREEN = "#116329", "#dafbe1", "#aceebb", "#1a7f37"
+AMBER = "#9a6700"
+FONT = "-apple-system,BlinkMacSystemFont,'Segoe UI',Helvetica,Arial,sans-serif"
+
+# ---- styles (inline only; see the module docstring) ----------------------------------------------
+MONO = "font-family:SFMono-Regular,Menlo,Consolas,'Liberation Mono',monospace"
+WRAP = (f"background:{BG};color:{FG};font-family:{FONT};font-size:12px;line-height:1.45;"
+        f"padding:6px 10px;border:1px solid {LINE};border-radius:6px;text-align:left;"
+        "max-width:100%;overflow-x:auto;box-sizing:border-box")
+TABLE = (f"border-collapse:collapse;margin:4px 0 8px 0;background:{BG};color:{FG};"
+         f"table-layout:auto;font-size:12px;width:auto;{MONO}")
+TH = (f"text-align:left;padding:2px 8px;border-bottom:1px solid {LINE};"
+      f"background:{HEAD_BG};color:{FG};font-weight:600;white-space:nowrap")
+TR = f"background:{BG};color:{FG};border-bottom:1px solid {ROW_LINE}"
+TR_BAD = f"background:{BAD_BG};color:{BAD_FG};border-bottom:1px solid {BAD_LINE}"
+TD = "text-align:left;padding:1px 8px"      # per cell: JupyterLab right-aligns and pads cells
+TD_RIGHT = "text-align:right;padding:1px 8px"
+MUTED = "color:#8c959f;font-style:italic"
+SOFT = "color:#57606a"
+ALERT = f"color:{RED};font-weight:600"
+GOOD = f"color:{GREEN}"
+CHANGED = f"color:{AMBER};font-weight:600"
+TITLE = f"font-weight:600;color:{FG};margin:6px 0 2px 0"
+HEADER = f"font-size:13px;font-weight:600;color:{FG}"
+SUMMARY = f"cursor:pointer;font-weight:600;color:{FG};margin:6px 0 2px 0"
+VIOLATION = (f"background:{BAD_BG};color:{BAD_FG};border-left:3px solid {RED};padding:3px 8px;"
+             f"margin:2px 0;{MONO}")
+VERDICT_OK = (f"background:{GOOD_BG};color:{GOOD_FG};border:1px solid {GOOD_LINE};font-weight:600;"
+              "padding:2px 8px;margin:2px 0 4px 0;border-radius:4px")
+VERDICT_BAD = (f"background:{BAD_BG};color:{BAD_FG};border:1px solid {BAD_LINE};font-weight:600;"
+               "padding:2px 8px;margin:2px 0 4px 0;border-radius:4px")
+
+
+# ---- building blocks -----------------------------------------------------------------------------
+def escape(s: Any) -> str:
+    return html.escape(str(s), quote=True)
+
+
+def span(text: str, style: str) -> str:
+    return f'<span style="{style}">{escape(text)}</span>'
+
+
+def div(text: str, style: str) -> str:
+    return f'<div style="{style}">{escape(text)}</div>'
+
+
+def title(text: str, style: str = TITLE) -> str:
+    return div(text, style)
+
+
+def verdict(text: str, ok: bool) -> str:
+    """A one-line outcome on a green (ok) or red background: "no divergence", "traces part"."""
+    return div(text, VERDICT_OK if ok else VERDICT_BAD)
+
+
+def muted_none() -> str:
+    return span("None", MUTED)
+
+
+def note(text: str) -> str:
+    """A view with nothing to show: one muted sentence saying why, framed like any view."""
+    return wrap(span(text, MUTED))
+
+
+def table(headers: Sequence[str] | None, rows: Sequence[Sequence[str]], bad_rows: Collection[int] = (),
+          right: Collection[int] = ()) -> str:
+    """Cells are HTML already; headers are escaped here (None: no header row). Rows in `bad_rows`
+    are highlighted red; columns in `right` are right-aligned (numbers). Colours sit on the rows
+    (they override JupyterLab's striped/hover row backgrounds); alignment and padding on the cells."""
+    head = ""
+    if headers is not None:
+        cells = "".join(f'<th style="{TH}">{escape(h)}</th>' for h in headers)
+        head = f"<thead><tr>{cells}</tr></thead>"
+    body = "".join(f'<tr style="{TR_BAD if i in bad_rows else TR}">'
+                   + "".join(f'<td style="{TD_RIGHT if j in right else TD}">{c}</td>' for j, c in enumerate(row))
+                   + "</tr>" for i, row in enumerate(rows))
+    return f'<table style="{TABLE}">{head}<tbody>{body}</tbody></table>'
+
+
+def section(summary: str, body: str, open_: bool = True) -> str:
+    """A collapsible block; <details> needs no script and works in JupyterLab, VS Code and exports."""
+    return (f'<details{" open" if open_ else ""} style="margin:4px 0">'
+            f'<summary style="{SUMMARY}">{escape(summary)}</summary>{body}</details>')
+
+
+def wrap(body: str) -> str:
+    """The frame every standalone view sits in (white background, dark text)."""
+    return f'<div style="{WRAP}">{body}</div>'
+
+
+def img(png: bytes, alt: str) -> str:
+    """A PNG inlined as a data URI (no file, no link). Callers with no picture show a `note`."""
+    if not png:
+        raise ValueError(f"img({alt!r}): no PNG data; say why there is no picture instead")
+    return f'<img alt="{escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}"/>'
