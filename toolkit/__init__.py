@@ -17,17 +17,17 @@ _PUBLIC = {
     **{name: "toolkit.errors" for name in (
         "ToolkitError", "EngineClosedError", "InvariantError", "MetadataContractError", "InvalidRequestError",
         "UnknownModelError", "UnsupportedArchitectureError", "CheckpointError", "NotSupportedYetError",
-        "ModelStateError")},
+        "ModelStateError", "TraceBudgetWarning")},
 }
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "StepRecord",
            "ToolkitError", "EngineClosedError", "InvariantError", "MetadataContractError", "InvalidRequestError",
            "UnknownModelError", "UnsupportedArchitectureError", "CheckpointError", "NotSupportedYetError",
-           "ModelStateError"]
+           "ModelStateError", "TraceBudgetWarning"]
 
 if TYPE_CHECKING:
     from toolkit.errors import (CheckpointError, EngineClosedError, InvalidRequestError, InvariantError,
                                 MetadataContractError, ModelStateError, NotSupportedYetError, ToolkitError,
-                                UnknownModelError, UnsupportedArchitectureError)
+                                TraceBudgetWarning, UnknownModelError, UnsupportedArchitectureError)
     from toolkit.inspect.step_record import StepRecord
     from toolkit.llm import LLM
     from toolkit.request import CompletionOutput, RequestOutput

@@ -64,3 +64,8 @@ class InvariantError(ToolkitError, RuntimeError):
         more = len(self.violations) - len(lines)
         super().__init__(f"{len(self.violations)} invariant violation(s):\n  " + "\n  ".join(lines)
                          + (f"\n  ... and {more} more" if more > 0 else ""))
+
+
+class TraceBudgetWarning(UserWarning):
+    """`llm.trace` passed its byte budget (`LLM(trace_max_bytes=...)`): the oldest records lost
+    their states (then their logits). Shown once per trace."""

@@ -1,4 +1,5 @@
-"""Host data to the device without blocking the host (MRV2 stages its inputs the same way).
+"""Host data to the device, and device data to the host, without blocking the host (MRV2 stages
+its inputs the same way).
 
 A copy from pageable host memory to a CUDA device first synchronises the stream. Host arrays are
 therefore copied through pinned memory: `Tensor.pin_memory()` takes a block from PyTorch's caching
@@ -25,3 +26,14 @@ def to_device(host: np.ndarray | torch.Tensor, device: torch.device) -> torch.Te
 def copy_to(dst: torch.Tensor, host: np.ndarray | torch.Tensor) -> None:
     """dst[...] = host, copied without blocking the host."""
     dst.copy_(staged(host, dst.device), non_blocking=True)
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of `t`. From a CUDA device the copy lands in pinned memory without blocking the
+    host: read it only after the stream has passed the copy (e.g. after the step's one sync, the
+    sampled ids' copy). On the CPU, a plain clone."""
+    if t.device.type == "cpu":
+        return t.clone()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out

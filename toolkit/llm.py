@@ -12,7 +12,8 @@ from tqdm.auto import tqdm
 from toolkit.config import RunnerConfig, resolve_backend, resolve_device_dtype, resolve_max_model_len
 from toolkit.errors import EngineClosedError, InvalidRequestError, ToolkitError
 from toolkit.inspect import checks
-from toolkit.inspect.memory import MemoryMarks, MemoryReport, collect
+from toolkit.inspect.capture import LayerSpec, RequestSpec, check_capture_mode
+from toolkit.inspect.memory import MemoryMarks, MemoryReport, collect, resolve_trace_budget
 from toolkit.inspect.recorder import MODES, Recorder, StepOutcome, step_record
 from toolkit.inspect.step_record import StepRecord
 from toolkit.inspect.trace import Trace
@@ -35,19 +36,22 @@ class LLM:
                  max_num_batched_tokens: int = 512, block_size: int = 16,
                  max_model_len: int | None = None, num_kv_blocks: int | None = None, seed: int = 0,
                  inspect: str = "metadata", trace_capacity: int | None = 256,
-                 checks: bool | None = None, backend: str = "auto", enforce_eager: bool = False,
-                 cudagraph_mode: str = "auto"):
+                 trace_max_bytes: int | str | None = "auto", inspect_layers: LayerSpec = None,
+                 inspect_requests: RequestSpec = None, checks: bool | None = None, backend: str = "auto",
+                 enforce_eager: bool = False, cudagraph_mode: str = "auto"):
         # what Reset in the StepInspector (or a user) needs to build the same engine again
         self.init_args: dict[str, Any] = dict(
             model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, seed=seed, inspect=inspect,
-            trace_capacity=trace_capacity, checks=checks, backend=backend, enforce_eager=enforce_eager,
+            trace_capacity=trace_capacity, trace_max_bytes=trace_max_bytes, inspect_layers=inspect_layers,
+            inspect_requests=inspect_requests, checks=checks, backend=backend, enforce_eager=enforce_eager,
             cudagraph_mode=cudagraph_mode)
         # arguments first, so that a bad one fails before the model loads
         if inspect not in MODES:
             raise ValueError(f"inspect={inspect!r}: use one of {MODES}")
-        self.trace = Trace(trace_capacity)
+        self.trace = Trace(trace_capacity, max_bytes=resolve_trace_budget(trace_max_bytes))
+        check_capture_mode(inspect, inspect_layers, inspect_requests)
         check_seed(seed)
         dev, dt = resolve_device_dtype(device, dtype)
         self.backend = resolve_backend(backend, dev)      # "torch" or "triton"
@@ -84,7 +88,8 @@ class LLM:
         self.inspect = inspect
         self.checks = (inspect != "off") if checks is None else bool(checks)
         self._recorder = (Recorder(inspect, self.checks, self.model_runner, self.scheduler, self.trace,
-                                   self.backend) if inspect != "off" or self.checks else None)
+                                   self.backend, inspect_layers, inspect_requests)
+                          if inspect != "off" or self.checks else None)
         self._memory = MemoryMarks(self.model_runner, self.trace, dev)
         self._memory.mark("load")
 
@@ -236,6 +241,21 @@ class LLM:
                 self.abort_request(rid)         # frees its blocks and row; the id stays used
             raise
         return [done[i] for i in ids]
+
+    # ---- inspection ---------------------------------------------------------------------------
+    def set_inspect_filter(self, layers: LayerSpec = None, requests: RequestSpec = None) -> str:
+        """What the next full-mode steps capture: recurrent layers (a regex, names, or None for
+        all) and requests (an id, ids, a predicate, or None for all); see inspect/capture.py.
+        Returns the capture in words. Bad values raise and leave the capture as it was."""
+        self._check_open()
+        check_capture_mode(self.inspect, layers, requests, always=True)
+        self._recorder.capture = self._recorder.make_filter(layers, requests, self._request_ids.finished)
+        return self._recorder.capture.describe()
+
+    @property
+    def inspect_filter(self) -> str | None:
+        """What a full-mode step captures, in words (None unless inspect='full')."""
+        return self._recorder.capture.describe() if self.inspect == "full" else None
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def warmup(self, progress: bool = True) -> dict[str, float]:

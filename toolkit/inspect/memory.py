@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import weakref
 from dataclasses import dataclass, field
 
@@ -17,7 +18,7 @@ import torch
 
 from toolkit.inspect import html as H
 
-CATEGORIES = ("weights", "kv_cache", "state_cache", "persistent_buffers", "graphs", "trace")
+CATEGORIES = ("weights", "kv_cache", "state_cache", "persistent_buffers", "graphs", "trace_host", "trace_device")
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -75,23 +76,72 @@ class TensorWatch:
         return totals
 
 
-def object_bytes(obj, _seen: set[int] | None = None) -> int:
-    """Bytes of the tensors and arrays reachable through dataclasses, dicts, lists and tuples."""
+def object_bytes(obj, where: str | None = None, _seen: set[int] | None = None) -> int:
+    """Bytes of the tensors and arrays reachable through dataclasses, dicts, lists and tuples;
+    `where`: "host" (CPU tensors and numpy arrays) or "device" (the rest) counts only those."""
     seen = set() if _seen is None else _seen
     if id(obj) in seen:
         return 0
     seen.add(id(obj))
     if isinstance(obj, torch.Tensor):
-        return _nbytes(obj)
+        on_host = obj.device.type == "cpu"
+        return _nbytes(obj) if where is None or on_host == (where == "host") else 0
     if isinstance(obj, np.ndarray):
-        return obj.nbytes
+        return obj.nbytes if where in (None, "host") else 0
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return sum(object_bytes(getattr(obj, f.name), seen) for f in dataclasses.fields(obj))
+        return sum(object_bytes(getattr(obj, f.name), where, seen) for f in dataclasses.fields(obj))
     if isinstance(obj, dict):
-        return sum(object_bytes(v, seen) for v in obj.values())
+        return sum(object_bytes(v, where, seen) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return sum(object_bytes(v, seen) for v in obj)
+        return sum(object_bytes(v, where, seen) for v in obj)
     return 0
+
+
+# ---- the trace's byte budget ----------------------------------------------------------------------
+AUTO_BUDGET_CAP = 2 * 2**30          # "auto": min(2 GiB, AUTO_BUDGET_SHARE of available host memory)
+AUTO_BUDGET_SHARE = 0.25
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def available_host_memory() -> int | None:
+    """Bytes of host memory available to a new allocation (Linux: MemAvailable; elsewhere the free
+    physical pages), or None when the platform does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def resolve_trace_budget(value: int | str | None) -> int | None:
+    """`LLM(trace_max_bytes=...)`: "auto" (the default: min(2 GiB, 25% of available host memory)),
+    a number of bytes (an int, or a string such as "512 MiB" / "1.5 GB"), or None (no byte bound)."""
+    if value is None:
+        return None
+    if value == "auto":
+        available = available_host_memory()
+        share = int(available * AUTO_BUDGET_SHARE) if available else AUTO_BUDGET_CAP
+        return max(1, min(AUTO_BUDGET_CAP, share))
+    number = value
+    if isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        unit = next((u for u in sorted(_UNITS, key=len, reverse=True) if text.endswith(u)), None)
+        try:
+            number = float(text[:-len(unit)]) * _UNITS[unit] if unit else float(text)
+        except ValueError:
+            number = None
+        number = int(number) if number is not None else None
+    if not isinstance(number, int) or isinstance(number, bool) or number < 1:
+        raise ValueError(f"trace_max_bytes={value!r}: give a number of bytes >= 1 (an int, or a string "
+                         "such as '512 MiB'), 'auto' (min(2 GiB, 25% of available host memory)), or None "
+                         "for no byte bound")
+    return number
 
 
 def graph_bytes(manager) -> int:
@@ -120,7 +170,8 @@ class MemoryMarks:
     def measure(self) -> dict[str, int]:
         out = self.watch.measure()
         out["graphs"] = graph_bytes(getattr(self.runner, "cudagraph_manager", None))
-        out["trace"] = object_bytes(list(self.trace))
+        out["trace_host"] = object_bytes(list(self.trace), "host")
+        out["trace_device"] = object_bytes(list(self.trace), "device")
         if self.device.type == "cuda":
             out["cuda_allocated"] = torch.cuda.memory_allocated(self.device)
         return out
@@ -129,7 +180,7 @@ class MemoryMarks:
         self.marks[name] = self.measure()
 
     def report(self) -> "MemoryReport":
-        return MemoryReport({**self.marks, "now": self.measure()}, str(self.device))
+        return MemoryReport({**self.marks, "now": self.measure()}, str(self.device), self.trace.max_bytes)
 
 
 @dataclass
@@ -137,13 +188,19 @@ class MemoryReport:
     """Bytes by category at each mark ("load", "warmup", "shutdown", "now")."""
     marks: dict[str, dict[str, int]] = field(default_factory=dict)
     device: str = "cpu"
+    trace_budget: int | None = None     # the trace's byte budget (host bytes); None: no byte bound
 
     def __repr__(self) -> str:
         cols = list(self.marks)
         lines = [f"{'category':<20}" + "".join(f"{c:>14}" for c in cols)]
         for cat in self.categories():
-            lines.append(f"{cat:<20}" + "".join(f"{_fmt(self.marks[c].get(cat, 0)):>14}" for c in cols))
-        return f"MemoryReport ({self.device})\n" + "\n".join(lines)
+            lines.append(f"{cat:<20}" + "".join(f"{fmt_bytes(self.marks[c].get(cat, 0)):>14}" for c in cols))
+        return f"MemoryReport ({self.device})\n" + "\n".join(lines) + f"\n{self.budget_line()}"
+
+    def budget_line(self) -> str:
+        if self.trace_budget is None:
+            return "trace budget: none (trace_max_bytes=None)"
+        return f"trace budget: {fmt_bytes(self.trace_budget)} of host memory (trace_max_bytes)"
 
     def categories(self) -> list[str]:
         extra = sorted({k for m in self.marks.values() for k in m} - set(CATEGORIES))
@@ -152,16 +209,18 @@ class MemoryReport:
     def table_html(self) -> str:
         """Title and table, unframed (for a view that shows the report among other things)."""
         cols = list(self.marks)
-        rows = [[H.escape(cat)] + [H.escape(_fmt(self.marks[c].get(cat, 0))) for c in cols]
+        rows = [[H.escape(cat)] + [H.escape(fmt_bytes(self.marks[c].get(cat, 0))) for c in cols]
                 for cat in self.categories()]
         return (H.title(f"memory by category ({self.device})")
-                + H.table(["category", *cols], rows, right=range(1, len(cols) + 1)))
+                + H.table(["category", *cols], rows, right=range(1, len(cols) + 1))
+                + H.span(self.budget_line(), H.SOFT))
 
     def _repr_html_(self) -> str:
         return H.wrap(self.table_html())
 
 
-def _fmt(n: int) -> str:
+def fmt_bytes(n: int) -> str:
+    """1536 -> "1.5 KiB"."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

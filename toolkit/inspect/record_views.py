@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from toolkit.inspect import html as H
+from toolkit.inspect.step_record import DROPPED
 from toolkit.inspect.summaries import (
     array_label,
     clip,
@@ -188,6 +189,7 @@ def step_record_html(rec: Any) -> str:
     parts.append(_outputs_html(rec))
     parts += [H.section(_group_summary(g), _group_body(g)) for g in rec.attn_metadata]
     parts.append(_violations_html(rec.violations))
+    parts.append(_dropped_html(rec))
     parts.append(_states_html(rec.states))
     if rec.input_batch is not None:
         parts.append(H.section("InputBatch", fields_table(rec.input_batch), open_=False))
@@ -238,6 +240,11 @@ def layer_state_repr(s: Any) -> str:
     """`LayerState('model.layers.0.mamba' mamba2, 2 rows, slots [2, 1]: conv_state float32[2, 3, 64], …)`."""
     return (f"LayerState({s.layer_name!r} {s.mamba_type}, {len(s.request_ids)} rows, "
             f"slots {clip(list_preview(s.slots, compact=True), 60)}: {_state_shapes(s)})")
+
+
+def _dropped_html(rec: Any) -> str:
+    """`states dropped: trace budget (...)`, one line per part the trace budget dropped."""
+    return "".join(H.div(f"{part} {DROPPED}", H.ALERT) for part in getattr(rec, "dropped", []))
 
 
 def _states_html(states: Sequence[Any]) -> str:

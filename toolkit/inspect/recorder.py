@@ -8,17 +8,26 @@ each warmup stage; it is None with `inspect="off"` and checks off.
 - "metadata": every step (step(), generate(), warmup()) becomes a StepRecord in `llm.trace`:
   batch, metadata, logits, the scheduler's decision, per-stage timings, the cache ledger.
 - "full": also every recurrent layer's state for every row, before and after the forward,
-  gathered from the state cache at the request's slot; and the top-k logits per row.
+  gathered from the state cache at the request's slot (only the layers and requests the capture
+  filter chooses: inspect/capture.py); and the top-k logits per row.
 
-Everything recorded is a copy of what the runner used (`snapshot`), taken after it used it.
+Everything recorded is a copy of what the runner used (`snapshot`), taken after it used it; states
+and logits are copied to host memory inside the step, before its one sync, so that on a GPU they
+leave the device's memory alone and cost no extra sync. The trace keeps records within its byte
+budget (inspect/trace.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from collections.abc import Collection
+
 import torch
 
+from toolkit.host import to_host
 from toolkit.inspect import checks
+from toolkit.inspect.capture import (CaptureFilter, Captured, LayerSpec, RequestSpec, capture_rows, gather_states,
+                                     resolve_layers, resolve_requests)
 from toolkit.inspect.step_record import (TOP_K_LOGITS, LayerState, StepRecord, Violation, scheduled_rows,
                                          snapshot)
 from toolkit.inspect.trace import Trace
@@ -28,19 +37,6 @@ from toolkit.runner.model_runner import ExecuteModelState, ModelRunner
 from toolkit.scheduler import Scheduler, SchedulerOutput
 
 MODES = ("off", "metadata", "full")
-
-
-def gather_states(runner, state) -> list[tuple[str, list[torch.Tensor]]]:
-    """(layer name, one [B, *shape] copy per state tensor) for every recurrent layer, at the
-    slots of the batch's rows (column 0 of the Mamba group's block table)."""
-    out = []
-    for group in runner.kv_cache_groups:
-        if group.kind != "mamba":
-            continue
-        slots = state.block_tables[group.group_id][:, 0].long()
-        for name in group.layer_names:
-            out.append((name, [t.index_select(0, slots) for t in runner.kv_caches[name]]))
-    return out
 
 
 @dataclass
@@ -58,8 +54,9 @@ class StepOutcome:
     timings: dict[str, float]           # seconds: "schedule", "update" (the runner adds its own)
 
 
-def step_record(step: StepOutcome, backend: str) -> StepRecord:
-    """The StepRecord of a step: snapshots of the objects the runner used, taken after the step."""
+def step_record(step: StepOutcome, backend: str, logits: torch.Tensor | None = None) -> StepRecord:
+    """The StepRecord of a step: snapshots of the objects the runner used, taken after the step
+    (`logits`: a copy already taken, else the step's logits are snapshot here)."""
     state = step.exec_state
     return StepRecord(
         step_index=step.step_index, stage=step.stage, backend=backend,
@@ -69,7 +66,7 @@ def step_record(step: StepOutcome, backend: str) -> StepRecord:
         finished_request_ids=[r.request_id for r in step.finished],
         input_batch=snapshot(state.input_batch) if state else None,
         attn_metadata=snapshot(state.attn_metadata.groups) if state else [],
-        logits=snapshot(state.logits) if state else None,
+        logits=logits if logits is not None else snapshot(state.logits) if state else None,
         sampled_token_ids=step.sampled, kept_token_ids=step.kept, outputs=list(step.outputs),
         timings={"schedule": step.timings["schedule"], **(state.timings if state else {}),
                  "update": step.timings["update"]})
@@ -81,7 +78,7 @@ class Recorder:
     `record_stage` / `record_failed_stage` for warmup stages."""
 
     def __init__(self, mode: str, checks_on: bool, runner: ModelRunner, scheduler: Scheduler, trace: Trace,
-                 backend: str):
+                 backend: str, layers: LayerSpec = None, requests: RequestSpec = None):
         if mode not in MODES:
             raise ValueError(f"inspect={mode!r}: use one of {MODES}")
         self.mode = mode
@@ -92,81 +89,106 @@ class Recorder:
         self.backend = backend
         self.where = ""
         self._ledger_at_schedule = None
-        self._before: list | None = None
-        self._after: list | None = None
+        self._rows: list[int] = []
+        self._host_slots: dict[str, list[int]] = {}
+        self._before: Captured | None = None
+        self._after: Captured | None = None
+        self._logits: torch.Tensor | None = None
+        self._top: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pending: list[Violation] = []
-        self._layer_info: dict[str, tuple[str, list[str]]] = {}
-        self._attach()
-
-    def _attach(self) -> None:
-        """Learn each recurrent layer's kind and state names; hook into the runner."""
-        runner = self.runner
+        self._layer_info: dict[str, tuple[str, list[str]]] = {}     # recurrent layer -> (kind, state names)
         specs = {n: g.spec for g in runner.kv_cache_groups if g.kind == "mamba" for n in g.layer_names}
         for module in runner.model.modules():
             if isinstance(module, StateSlotMixer) and module.layer_name in specs:
                 self._layer_info[module.layer_name] = (specs[module.layer_name].mamba_type,
                                                        list(module.state_names))
-        runner.observer = self if (self.mode == "full" or self.checks_on) else None
+        # host bytes one row's state takes, per recurrent layer (what reserving room for a step counts)
+        self._slot_bytes = {n: sum(t[0].nbytes for t in runner.kv_caches[n]) for n in specs}
+        self._states_refused = False
+        self.capture = self.make_filter(layers, requests)
+        runner.observer = self
+
+    def make_filter(self, layers: LayerSpec = None, requests: RequestSpec = None,
+                    finished: Collection[str] = ()) -> CaptureFilter:
+        """A capture filter for this engine's layers (see inspect/capture.py); bad values raise."""
+        recurrent = [n for g in self.runner.kv_cache_groups if g.kind == "mamba" for n in g.layer_names]
+        attention = [n for g in self.runner.kv_cache_groups if g.kind == "attention" for n in g.layer_names]
+        return CaptureFilter(resolve_layers(layers, recurrent, attention),
+                             resolve_requests(requests, self.scheduler.requests, finished),
+                             len(recurrent))
 
     # ---- a step -------------------------------------------------------------------------------
     def begin(self, where: str) -> None:
         """Called after scheduling: the ledger `check_metadata` compares the step with."""
         self.where, self._before, self._after, self._pending = where, None, None, []
+        self._logits = self._top = None
+        self._states_refused = False
         self._ledger_at_schedule = checks.ledger_of(self.scheduler) if self.checks_on else None
 
     def before_forward(self, runner, state) -> None:
-        if self.mode == "full":
-            self._before = gather_states(runner, state)
+        if self.mode == "full" and self.capture.layers:
+            batch = state.input_batch
+            self._rows = capture_rows(batch.req_ids, self.capture)
+            idx = batch.idx_mapping_np[self._rows]
+            chosen = set(self.capture.layers)
+            self._host_slots = {n: runner.block_tables.tables[g.group_id][idx, 0].tolist()
+                                for g in runner.kv_cache_groups if g.kind == "mamba"
+                                for n in g.layer_names if n in chosen}
+            # room in the trace first (before and after, every chosen row and layer), so that the
+            # process never holds more than the budget; a step larger than the budget gathers nothing
+            need = 2 * len(self._rows) * sum(self._slot_bytes[n] for n in self._host_slots)
+            if self.trace.reserve(need):
+                self._before = gather_states(runner, state, self.capture, self._rows, self._host_slots)
+            else:
+                self._states_refused = True
         if self.checks_on:
             names = {layer: info[1] for layer, info in self._layer_info.items()}
             self._pending += checks.check_fresh_slots(runner, state, self.where, names)
 
     def after_forward(self, runner, state) -> None:
+        if self._before is not None:
+            self._after = gather_states(runner, state, self.capture, self._rows, self._host_slots)
+
+    def after_logits(self, runner, state) -> None:
+        self._logits = to_host(state.logits)
         if self.mode == "full":
-            self._after = gather_states(runner, state)
+            top = state.logits.topk(min(TOP_K_LOGITS, state.logits.shape[-1]), dim=-1)
+            self._top = to_host(top.values), to_host(top.indices)
 
     def record_step(self, step: StepOutcome) -> StepRecord:
         """The step's record, with the full-mode fields and the checks' violations, appended to
         the trace; raises InvariantError (after recording) if a check failed."""
-        record = step_record(step, self.backend)
+        record = step_record(step, self.backend, self._logits)
         record.ledger = checks.ledger_of(self.scheduler)
-        record.violations = self._finish_record(record, step.exec_state)
+        record.states = self._layer_states()
+        if self._states_refused:
+            record.dropped = ["states"]
+        if self._top is not None:
+            record.top_logit_values, record.top_logit_ids = self._top
+        record.violations = list(self._pending)
+        state = step.exec_state
+        if self.checks_on and state is not None:
+            record.violations += checks.check_metadata(record.attn_metadata, record.scheduled,
+                                                       self._ledger_at_schedule, self.where)
+            if state.logits is not None:
+                record.violations += checks.check_logits(state.logits, state.input_batch.req_ids, self.where)
         if self.checks_on:
             record.violations += checks.check_ledger(self.scheduler, self.runner, self.where)
+        self._before = self._after = self._logits = self._top = None
+        self._pending = []
         self.trace.append(record)
         checks.raise_if_any(record.violations)
         return record
 
-    def _layer_states(self, request_ids: list[str], slots_by_layer: dict[str, list[int]]) -> list[LayerState]:
+    def _layer_states(self) -> list[LayerState]:
         if self._before is None or self._after is None:
             return []
         out = []
-        for (name, before), (_, after) in zip(self._before, self._after):
+        for (name, before), (_, after) in zip(self._before.states, self._after.states):
             mamba_type, names = self._layer_info.get(name, ("?", [f"state{i}" for i in range(len(before))]))
-            out.append(LayerState(name, mamba_type, names, list(request_ids), slots_by_layer[name],
-                                  before, after))
+            out.append(LayerState(name, mamba_type, names, list(self._before.request_ids),
+                                  self._before.slots[name], before, after))
         return out
-
-    def _finish_record(self, record: StepRecord, exec_state) -> list[Violation]:
-        """Fill the full-mode fields and run the post-step checks; returns the violations."""
-        runner = self.runner
-        if exec_state is not None and self.mode == "full":
-            slots = {n: exec_state.block_tables[g.group_id][:, 0].tolist()
-                     for g in runner.kv_cache_groups if g.kind == "mamba" for n in g.layer_names}
-            record.states = self._layer_states(exec_state.input_batch.req_ids, slots)
-            if exec_state.logits is not None:
-                top = exec_state.logits.topk(min(TOP_K_LOGITS, exec_state.logits.shape[-1]), dim=-1)
-                record.top_logit_values, record.top_logit_ids = top.values.clone(), top.indices.clone()
-        violations = list(self._pending)
-        if self.checks_on and exec_state is not None:
-            violations += checks.check_metadata(record.attn_metadata, record.scheduled,
-                                                self._ledger_at_schedule, self.where)
-            if exec_state.logits is not None:
-                violations += checks.check_logits(exec_state.logits, exec_state.input_batch.req_ids,
-                                                  self.where)
-        self._before = self._after = None
-        self._pending = []
-        return violations
 
     # ---- warmup stages -------------------------------------------------------------------------
     def record_stage(self, stage: str, exec_state: ExecuteModelState, seconds: float) -> None:

@@ -21,6 +21,7 @@ from toolkit.runner.attn_utils import GroupMetadata
 from toolkit.runner.input_batch import InputBatch
 
 TOP_K_LOGITS = 8
+DROPPED = "dropped: trace budget (LLM(trace_max_bytes=...))"   # what a view says of a dropped part
 
 
 def snapshot(obj: Any) -> Any:
@@ -132,6 +133,7 @@ class StepRecord:
     backend: str = "torch"                       # the ops that ran: "torch" or "triton"
     graph: str = "eager"                         # the forward: "eager", "padded eager" or "graph"
     padded_size: int | None = None               # rows it ran (a padded decode batch), else None
+    dropped: list[str] = field(default_factory=list)  # parts the trace budget dropped: "states", "logits"
 
     @property
     def is_warmup(self) -> bool:
@@ -156,6 +158,9 @@ class StepRecord:
 
     def logits_of(self, request_id: str) -> torch.Tensor:
         """float32 [V]: the logits this request's row was sampled from."""
+        if self.logits is None:
+            why = DROPPED if "logits" in self.dropped else "this record holds no logits"
+            raise KeyError(f"no logits for request {request_id!r} in this step: {why}")
         return self.logits[self.input_batch.req_ids.index(request_id)]
 
     def metadata(self, kind: str) -> GroupMetadata:
@@ -170,5 +175,7 @@ class StepRecord:
         for s in self.states:
             if s.layer_name == layer_name:
                 return s
+        if "states" in self.dropped:
+            raise KeyError(f"no recorded state for layer {layer_name!r} in this step: states {DROPPED}")
         recorded = [s.layer_name for s in self.states] or "none; states need inspect='full'"
         raise KeyError(f"no recorded state for layer {layer_name!r} in this step (recorded: {recorded})")

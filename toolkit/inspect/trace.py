@@ -1,34 +1,144 @@
 """Trace: the bounded history of StepRecords an LLM keeps in `llm.trace`.
 
 Every step taken by `step()`, `generate()` and `warmup()` lands here (unless `inspect="off"`),
-oldest first; past `capacity` the oldest record is dropped. A Trace is indexable (negative
-indices and slices too), iterable and sized, and filters by request id and by stage.
+oldest first. Two bounds:
+- `capacity` (`LLM(trace_capacity=...)`): a count of records; past it the oldest record is dropped;
+- `max_bytes` (`LLM(trace_max_bytes=...)`): the host bytes the records may hold. A record's size
+  depends on the model (a full-mode step of a 130M Mamba2 holds ~37 MiB of states per request),
+  so when an append passes it, the oldest records lose their recurrent states first, then their
+  logits (each marked in `record.dropped`, which the views show), keeping their metadata and
+  batch, which are small; whole records go only if those alone pass it. The first time, a
+  TraceBudgetWarning says so, with the two ways out.
+A Trace is indexable (negative indices and slices too), iterable and sized, and filters by
+request id and by stage.
 """
 from __future__ import annotations
 
+import warnings
 from collections import deque
 from pathlib import Path
 from typing import Iterable, Iterator, overload
 
+from toolkit.errors import TraceBudgetWarning
 from toolkit.inspect import serialize
+from toolkit.inspect.memory import fmt_bytes, object_bytes
 from toolkit.inspect.step_record import StepRecord
+
+STATES, LOGITS, REST = 0, 1, 2      # the parts of a record's size, in the order the budget drops them
+
+
+def record_sizes(record: StepRecord) -> list[int]:
+    """Host bytes of a record: [states, logits (with the top-k), the rest]."""
+    states = object_bytes(record.states, "host")
+    logits = object_bytes([record.logits, record.top_logit_values, record.top_logit_ids], "host")
+    return [states, logits, object_bytes(record, "host") - states - logits]
 
 
 class Trace:
-    def __init__(self, capacity: int | None = 256, records: Iterable[StepRecord] = ()):
+    def __init__(self, capacity: int | None = 256, records: Iterable[StepRecord] = (),
+                 max_bytes: int | None = None):
         if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
             raise ValueError(f"trace_capacity={capacity!r}: must be an int >= 1 or None (unbounded)")
+        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 1):
+            raise ValueError(f"trace_max_bytes={max_bytes!r}: must be an int >= 1 or None (no byte bound)")
         self.capacity = capacity
+        self.max_bytes = max_bytes
         self._records: deque[StepRecord] = deque(records, maxlen=capacity)
-        self.num_dropped = 0            # records pushed out by the capacity
+        self._sizes: deque[list[int]] = deque((record_sizes(r) for r in self._records), maxlen=capacity)
+        self.num_dropped = 0            # whole records dropped (by the capacity, or the budget)
+        self.num_trimmed = 0            # records whose states or logits the budget dropped
+        self._checked = [0, 0]          # per part: the leading records whose part is already gone
+        self._warned = False
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes the records hold (what `max_bytes` bounds)."""
+        return sum(sum(size) for size in self._sizes)
 
     def append(self, record: StepRecord) -> None:
         if self.capacity is not None and len(self._records) == self.capacity:
-            self.num_dropped += 1
+            self._pop_oldest()
         self._records.append(record)
+        self._sizes.append(record_sizes(record))
+        if record.dropped:                      # its states were not even gathered (see reserve)
+            self.num_trimmed += 1
+        if self.max_bytes is not None and self.host_bytes > self.max_bytes:
+            self._fit()
+
+    def _pop_oldest(self) -> None:
+        self._records.popleft()
+        self._sizes.popleft()
+        self.num_dropped += 1
+        self._checked = [max(0, c - 1) for c in self._checked]
+
+    def reserve(self, nbytes: int) -> bool:
+        """Make room for `nbytes` about to be recorded (a full-mode step's states, before they are
+        gathered), so that the process never holds more than the budget. False (and nothing is
+        dropped) when `nbytes` alone passes the budget: the caller records nothing of it."""
+        if self.max_bytes is None:
+            return True
+        if nbytes > self.max_bytes:
+            self._warn_once(self.host_bytes, [f"the states of this step ({fmt_bytes(nbytes)}, more than the whole "
+                                              "budget: not gathered at all)"])
+            return False
+        if self.host_bytes + nbytes > self.max_bytes:
+            self._fit(reserve=nbytes)
+        return True
+
+    def _fit(self, reserve: int = 0) -> None:
+        """Drop, oldest first, states, then logits, then whole records, until the records (and
+        `reserve` more bytes) fit in max_bytes."""
+        before = self.host_bytes
+        total = before + reserve
+        dropped: dict[str, int] = {}
+        for part, name in ((STATES, "states"), (LOGITS, "logits")):
+            i = self._checked[part]
+            while total > self.max_bytes and i < len(self._records):
+                if self._sizes[i][part]:
+                    self._drop_part(self._records[i], name)
+                    total -= self._sizes[i][part]
+                    self._sizes[i][part] = 0
+                    dropped[name] = dropped.get(name, 0) + 1
+                i += 1
+            self._checked[part] = i
+        while total > self.max_bytes and self._records:
+            total -= sum(self._sizes[0])
+            self._pop_oldest()
+            dropped["records"] = dropped.get("records", 0) + 1
+        self._warn_once(before, [f"{n} whole record{'s' * (n > 1)}" if k == "records" else
+                                 f"the {k} of {n} record{'s' * (n > 1)}" for k, n in dropped.items()])
+
+    def _drop_part(self, record: StepRecord, name: str) -> None:
+        if name == "states":
+            record.states = []
+        else:
+            record.logits = record.top_logit_values = record.top_logit_ids = None
+        if not record.dropped:
+            self.num_trimmed += 1
+        record.dropped = [*record.dropped, name]
+
+    def _warn_once(self, before: int, dropped: list[str]) -> None:
+        if self._warned or not dropped:
+            return
+        self._warned = True
+        newest = self._records[-1] if self._records else None
+        size = self._sizes[-1] if self._sizes else [0, 0, 0]
+        what = ", ".join(dropped)
+        where = f"step {newest.step_index}" if newest is not None and newest.step_index is not None else (
+            newest.stage if newest is not None else "the last append")
+        warnings.warn(
+            f"llm.trace passed its budget of {fmt_bytes(self.max_bytes)} of host memory at {where} "
+            f"({fmt_bytes(before)}; the newest record holds {fmt_bytes(sum(size))}, "
+            f"{fmt_bytes(size[STATES])} of it recurrent states): dropped {what}, oldest first, keeping "
+            "their metadata and batch (record.dropped says what went). Two ways out: a larger budget, "
+            "LLM(..., trace_max_bytes=...), or a narrower capture: LLM(..., inspect_layers=..., "
+            "inspect_requests=...) or llm.set_inspect_filter(...) (or inspect='metadata'). "
+            "This warning is shown once per trace.", TraceBudgetWarning, stacklevel=2)
 
     def clear(self) -> None:
         self._records.clear()
+        self._sizes.clear()
+        self._checked = [0, 0]
 
     def __len__(self) -> int:
         return len(self._records)
@@ -65,15 +175,17 @@ class Trace:
     # ---- save / load -------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
         """Write the trace to the folder `path` (trace.json + tensors.safetensors, no pickle)."""
-        return serialize.save(path, {"capacity": self.capacity, "num_dropped": self.num_dropped},
+        return serialize.save(path, {"capacity": self.capacity, "num_dropped": self.num_dropped,
+                                     "max_bytes": self.max_bytes, "num_trimmed": self.num_trimmed},
                               list(self._records))
 
     @classmethod
     def load(cls, path: str | Path) -> "Trace":
         """Read a folder written by `save`; tensors come back on the CPU, bit-exact."""
         header, records = serialize.load(path)
-        trace = cls(header.get("capacity"), records)
+        trace = cls(header.get("capacity"), records, header.get("max_bytes"))
         trace.num_dropped = header.get("num_dropped", 0)
+        trace.num_trimmed = header.get("num_trimmed", 0)
         return trace
 
     def equals(self, other: "Trace") -> bool:
@@ -100,4 +212,5 @@ class Trace:
             stages[r.stage.split("/")[0]] = stages.get(r.stage.split("/")[0], 0) + 1
         cap = "unbounded" if self.capacity is None else f"capacity {self.capacity}"
         parts = ", ".join(f"{n} {s}" for s, n in stages.items()) or "empty"
-        return f"Trace({len(self)} records: {parts}; {cap}, {self.num_dropped} dropped)"
+        trimmed = f", {self.num_trimmed} trimmed to the byte budget" if self.num_trimmed else ""
+        return f"Trace({len(self)} records: {parts}; {cap}, {self.num_dropped} dropped{trimmed})"

@@ -50,6 +50,10 @@ class StepObserver(Protocol):
 
     def after_forward(self, runner: "ModelRunner", state: ExecuteModelState) -> None: ...
 
+    def after_logits(self, runner: "ModelRunner", state: ExecuteModelState) -> None:
+        """`state.logits` is set and the step's one sync (the sampled ids' copy) is still ahead:
+        a non_blocking device-to-host copy issued here is complete when the step returns."""
+
 
 class ModelRunner:
     def __init__(self, model: nn.Module, cfg: RunnerConfig):
@@ -159,6 +163,8 @@ class ModelRunner:
         last = hidden[:batch.num_reqs] if batch.num_tokens == batch.num_reqs else hidden[batch.logits_indices]
         logits = self.model.compute_logits(last)
         state.logits = logits
+        if self.observer is not None:
+            self.observer.after_logits(self, state)
         # a row whose chunk ends before its known tokens do (partial prefill) draws nothing
         draws = batch.num_computed_tokens_np + batch.num_scheduled_tokens >= batch.prefill_len_np
         sampled = self.sampler(logits, batch.idx_mapping_np, batch.seq_lens, draws)

@@ -16,6 +16,7 @@ from toolkit.attention.mamba2 import Mamba2MetadataBuilder
 from toolkit.attention.paged_attn import PagedAttentionMetadataBuilder
 from toolkit.attention.short_conv import ShortConvMetadataBuilder
 from toolkit.inspect import html as H
+from toolkit.inspect.step_record import DROPPED
 from toolkit.inspect.record_views import batch_table_html, step_record_repr, violation_html, why_no_metadata
 from toolkit.inspect.serialize import equal
 from toolkit.inspect.summaries import (
@@ -40,6 +41,8 @@ def why_no_states(record: Any, inspect: str | None = None) -> str | None:
     `inspect` is the engine's mode when known (a loaded trace does not say)."""
     if record is not None and record.states:
         return None
+    if record is not None and "states" in record.dropped:
+        return f"states {DROPPED}: the trace kept this step's metadata and batch but not its states"
     kinds = sorted({g.kind for g in record.attn_metadata}) if record is not None else []
     if kinds and "mamba" not in kinds:
         return (f"no recurrent layer in this model (its layer groups: {', '.join(kinds)}), "
