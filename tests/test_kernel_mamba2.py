@@ -1,6 +1,9 @@
-"""Mamba2 SSD chunked scan (varlen prefill) kernel against its torch reference, under
-TRITON_INTERPRET=1 on the CPU (set in conftest): tiny shapes with chunk_size 8, sequence lengths
-around the chunk size, mixed initial states, a padded sequence, x/B/C as views of one projection."""
+"""The Mamba2 kernels against their torch references, under TRITON_INTERPRET=1 on the CPU (set in
+conftest): kernels/selective_state_update.py (the decode update, with dt prepared in the kernel or
+before it by `mamba2_dt`) and kernels/ssd_scan.py (the SSD chunked scan of the varlen prefill).
+fp32 / fp16 / bf16 inputs, head_dim / widths not powers of two, padded rows, x / B / C / dt as
+views of one projection; for the scan, chunk_size 8, sequence lengths around it, mixed initial
+states and a padded sequence; real shapes on a GPU."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,11 +12,108 @@ import torch
 
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
 from toolkit.attention.mamba2 import compute_chunk_metadata  # noqa: E402
+from toolkit.kernels import selective_state_update as ssu  # noqa: E402
 from toolkit.kernels import ssd_scan as ssd  # noqa: E402
 from toolkit.layers.causal_conv1d import initial_states_at  # noqa: E402
 from toolkit.layers.mamba2_mixer import ssm_scan_sequential_ref  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("groups, with_d", [(1, True), (2, False)])
+def test_selective_state_update_equals_reference(dtype, groups, with_d):
+    g = torch.Generator().manual_seed(2)
+    slots, heads, head_dim, d_state, b = 5, 4, 12, 16, 4         # head_dim not a power of two
+    state = torch.randn(slots, heads, head_dim, d_state, generator=g)   # the fp32 state cache
+    xbc = torch.randn(b, heads * head_dim + 2 * groups * d_state, generator=g).to(dtype)
+    x = xbc[:, :heads * head_dim].view(b, heads, head_dim)        # views into one projection
+    B = xbc[:, heads * head_dim:heads * head_dim + groups * d_state].view(b, groups, d_state)
+    C = xbc[:, heads * head_dim + groups * d_state:].view(b, groups, d_state)
+    dt = torch.nn.functional.softplus(torch.randn(b, heads, generator=g))
+    A = -torch.rand(heads, generator=g) - 0.5
+    D = torch.randn(heads, generator=g) if with_d else None
+    idx = torch.tensor([2, -1, 4, 1])
+    ours_state, ref_state = state.clone(), state.clone()
+    y = ssu.selective_state_update(ours_state, x, dt, A, B, C, D, idx)
+    y_ref = ssu.reference(ref_state, x, dt, A, B, C, D, idx)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)      # fp32 math on both sides
+    torch.testing.assert_close(ours_state, ref_state, atol=1e-6, rtol=1e-6)
+    assert torch.equal(ours_state[[0, 3]], state[[0, 3]]) and (y[1] == 0).all()
+
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dt_limit", [None, (0.0, float("inf")), (0.05, 0.8)])
+def test_selective_state_update_prepares_raw_dt_like_mamba2_dt(dtype, dt_limit):
+    """dt_bias given: dt is the raw in_proj column (a strided view), prepared in the kernel; equal to
+    preparing it first with the torch reference of `mamba2_dt` and updating with that."""
+    g = torch.Generator().manual_seed(5)
+    slots, heads, head_dim, d_state, b = 6, 4, 8, 16, 5
+    state = torch.randn(slots, heads, head_dim, d_state, generator=g)
+    proj = (6 * torch.randn(b, heads * head_dim + 2 * d_state + heads, generator=g)).to(dtype)
+    x = proj[:, :heads * head_dim].view(b, heads, head_dim)
+    B = proj[:, heads * head_dim:heads * head_dim + d_state].view(b, 1, d_state)
+    C = proj[:, heads * head_dim + d_state:heads * head_dim + 2 * d_state].view(b, 1, d_state)
+    dt_raw = proj[:, -heads:]
+    dt_bias = torch.randn(heads, generator=g).to(dtype)
+    A, D = -torch.rand(heads, generator=g) - 0.5, torch.randn(heads, generator=g)
+    idx = torch.tensor([3, 0, -1, 5, 1])
+    ours_state, ref_state = state.clone(), state.clone()
+    y = ssu.selective_state_update(ours_state, x, dt_raw, A, B, C, D, idx, dt_bias, dt_limit)
+    y_ref = ssu.reference(ref_state, x, ssu.dt_reference(dt_raw, dt_bias, dt_limit), A, B, C, D, idx)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_state, ref_state, atol=1e-5, rtol=1e-5)
+    y_ref_raw = ssu.reference(state.clone(), x, dt_raw, A, B, C, D, idx, dt_bias, dt_limit)  # the op's own form
+    torch.testing.assert_close(y_ref_raw, y_ref, atol=0, rtol=0)
+
+
+
+def test_selective_state_update_launcher_names_what_is_wrong():
+    state = torch.zeros(3, 4, 8, 16)
+    x, dt, A = torch.zeros(2, 4, 8), torch.zeros(2, 4), torch.zeros(4)
+    B = torch.zeros(2, 3, 16)
+    with pytest.raises(ValueError, match="not a multiple of the 3 groups"):
+        ssu.selective_state_update(state, x, dt, A, B, B, None, torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"x must be \[B, H=4, P=8\]"):
+        ssu.selective_state_update(state, torch.zeros(2, 8, 4), dt, A, B[:, :1], B[:, :1], None,
+                                   torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"dt_bias must be \[H=4\]"):
+        ssu.selective_state_update(state, x, dt, A, B[:, :1], B[:, :1], None, torch.zeros(2, dtype=torch.long),
+                                   torch.zeros(3))
+
+
+
+def test_selective_state_update_refuses_a_strided_dt():
+    """The kernel reads dt[row, h] at row stride + h: a dt strided along H must be refused, not misread."""
+    state = torch.zeros(3, 4, 8, 16)
+    x, A, B = torch.zeros(2, 4, 8), torch.zeros(4), torch.zeros(2, 1, 16)
+    with pytest.raises(ValueError, match="dt must be contiguous in its last dimension"):
+        ssu.selective_state_update(state, x, torch.zeros(2, 8)[:, ::2], A, B, B, None,
+                                   torch.zeros(2, dtype=torch.long))
+
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("limit", [None, (0.0, float("inf")), (1e-3, 0.5)])
+def test_mamba2_dt_equals_reference(dtype, limit):
+    g = torch.Generator().manual_seed(4)
+    heads = 6
+    proj = torch.empty(40, heads + 10)
+    proj[:, :] = torch.linspace(-40, 40, 40 * (heads + 10)).reshape(40, heads + 10)   # tiny, small and past threshold 20
+    dt_raw = proj.to(dtype)[:, 10:]                           # the dt columns of in_proj's output
+    bias = torch.randn(heads, generator=g).to(dtype)
+    ours, ref = ssu.mamba2_dt(dt_raw, bias, limit), ssu.dt_reference(dt_raw, bias, limit)
+    assert ours.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(ours, ref, atol=0, rtol=2e-6)  # relative: softplus(-40) is 4e-18
+
+
+
+def test_mamba2_dt_launcher_names_what_is_wrong():
+    with pytest.raises(ValueError, match="dt_bias must be"):
+        ssu.mamba2_dt(torch.randn(3, 4), torch.ones(5))
+    with pytest.raises(ValueError, match="dt_raw must be"):
+        ssu.mamba2_dt(torch.randn(4, 3).t(), torch.ones(4))
 
 
 def _case(dtype, heads, head_dim, d_state, groups, lens, computed, slots, num_slots, with_d, chunk_size,
