@@ -1,3 +1,6 @@
+"""Test setup: the Triton interpreter without a GPU, offline HF, one CPU thread, a seeded torch per
+test, assert rewriting in the helper modules, and the shared fixtures of the runner-level parity
+checks (`hf_folders`, `model_pair`, `hf_model`)."""
 import os
 
 import torch  # noqa: E402  (defines no Triton kernel)
@@ -18,7 +21,36 @@ pytest.register_assert_rewrite("model_helpers", "harness")
 # tiny models: one thread avoids oversubscription on CI's 2 cores (measured faster)
 torch.set_num_threads(1)
 
+from harness import load_hf, save_model_pair  # noqa: E402  (after register_assert_rewrite)
+
 
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)
+
+
+# ---- HF folders and models of the runner-level parity checks (model_helpers.RunnerParityChecks) ----
+
+@pytest.fixture(scope="session")
+def hf_folders(tmp_path_factory):
+    """name -> (LLM model argument, HF folder with the same weights) of `harness.save_model_pair`,
+    saved once per session. The folders are shared: a test that changes one works on a copy."""
+    pairs: dict[str, tuple] = {}
+
+    def get(name: str) -> tuple:
+        if name not in pairs:
+            pairs[name] = save_model_pair(name, tmp_path_factory)
+        return pairs[name]
+    return get
+
+
+@pytest.fixture(scope="class")
+def model_pair(request, hf_folders):
+    """hf_folders(name) for the model name a test class is parametrized with (indirect)."""
+    return hf_folders(request.param)
+
+
+@pytest.fixture(scope="class")
+def hf_model(model_pair):
+    """The HF model on model_pair's folder (fp32, eval) whose `generate` ignores EOS (harness.load_hf)."""
+    return load_hf(model_pair[1])

@@ -1,9 +1,10 @@
-"""Parity harness: run the toolkit and HF transformers on the same weights and compare.
+"""Test harness of the runner: small engines on the tiny presets, and their parity with HF transformers.
 
-Reference = HF's `generate` (greedy) for tokens, and HF's full forward (no cache) over
-prompt + generated tokens for logits. Tie rule: if our greedy token differs from HF's at some
-step and HF's two logits are within TIE_ATOL (1e-5), both choices are right; the sequences then
-diverge, so comparison of that request stops at that step.
+Parity: the toolkit and HF transformers run on the same weights. Reference = HF's `generate`
+(greedy) for tokens, and HF's full forward (no cache) over prompt + generated tokens for logits.
+Tie rule: if our greedy token differs from HF's at some step and HF's two logits are within
+TIE_ATOL (1e-5), both choices are right; the sequences then diverge, so comparison of that request
+stops at that step.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from transformers import AutoModelForCausalLM
 from toolkit import LLM, SamplingParams
 from toolkit.models import DEMO_MODELS, model_folder, save_hf_folder
 from toolkit.models import PRESETS as PRESET_CONFIGS
+from toolkit.runner.model_states import MambaHybridModelState
 
 # The device the parity tests run on: CPU by default; RUNNERSCOPE_TEST_DEVICE=cuda on a GPU machine.
 DEVICE = os.environ.get("RUNNERSCOPE_TEST_DEVICE", "cpu")
@@ -28,14 +30,22 @@ if DEVICE.startswith("cuda"):
 F32 = dict(device=DEVICE, dtype="float32")
 LOGIT_ATOL = 1e-4
 TIE_ATOL = 1e-5
-PRESETS = ["tiny-llama", "tiny-mamba2", "tiny-bamba", "tiny-mamba", "tiny-falcon-mamba", "tiny-jamba",
-           "tiny-lfm2"]
+# The tiny preset of every architecture family (toolkit/models/<family>.py).
+TINY_PRESETS = ["tiny-llama", "tiny-mamba2", "tiny-bamba", "tiny-mamba", "tiny-falcon-mamba", "tiny-jamba",
+                "tiny-lfm2", "tiny-nemotron-h", "tiny-granite-hybrid", "tiny-zamba2", "tiny-falcon-h1",
+                "tiny-qwen3-next"]
+# The seven that the slower engine-wide checks run on (outputs independent of scheduling, the
+# property programs, ...): every sequence mixer but Gated DeltaNet (attention; Mamba1, FalconMamba's
+# normed Mamba1; Mamba2; LFM2's short conv) and the Bamba and Jamba hybrids. The other five are
+# larger hybrids of the same mixers (and Qwen3-Next's Gated DeltaNet), checked per family.
+ENGINE_PRESETS = TINY_PRESETS[:7]
 # Hybrid configs with no attention layer at all (HF's cached generate crashes on them).
 NO_ATTENTION = {"tiny-jamba": dict(attn_layer_period=8, attn_layer_offset=5),
-                "tiny-lfm2": dict(layer_types=["conv"] * 4, full_attn_idxs=[])}
+                "tiny-lfm2": dict(layer_types=["conv"] * 4, full_attn_idxs=[]),
+                "tiny-qwen3-next": dict(layer_types=["linear_attention"] * 4)}
 
-# The runner-level parity workload (test_runner_parity and the model-zoo files): a single request,
-# and a batch that the limits force to be chunked, mixed and queued.
+# The runner-level parity workload (model_helpers.RunnerParityChecks, test_backend_triton): a single
+# request, and a batch that the limits force to be chunked, mixed and queued.
 MAX_TOKENS = 6
 BATCH_PROMPT_LENS = [1, 60, 17, 33, 5]     # 5 requests, 1..60 tokens
 BATCH_LIMITS = dict(max_num_seqs=3, max_num_batched_tokens=24)
@@ -75,6 +85,16 @@ def load_hf(folder) -> torch.nn.Module:
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(DEVICE).eval()
     hf.generation_config.eos_token_id = None
     return hf
+
+
+def no_attention_folder(preset: str, folder) -> str:
+    """An HF-initialised (seed 7) checkpoint of `preset` changed by NO_ATTENTION[preset]: no
+    attention layer at all. Returns the folder (an LLM model argument)."""
+    cfg = PRESET_CONFIGS[preset]()
+    cfg = type(cfg)(**{**cfg.to_dict(), **NO_ATTENTION[preset]})
+    torch.manual_seed(7)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    return str(folder)
 
 
 def save_model_pair(name: str, tmp_path_factory) -> tuple[str, Path]:
@@ -158,3 +178,39 @@ def check_chunked_mixed_queued_batch_matches_hf(llm: LLM, hf) -> None:
     stats = llm.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     assert stats["state_slots_free"] == stats["state_slots_total"]
+
+
+def check_no_attention_llm_matches_hf_uncached(preset: str, folder) -> None:
+    """The engine on no_attention_folder(preset): one cache group (Mamba), the hybrid model state,
+    and three requests (1, 23 and 9 tokens) reproduce HF. HF's cached `generate` crashes on a
+    config without attention layers, so HF runs with use_cache=False."""
+    model = no_attention_folder(preset, folder)
+    hf = load_hf(model)
+    with LLM(model, **F32, max_num_seqs=2, max_num_batched_tokens=16) as llm:
+        assert [g.kind for g in llm.model_runner.kv_cache_groups] == ["mamba"]
+        assert type(llm.model_runner.model_state) is MambaHybridModelState
+        prompts = prompts_of([1, 23, 9], llm.vocab_size, seed=4)
+        res = run_by_hand(llm, prompts, 5)
+        for rid, prompt in zip(res.tokens, prompts):
+            assert_matches_hf(hf, prompt, res.tokens[rid], res.logits[rid], 5, use_cache=False)
+
+
+# ---- small engines ----------------------------------------------------------------------------------
+
+def small_llm(preset: str, **kw) -> LLM:
+    """An fp32 CPU engine with small limits (4 rows, 64 tokens a step, 128 a request); `kw` overrides."""
+    args = dict(device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128) | kw
+    return LLM(preset, **args)
+
+
+def token_ids(outs) -> list[list[int]]:
+    """The output token ids of each RequestOutput."""
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def run_to_completion(llm: LLM) -> dict:
+    """Step until every request is finished: request id -> its RequestOutput."""
+    outs = {}
+    while llm.has_unfinished_requests():
+        outs.update({o.request_id: o for o in llm.step().outputs})
+    return outs

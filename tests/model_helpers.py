@@ -1,27 +1,35 @@
-"""Test helpers that drive models/layers directly, without the runner.
+"""Test helpers that drive models/layers directly, without the runner, and the parity suite.
 
 They build the per-layer metadata the contract files describe (toolkit/attention/paged_attn.py,
 toolkit/attention/mamba2.py, mamba1.py, short_conv.py) for a few sequence chunks, and
-allocate/bind caches; and `ModelParitySuite`, the model-vs-HF-transformers checks every
-architecture's test class (tests/test_model_parity*.py) inherits.
+allocate/bind caches; `ModelParitySuite` holds the model-vs-HF-transformers checks every
+architecture family's test class (tests/test_parity_<family>.py) inherits, with its mixins
+`ConfigVariantChecks` (config variants) and `RunnerParityChecks` (the engine, LLM(...), vs HF).
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from harness import (BATCH_LIMITS, F32, check_chunked_mixed_queued_batch_matches_hf,
+                     check_single_request_matches_hf)
+from toolkit import LLM
 from toolkit.attention.mamba1 import Mamba1AttentionMetadata
 from toolkit.attention.mamba2 import Mamba2AttentionMetadata, compute_chunk_metadata
 from toolkit.attention.paged_attn import PagedAttentionMetadata
 from toolkit.attention.short_conv import ShortConvAttentionMetadata
-from toolkit.models import PRESETS, load_model, save_hf_folder
+from toolkit.config import RunnerConfig
+from toolkit.models import PRESETS, get_model_class, load_model, save_hf_folder
+from toolkit.runner.kv_cache import make_kv_cache_groups
 from toolkit.kv_cache_spec import AttentionSpec, MambaSpec
 
 # metadata class of each Mamba-family layer that reads only the base Mamba fields
@@ -263,6 +271,42 @@ def run_steps(ours, seq: torch.Tensor, steps: list[int | tuple[int, bool]], *, s
     return torch.cat(outs)
 
 
+def meta_model_specs_and_groups(preset: str):
+    """(model on the meta device, its cache specs, the runner's cache groups of them, the
+    RunnerConfig: 2 rows, 16 tokens a step, 64 a request, fp32) for a preset, with no memory."""
+    config = PRESETS[preset]()
+    with torch.device("meta"):
+        model = get_model_class(config)(config)
+    cfg = RunnerConfig(device=torch.device("cpu"), dtype=torch.float32, max_num_seqs=2,
+                       max_num_batched_tokens=16, block_size=16, max_model_len=64, num_kv_blocks=None, seed=0)
+    return model, model.kv_cache_specs(), make_kv_cache_groups(model.kv_cache_specs(), cfg), cfg
+
+
+def rebuilt_config(arch: str, *, drop: tuple[str, ...] = (), **changes):
+    """The preset's config rebuilt through __init__ with `changes` (so derived fields follow);
+    `drop`: fields left out of the preset's to_dict(), recomputed rather than passed back."""
+    cfg = PRESETS[arch]()
+    kwargs = {k: v for k, v in cfg.to_dict().items() if k not in drop}
+    return type(cfg)(**{**kwargs, **changes})
+
+
+def save_bf16_checkpoint(arch: str, folder) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """(HF model, the tensors it stored) of an HF-initialised (seed 3) `arch` saved in bf16 to `folder`."""
+    torch.manual_seed(3)
+    hf = AutoModelForCausalLM.from_config(PRESETS[arch]()).to(torch.bfloat16)
+    hf.save_pretrained(folder)
+    return hf, load_file(str(Path(folder) / "model.safetensors"))
+
+
+@torch.no_grad()
+def check_bf16_load_runs(folder) -> None:
+    """Our model loaded in bf16 from `folder` runs a 22-token request in steps 10, 10, 1, 1:
+    finite fp32 logits."""
+    m16 = load_model(str(folder), dtype=torch.bfloat16, device="cpu").model
+    out = run_steps(m16, random_prompt(8, 22), [10, 10, 1, 1])
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+
+
 @dataclass(frozen=True)
 class MixedRequest:
     """A request of the mixed-step check: random_prompt(seed, prompt_len) plus `generated` greedy
@@ -308,6 +352,8 @@ class ModelParitySuite:
             metafunc.parametrize("pair", params, ids=[f"{a}-{s}" for a, s in params], indirect=True, scope="class")
         if "variant" in metafunc.fixturenames:   # ConfigVariantChecks
             metafunc.parametrize("variant", list(self.VARIANTS))
+        if "model_pair" in metafunc.fixturenames:   # RunnerParityChecks (the fixture: conftest.py)
+            metafunc.parametrize("model_pair", self.runner_models(), indirect=True, scope="class")
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -401,3 +447,28 @@ class ConfigVariantChecks:
         self.check_variant(variant, ours)
         seq = self.hf_continue(hf, random_prompt(self.VARIANT_PROMPT_SEED), 2)
         assert_close(run_steps(ours, seq, [10, 17, 10, 1, 1]), self.hf_logits(hf, seq))
+
+
+class RunnerParityChecks:
+    """Mixin for a ModelParitySuite: the engine, LLM(...), reproduces HF transformers' greedy
+    `generate` (tie rule, logits within harness.LOGIT_ATOL) on each model of `runner_models()`: the
+    family's presets (ARCHS), the same architectures HF-initialised ("hf-random-<arch>") and its
+    shipped DEMO_MODELS; for a single request, and for a batch that BATCH_LIMITS chunk, mix and
+    queue. conftest.py's `model_pair` and `hf_model` build each model's pair once per class."""
+
+    DEMO_MODELS: ClassVar[tuple[str, ...]] = ()
+
+    def runner_models(self) -> list[str]:
+        return [*self.ARCHS, *(f"hf-random-{a}" for a in self.ARCHS), *self.DEMO_MODELS]
+
+    def check_llm(self, llm: LLM) -> None:
+        """Architecture-specific facts of an engine built on one of the models."""
+
+    def test_llm_single_request_matches_hf(self, model_pair, hf_model):
+        with LLM(model_pair[0], **F32) as llm:
+            self.check_llm(llm)
+            check_single_request_matches_hf(llm, hf_model)
+
+    def test_llm_chunked_mixed_queued_batch_matches_hf(self, model_pair, hf_model):
+        with LLM(model_pair[0], **F32, **BATCH_LIMITS) as llm:
+            check_chunked_mixed_queued_batch_matches_hf(llm, hf_model)

@@ -7,12 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from toolkit import (LLM, CheckpointError, EngineClosedError, InvalidRequestError,
                      SamplingParams, UnknownModelError, UnsupportedArchitectureError)
-from toolkit.models import save_hf_folder
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 GOOD_PROMPT = {"prompt_token_ids": [5, 6, 7, 8]}
@@ -26,11 +24,9 @@ def expected_tokens():
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    with LLM("tiny-llama", device="cpu", dtype="float32") as llm:
-        save_hf_folder(llm, path)
-    return path
+def folder(hf_folders) -> Path:
+    """tiny-llama as an HF folder (conftest's, shared: the cases change copies of it)."""
+    return hf_folders("tiny-llama")[1]
 
 
 def broken_copy(folder: Path, tmp: Path, how: str) -> Path:
@@ -164,7 +160,7 @@ def test_calls_after_shutdown_raise_engine_closed():
 
 
 def test_warmup_twice_works():
-    """Found by the property suite: warmup's own request ids must not count as used ids."""
+    """warmup's own request ids do not count as used ids."""
     with LLM("tiny-mamba2", **ARGS) as llm:
         llm.warmup(progress=False)
         llm.warmup(progress=False)
@@ -172,8 +168,8 @@ def test_warmup_twice_works():
 
 
 def test_interrupted_generate_keeps_its_request_ids_used(monkeypatch):
-    """Found by the property suite: an interrupted generate() aborts its requests like
-    abort_request does, so their ids stay used (the trace refers to them)."""
+    """An interrupted generate() aborts its requests like abort_request does, so their ids stay
+    used (the trace refers to them)."""
     from toolkit.runner.model_runner import ModelRunner
     original, calls = ModelRunner.sample_tokens, {"n": 0}
 

@@ -11,8 +11,7 @@ import gc
 import pytest
 import torch
 
-from harness import F32, PRESETS
-from test_backend_triton import ZOO_II
+from harness import F32, TINY_PRESETS
 from toolkit import LLM, SamplingParams
 from toolkit.runner.cudagraph import CudaGraphManager, capture_sizes, resolve_mode
 
@@ -59,7 +58,7 @@ def _run(model: str, mode: str, params: SamplingParams, **kw):
         return tokens, logits, records
 
 
-@pytest.mark.parametrize("model", PRESETS + ZOO_II)
+@pytest.mark.parametrize("model", TINY_PRESETS)
 def test_padded_eager_equals_unpadded(model):
     ref_tokens, ref_logits, _ = _run(model, "none", GREEDY)
     tokens, logits, records = _run(model, "padded_eager", GREEDY)
@@ -132,7 +131,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: CU
 
 
 @cuda
-@pytest.mark.parametrize("model", PRESETS + ZOO_II)
+@pytest.mark.parametrize("model", TINY_PRESETS)
 def test_graphs_equal_eager_on_gpu(model):
     cfg = dict(device="cuda", dtype="float32", backend="triton")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -168,8 +167,8 @@ def test_ten_cycles_leave_gpu_memory_at_baseline():
 
 
 def test_checks_catch_a_padded_row_on_a_real_slot(monkeypatch):
-    """The bug padding must not have (cuda-readiness item 5): padded rows keeping a live request's
-    slot. Planted here, the runtime checks name it."""
+    """The bug padding must not have: padded rows keeping a live request's slot. Planted here, the
+    runtime checks name it."""
     from toolkit import InvariantError
     from toolkit.runner.block_table import BlockTables
     original = BlockTables.gather_block_tables

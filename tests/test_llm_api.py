@@ -1,4 +1,7 @@
-"""The LLM facade: routing, warmup contracts, bad input, resources, lifecycle."""
+"""The LLM facade: bad prompts and sampling params, admission, stats and resources, abort, step
+records, shutdown, tokenizers (an HF folder's, the byte fallback), the demo command, the installed
+kernels package, state slots zeroed on reuse, slot mapping, and requests added by hand beside
+generate()."""
 from __future__ import annotations
 
 import subprocess
@@ -7,11 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from toolkit import (LLM, CheckpointError, InvalidRequestError, MetadataContractError,
-                     ModelStateError, SamplingParams, UnknownModelError, UnsupportedArchitectureError)
+from toolkit import (LLM, CheckpointError, InvalidRequestError, SamplingParams, UnknownModelError,
+                     UnsupportedArchitectureError)
 from toolkit.models import save_hf_folder
-from toolkit.runner.model_states import (DefaultModelState, MambaHybridModelState,
-                                         init_model_state)
+from toolkit.runner.model_states import MambaHybridModelState
 
 REPO = Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -20,84 +22,6 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 def small(preset, **kw):
     args = dict(device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=32) | kw
     return LLM(preset, **args)
-
-
-@pytest.mark.parametrize("preset, state", [("tiny-llama", DefaultModelState),
-                                           ("tiny-mamba2", MambaHybridModelState),
-                                           ("tiny-bamba", MambaHybridModelState),
-                                           ("tiny-nemotron-h", MambaHybridModelState),
-                                           ("tiny-granite-hybrid", MambaHybridModelState),
-                                           ("tiny-qwen3-next", MambaHybridModelState),
-                                           ("tiny-zamba2", MambaHybridModelState),
-                                           ("tiny-falcon-h1", MambaHybridModelState)])
-def test_routing(preset, state):
-    with small(preset) as llm:
-        assert type(llm.model_runner.model_state) is state
-        assert type(init_model_state(llm.model, llm.cfg)) is state
-        if preset == "tiny-mamba2":
-            assert llm.model.is_attention_free and not llm.model.is_hybrid
-
-
-def test_unsupported_model_kinds_raise_not_supported_yet():
-    from toolkit.errors import NotSupportedYetError
-    with small("tiny-llama") as llm:
-        llm.model.model.layers[0].self_attn.attn_type = "encoder_only"
-        with pytest.raises(NotSupportedYetError, match="encoder-only"):
-            init_model_state(llm.model, llm.cfg)
-        llm.model.model.layers[0].self_attn.attn_type = "encoder_decoder"
-        with pytest.raises(NotSupportedYetError, match="encoder-decoder"):
-            init_model_state(llm.model, llm.cfg)
-
-
-def test_mamba_model_routed_to_default_state_fails_loudly(monkeypatch):
-    import toolkit.runner.model_runner as mr
-    monkeypatch.setattr(mr, "init_model_state", lambda model, cfg: DefaultModelState(model, cfg))
-    with pytest.raises(ModelStateError, match="MambaHybridModelState"):
-        small("tiny-mamba2")
-
-
-@pytest.mark.parametrize("preset, builders", [
-    ("tiny-mamba2", {"Mamba2MetadataBuilder"}),
-    ("tiny-bamba", {"PagedAttentionMetadataBuilder", "Mamba2MetadataBuilder"})])
-def test_warmup_catches_unforwarded_seq_lens_cpu_upper_bound(monkeypatch, preset, builders):
-    """vLLM #46759: the hybrid state computed seq_lens_cpu_upper_bound but did not forward it."""
-    original = MambaHybridModelState.attn_metadata_kwargs
-
-    def forgets_upper_bound(self, input_batch, for_capture):
-        kwargs = original(self, input_batch, for_capture)
-        kwargs.pop("seq_lens_cpu_upper_bound")
-        return kwargs
-
-    with small(preset) as llm:
-        llm.model_runner.profile_run()      # the profile run builds no metadata: passes either way
-        monkeypatch.setattr(MambaHybridModelState, "attn_metadata_kwargs", forgets_upper_bound)
-        with pytest.raises(MetadataContractError) as err:
-            llm.warmup(progress=False)
-        assert err.value.field == "seq_lens_cpu_upper_bound"
-        assert err.value.builder in builders and err.value.builder in str(err.value)
-        assert "MambaHybridModelState" in str(err.value)
-        monkeypatch.undo()
-        llm.warmup(progress=False)
-
-
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mamba2", "tiny-bamba"])
-def test_warmup_leaves_engine_clean_and_outputs_unchanged(preset):
-    prompt = {"prompt_token_ids": [5, 6, 7, 8, 9]}
-    with small(preset) as cold:
-        expected = cold.generate(prompt, GREEDY)[0].outputs[0].token_ids
-    with small(preset) as llm:
-        timings = llm.warmup(progress=False)
-        assert "profile run" in timings and "real prefill + decode" in timings
-        stats = llm.stats()
-        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-        assert stats["state_slots_free"] == stats["state_slots_total"]
-        assert stats["runner_rows_in_use"] == 0
-        llm.add_request(prompt, GREEDY)
-        recs = [llm.step()]
-        while llm.has_unfinished_requests():
-            recs.append(llm.step())
-        assert recs[0].step_index == 0                  # warmup's own steps are not counted
-        assert recs[-1].outputs[0].outputs[0].token_ids == expected
 
 
 BAD_PROMPTS = [
@@ -253,14 +177,6 @@ def test_kernels_install_under_toolkit_not_top_level(tmp_path):
     proc = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "None", "a top-level `kernels` module is installed"
-
-
-def test_model_provided_state_class_wins():
-    class MyState(DefaultModelState):
-        pass
-    with small("tiny-llama") as llm:
-        llm.model.get_model_state_cls = lambda: MyState
-        assert type(init_model_state(llm.model, llm.cfg)) is MyState
 
 
 def test_fresh_state_slots_are_zeroed_when_a_request_takes_them(monkeypatch):

@@ -1,10 +1,12 @@
-"""Metadata builders and their contracts, fed hand-made CommonAttentionMetadata."""
+"""Metadata builders (Mamba2, Gated DeltaNet, paged attention) and their contracts, fed hand-made
+CommonAttentionMetadata: the decode/prefill split, state indices, chunk layouts, and the errors
+naming a missing or malformed field, the builder and the producer."""
 import numpy as np
 import pytest
 import torch
 
 from toolkit.attention.common import CommonAttentionMetadata
-from toolkit.attention.gdn import GDNMetadataBuilder
+from toolkit.attention.gdn import GDN_CHUNK_SIZE, GDNAttentionMetadata, GDNMetadataBuilder
 from toolkit.attention.mamba2 import Mamba2MetadataBuilder, compute_chunk_metadata
 from toolkit.attention.paged_attn import PagedAttentionMetadataBuilder
 from toolkit.errors import MetadataContractError
@@ -52,6 +54,23 @@ def test_single_token_prompt_is_a_prefill_without_initial_state():
     assert (md.num_decodes, md.num_prefills) == (0, 1)
     assert md.has_initial_states_p.tolist() == [False]
     assert md.state_indices_tensor_d is None
+
+
+def test_gdn_builder_splits_and_chunks_each_row_from_its_start():
+    md = GDNMetadataBuilder(16).build(
+        common([1, 1, 5, 40], computed=[7, 9, 0, 20], prefilling=[False, True, True, True], slots=[4, 6, 1, 3]),
+        producer="test")
+    assert isinstance(md, GDNAttentionMetadata) and md.chunk_size == 16
+    assert (md.num_decodes, md.num_prefills, md.num_decode_tokens, md.num_prefill_tokens) == (2, 2, 2, 45)
+    assert md.state_indices_tensor_d.tolist() == [4, 6] and md.state_indices_tensor_p.tolist() == [1, 3]
+    assert md.has_initial_states_p.tolist() == [False, True]
+    assert md.query_start_loc_p.tolist() == [0, 5, 45]
+    # row 1 continues at token 20: FLA chunks it from its first scheduled token (no top-up to 32)
+    assert md.cu_chunk_seqlen_p.tolist() == [0, 5, 21, 37, 45]
+    assert md.seq_idx_p.tolist() == [0, 1, 1, 1] and md.last_chunk_indices_p.tolist() == [0, 3]
+    decode_only = GDNMetadataBuilder().build(common([1], [3], [False], [2]), producer="test")
+    assert decode_only.num_prefills == 0 and decode_only.cu_chunk_seqlen_p is None
+    assert GDNMetadataBuilder().chunk_size == GDN_CHUNK_SIZE == 64
 
 
 @pytest.mark.parametrize("builder, field", [

@@ -1,5 +1,5 @@
 """Property-based tests (hypothesis): random programs of add / abort / step / generate / failing
-step / warmup on every family's tiny preset, run on tight engines (few rows, a small token
+step / warmup on each tiny preset of harness.ENGINE_PRESETS, run on tight engines (few rows, a small token
 budget, a KV cache small enough to force preemption), checked after every step and, at the end,
 against each request run alone.
 
@@ -35,7 +35,7 @@ What is checked
   with the same seed and position, picks each run's token (the pinned tiny-mamba example below).
 
 Profiles (registered here, chosen with HYPOTHESIS_PROFILE): "runnerscope-ci" (the default: 100
-examples per family, 700 in all, about a minute), "long" (1000 per family, about 10 minutes) and
+examples per preset, 700 in all, about a minute), "long" (1000 per preset, about 10 minutes) and
 "replay" (only the @example pins and the saved failures, no shrinking). Failing examples persist
 in tests/.hypothesis/ (commit it); bugs found are pinned with @example below.
 """
@@ -52,6 +52,7 @@ from hypothesis import HealthCheck, Phase, event, example, given, settings, targ
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 
+from harness import ENGINE_PRESETS
 from toolkit import LLM, InvalidRequestError, SamplingParams
 from toolkit.kv_cache_spec import PAD_SLOT_ID
 from toolkit.runner.sampler import Sampler
@@ -100,23 +101,12 @@ settings.register_profile("long", max_examples=1000, **_COMMON)
 settings.register_profile("replay", phases=[Phase.explicit, Phase.reuse], **_COMMON)
 PROFILE = settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "runnerscope-ci"))
 
-FAMILIES = ["tiny-llama", "tiny-mamba", "tiny-falcon-mamba", "tiny-mamba2", "tiny-bamba",
-            "tiny-jamba", "tiny-lfm2"]
 VOCAB = 320                 # every tiny preset (checked in the test)
 MAX_MODEL_LEN = 64
 MAX_PROMPT = 40
 MAX_TOKENS = 8
 LLM_SEED = 0                # tight and roomy engines: the same weights, the same derived seeds
 F32 = dict(device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, seed=LLM_SEED)
-
-# Engine bugs these programs found, now fixed and pinned by the regression tests at the end of this
-# module (a flag set to False makes the random programs step around a bug while it is open):
-# - a second warmup() raised InvalidRequestError ("request id 'warmup-0' was used by a request
-#   that finished");
-WARMUP_TWICE_WORKS = True
-# - an interrupted generate() aborted its requests with scheduler.abort_request, so their ids
-#   were not recorded as used and add_request(request_id=<one of them>) was accepted.
-INTERRUPTED_GENERATE_KEEPS_IDS = True
 
 
 # ---- the program ------------------------------------------------------------------------------
@@ -429,7 +419,6 @@ class Books:
     outputs: dict = field(default_factory=dict)
     next_auto: int = 0
     warmed: bool = False
-    interrupted_ids: set[str] = field(default_factory=set)   # of interrupted generate() calls
     preempted: int = 0
     refused: int = 0
     failed_steps: int = 0
@@ -495,10 +484,7 @@ class failing:
         delattr(self.obj, self.name)
 
 
-def add(llm: LLM, books: Books, preset: str, config: EngineConfig, op: Add, usable: int,
-        generate_keeps_ids: bool) -> None:
-    if op.request_id in books.interrupted_ids and not generate_keeps_ids:
-        return                                  # the known bug: see INTERRUPTED_GENERATE_KEEPS_IDS
+def add(llm: LLM, books: Books, preset: str, config: EngineConfig, op: Add, usable: int) -> None:
     params, ref_params = resolve(preset, op.prompt, op.params, len(books.prompts))
     too_big = usable_need(op.prompt, params, config) > usable
     id_taken = op.request_id is not None and op.request_id in books.prompts
@@ -540,7 +526,6 @@ def generate(llm: LLM, books: Books, preset: str, config: EngineConfig, op: Gene
             books.accept(rid, p, params, ref)
         books.live -= set(ids)                  # aborted, or finished and never returned
         books.dropped |= set(ids)
-        books.interrupted_ids |= set(ids)
     else:
         assert not too_big, "accepted a request that should be refused"
         assert op.fail_at is None or hook.calls < op.fail_at
@@ -568,14 +553,12 @@ def fail_step(llm: LLM, books: Books, op: FailStep) -> None:
     books.agrees_with(llm)
 
 
-def warmup(llm: LLM, books: Books, op: Warmup, repeat_warmup: bool) -> None:
+def warmup(llm: LLM, books: Books, op: Warmup) -> None:
     while op.drain and books.live:
         do_step(llm, books)
     if books.live:
         with pytest.raises(RuntimeError, match="idle"):
             llm.warmup(progress=False)
-        return
-    if books.warmed and not repeat_warmup:
         return
     llm.warmup(progress=False)
     books.warmed = True
@@ -583,8 +566,7 @@ def warmup(llm: LLM, books: Books, op: Warmup, repeat_warmup: bool) -> None:
     books.agrees_with(llm)
 
 
-def run_program(preset: str, config: EngineConfig, ops: list, repeat_warmup: bool = WARMUP_TWICE_WORKS,
-                generate_keeps_ids: bool = INTERRUPTED_GENERATE_KEEPS_IDS) -> Books:
+def run_program(preset: str, config: EngineConfig, ops: list) -> Books:
     # no shutdown(): its gc.collect() costs 0.5 s in a process this size (the engine is freed
     # by reference counting); tests/test_llm_api.py and scripts/soak.py cover shutdown
     llm = LLM(preset, max_num_seqs=config.max_num_seqs, block_size=config.block_size,
@@ -596,7 +578,7 @@ def run_program(preset: str, config: EngineConfig, ops: list, repeat_warmup: boo
     books = Books()
     for op in ops:
         if isinstance(op, Add):
-            add(llm, books, preset, config, op, usable, generate_keeps_ids)
+            add(llm, books, preset, config, op, usable)
         elif isinstance(op, Abort):
             pool = {"live": sorted(books.live), "finished": sorted(books.outputs), "unknown": []}[op.target]
             rid = pool[op.pick % len(pool)] if pool else f"unknown-{op.pick}"
@@ -614,7 +596,7 @@ def run_program(preset: str, config: EngineConfig, ops: list, repeat_warmup: boo
         elif isinstance(op, FailStep):
             fail_step(llm, books, op)
         elif isinstance(op, Warmup):
-            warmup(llm, books, op, repeat_warmup)
+            warmup(llm, books, op)
         else:
             raise TypeError(op)
     for _ in range(5000):                        # run to completion
@@ -637,10 +619,10 @@ def run_program(preset: str, config: EngineConfig, ops: list, repeat_warmup: boo
 
 
 # ---- the tests --------------------------------------------------------------------------------
-@pytest.mark.parametrize("preset", FAMILIES)
+@pytest.mark.parametrize("preset", ENGINE_PRESETS)
 @pytest.mark.timeout(600 if PROFILE.max_examples <= 100 else 3600)   # long: shrinking may be slow
 @PROFILE
-@example(config=EngineConfig(1, 1, 2, 25),      # the fixed engine bugs' examples (see the flags)
+@example(config=EngineConfig(1, 1, 2, 25),      # the two programs pinned below, on every preset
          ops=[Add((3,), Params("greedy", max_tokens=1)), Add((3,), Params("greedy", max_tokens=1)),
               Warmup(drain=True), Warmup(drain=False)])
 @example(config=EngineConfig(1, 1, 2, 25),
@@ -675,7 +657,8 @@ def test_random_programs_keep_books_and_outputs(preset, config, ops):
     event(f"stopped by a stop id: {any(o.outputs[0].finish_reason == 'stop' for o in books.outputs.values())}")
 
 
-# ---- engine bugs the programs above found, fixed in toolkit/llm.py, kept as regression tests ----
+# ---- programs pinned on one preset each: a second warmup() (its own request ids must not count as
+# ---- used), an add_request reusing the id of a request that an interrupted generate() dropped ----
 def _greedy(max_tokens: int = 1) -> Params:
     return Params("greedy", max_tokens=max_tokens)
 
@@ -684,15 +667,15 @@ def _greedy(max_tokens: int = 1) -> Params:
 @example(preset="tiny-mamba", config=EngineConfig(1, 1, 2, 25),
          ops=[Add((3,), _greedy()), Add((3,), _greedy()), Warmup(drain=True), Warmup(drain=False)])
 @example(preset="tiny-bamba", config=EngineConfig(2, 8, 4, 13), ops=[Warmup(), Warmup()])
-@given(preset=st.sampled_from(FAMILIES), config=engine_configs, ops=programs)
-def test_regression_second_warmup_works(preset, config, ops):
-    run_program(preset, config, ops, repeat_warmup=True)
+@given(preset=st.sampled_from(ENGINE_PRESETS), config=engine_configs, ops=programs)
+def test_second_warmup_keeps_books_and_outputs(preset, config, ops):
+    run_program(preset, config, ops)
 
 
 @settings(PROFILE, phases=[Phase.explicit])
 @example(preset="tiny-llama", config=EngineConfig(1, 1, 2, 25),
          ops=[Add((3,), _greedy()), Add((3,), _greedy()), Generate(((3,),), _greedy(), fail_at=1),
               Add((3,), _greedy(), request_id="2")])
-@given(preset=st.sampled_from(FAMILIES), config=engine_configs, ops=programs)
-def test_regression_interrupted_generate_keeps_its_request_ids(preset, config, ops):
-    run_program(preset, config, ops, generate_keeps_ids=True)
+@given(preset=st.sampled_from(ENGINE_PRESETS), config=engine_configs, ops=programs)
+def test_interrupted_generate_keeps_its_request_ids_used(preset, config, ops):
+    run_program(preset, config, ops)

@@ -105,3 +105,11 @@ def test_tiny_temperature_is_floored_and_stays_finite():
     logits = torch.tensor([[1.0, 3.0, 2.0]])
     # at T = 1e-2 a gap of 1 is 100 nats: the sampler picks the argmax, with no NaN on the way
     assert s(logits, np.array([0]), torch.tensor([0]), np.array([True])).tolist() == [1]
+
+
+def test_noise_is_the_same_on_cuda_when_present():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the CPU/CUDA comparison runs on a GPU machine")
+    seeds = torch.randint(0, 2**32, (8, 2))
+    pos = torch.randint(0, 10_000, (8,))
+    assert torch.equal(gumbel_noise(seeds, pos, 1000), gumbel_noise(seeds.cuda(), pos.cuda(), 1000).cpu())

@@ -1,6 +1,6 @@
-"""The one-launch RoPE kernel against its torch reference under TRITON_INTERPRET=1: fp32 / fp16 / bf16,
-full and partial rotary, GQA (different head counts for q and k), strided views of a fused qkv
-projection, large positions, attention scaling (yarn), and bad input."""
+"""kernels/rotary.py: the one-launch RoPE kernel against its torch reference under TRITON_INTERPRET=1: fp32
+/ fp16 / bf16, full and partial rotary, GQA (different head counts for q and k), strided views of a
+fused qkv projection, large positions, attention scaling (yarn), and bad input."""
 from __future__ import annotations
 
 import pytest
@@ -44,7 +44,7 @@ def test_rotary_position_zero_is_the_identity_and_empty_batch():
     assert eq.shape == (0, 2, 8) and ek.shape == (0, 1, 8)
 
 
-def test_bad_input_names_the_argument():
+def test_rotary_launcher_names_what_is_wrong():
     q, k, pos = torch.randn(3, 2, 8), torch.randn(3, 1, 8), torch.arange(3)
     inv = default_inv_freq(8, 10000.0)
     with pytest.raises(ValueError, match="positions must be"):

@@ -1,6 +1,7 @@
-"""The Gumbel-max sampling kernel against toolkit.sampling, under TRITON_INTERPRET=1 on the CPU:
-the integer hash bit for bit, the noise within an ulp or so (log rounding may differ by device and
-library), the sampled token ids equal to the reference's, and exact ties resolved to the first index."""
+"""kernels/gumbel.py: the Gumbel-max sampling kernel against toolkit.sampling, under TRITON_INTERPRET=1 on
+the CPU: the integer hash bit for bit, the noise within an ulp or so (log rounding may differ by device
+and library), the sampled token ids equal to the reference's, and exact ties resolved to the first
+index."""
 from __future__ import annotations
 
 import pytest
@@ -113,7 +114,6 @@ def test_exact_ties_take_the_first_index():
              (block + 5, 2 * block + 2),  # the later token sits in a lower lane
              (10, 11),                    # neighbours in one step
              (0, vocab - 60)]             # first and (near) last token
-    b = len(pairs)
     seeds = torch.tensor([[11, 22], [M32, M32], [5, 0], [0, 9]])
     positions = torch.tensor([0, 2**31 - 1, 42, 7])
     noise = gumbel.gumbel_noise(seeds, positions, vocab)
@@ -145,7 +145,7 @@ def test_rows_outside_the_contract_behave_as_torch_argmax():
     assert torch.equal(ours, gumbel_ref.gumbel_argmax_ref(scaled, seeds, positions))
 
 
-def test_launcher_names_what_is_wrong():
+def test_gumbel_launcher_names_what_is_wrong():
     scaled = torch.zeros(3, 50)
     seeds, positions = torch.zeros(3, 2, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
     with pytest.raises(ValueError, match=r"scaled must be float32 \[B, V\], got torch.float16"):

@@ -1,7 +1,9 @@
-"""The varlen causal conv1d prefill kernel against its torch reference, under TRITON_INTERPRET=1 on the
-CPU (set in conftest before any kernel is defined): small shapes, fp32 / fp16 / bf16, sequence lengths
-around the kernel's token block, with and without initial state, padded sequences, the views the
-mixers pass (x a column slice of the projection, weight = conv1d.weight[:, 0, :])."""
+"""kernels/causal_conv1d.py: the causal conv1d kernels against their torch references, under
+TRITON_INTERPRET=1 on the CPU (set in conftest before any kernel is defined): small shapes, fp32 /
+fp16 / bf16. The decode update: padded rows, x a view of a wider projection. The varlen prefill:
+sequence lengths around the kernel's token block, with and without initial state, padded
+sequences, the views the mixers pass (x a column slice of the projection, weight =
+conv1d.weight[:, 0, :]); real shapes on a GPU."""
 from __future__ import annotations
 
 import pytest
@@ -15,6 +17,36 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # both sides compute in fp32 and round once to the output dtype: allow about one ulp of it
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
        torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k_width, with_bias, activation", [(4, True, "silu"), (3, False, None), (2, True, "silu")])
+def test_causal_conv1d_update_equals_reference(dtype, k_width, with_bias, activation):
+    g = torch.Generator().manual_seed(1)
+    slots_total, dim = 6, 40                         # dim not a power of two: masked lanes
+    xz = torch.randn(5, 2 * dim, generator=g).to(dtype)
+    x = xz[:, :dim]                                  # a view, as the mixers pass it
+    state = torch.randn(slots_total, k_width - 1, dim, generator=g).to(dtype)
+    weight = torch.randn(dim, k_width, generator=g).to(dtype)
+    bias = torch.randn(dim, generator=g).to(dtype) if with_bias else None
+    idx = torch.tensor([3, -1, 1, 5, -1], dtype=torch.int32)
+    ours_state, ref_state = state.clone(), state.clone()
+    ours = conv.causal_conv1d_update(x, ours_state, idx, weight, bias, activation)
+    ref = causal_conv1d_ref.conv_update_at_slots(x, ref_state, idx, weight, bias, activation)
+    torch.testing.assert_close(ours, ref, **TOL[dtype])
+    assert torch.equal(ours_state, ref_state)                    # the shift is a copy: bit-exact
+    assert torch.equal(ours_state[[0, 2, 4]], state[[0, 2, 4]])  # slots of padded rows untouched
+    assert (ours[[1, 4]] == 0).all()
+
+
+def test_causal_conv1d_update_launcher_names_what_is_wrong():
+    x, state, w = torch.zeros(2, 8), torch.zeros(3, 3, 8), torch.zeros(8, 4)
+    with pytest.raises(ValueError, match=r"weight must be \[Dc=8, K=4\]"):
+        conv.causal_conv1d_update(x, state, torch.zeros(2, dtype=torch.long), torch.zeros(8, 3), None)
+    with pytest.raises(ValueError, match=r"state_indices must be int32/int64 \[B=2\]"):
+        conv.causal_conv1d_update(x, state, torch.zeros(3, dtype=torch.long), w, None)
+    with pytest.raises(ValueError, match="activation='gelu'"):
+        conv.causal_conv1d_update(x, state, torch.zeros(2, dtype=torch.long), w, None, "gelu")
 
 
 def _case(g, dtype, dim, k_width, with_bias, lens, slots_total, state_dtype=None, device="cpu"):

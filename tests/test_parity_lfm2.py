@@ -1,16 +1,21 @@
-"""LFM2 (`Lfm2ForCausalLM`) and its gated short conv reproduce HF transformers (fp32, atol 1e-4):
-one shot, chunked prefill + decode (chunks shorter than the conv state included), mixed
-decode/prefill steps, an attention-free config, config variants; plus the short conv's state
-handling on its own and the shape-true preset's shapes."""
+"""LFM2 (`Lfm2ForCausalLM`: gated short convs and attention layers) reproduces HF transformers,
+for the preset and an HF-initialised checkpoint: the model (`ModelParitySuite`: fp32 logits within
+1e-4 in one shot, in chunked prefill + decode, chunks shorter than the conv state, mixed
+decode/prefill steps, a profile run touching no cache), an attention-free config, a config variant,
+the engine against HF's generate (`RunnerParityChecks`, the shipped demo-hybrid too) and, on the
+config without attention layers, against HF's uncached forward; the routing facts and cache specs,
+the FFN width rule, the released configs' legacy keys, the shape-true preset's shapes; and the short
+conv alone (fed in pieces, against HF's module)."""
 from __future__ import annotations
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Lfm2Config
 
+from harness import check_no_attention_llm_matches_hf_uncached
 from model_helpers import (
-    CHUNKS, DECODE_STEPS, MixedRequest, ModelParitySuite, SeqChunk, assert_close, base_mamba_metadata, hf_greedy,
-    hf_logits, hf_random, random_prompt, run_steps,
+    CHUNKS, DECODE_STEPS, MixedRequest, ModelParitySuite, RunnerParityChecks, SeqChunk, assert_close,
+    base_mamba_metadata, hf_greedy, hf_logits, hf_random, random_prompt, run_steps,
 )
 from toolkit.attention.short_conv import ShortConvAttentionMetadata
 from toolkit.layers.short_conv import ShortConv
@@ -31,8 +36,9 @@ def _hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
     return hf_logits(hf, ids, position_ids=True)
 
 
-class TestLfm2(ModelParitySuite):
+class TestLfm2(ModelParitySuite, RunnerParityChecks):
     ARCHS = ("tiny-lfm2",)
+    DEMO_MODELS = ("demo-hybrid",)
     HF_POSITION_IDS = True
     MIXED_REQUESTS = {
         "A": MixedRequest(2, 21, 2, blocks=[5, 9], slot=3),   # 21-token prompt, then decodes
@@ -64,7 +70,7 @@ class TestLfm2(ModelParitySuite):
         assert_close(run_steps(ours, seq, steps), self.hf_logits(hf, seq))
 
 
-def test_class_facts_and_cache_specs():
+def test_routing_facts_and_cache_specs():
     assert Lfm2ForCausalLM.is_hybrid and not Lfm2ForCausalLM.is_attention_free
     cfg = PRESETS["tiny-lfm2"]()
     assert get_model_class(cfg) is Lfm2ForCausalLM
@@ -92,6 +98,10 @@ def test_config_without_attention_matches_hf(tmp_path):
     assert_close(run_steps(ours, seq, [1, (1, False), 2, 1, 30, 1, 1, 5]), ref)
     # with no attention layer the profile path (one sequence, zero state) is the real forward
     assert_close(ours.compute_logits(ours(seq, torch.arange(seq.numel()), None)), ref)
+
+
+def test_llm_without_attention_layers_matches_hf_uncached(tmp_path):
+    check_no_attention_llm_matches_hf_uncached("tiny-lfm2", tmp_path)
 
 
 def _variant() -> Lfm2Config:

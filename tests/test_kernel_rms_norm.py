@@ -1,4 +1,4 @@
-"""The one-launch RMS norms and Mamba2's dt preparation against their torch references, under
+"""kernels/rms_norm.py: the one-launch RMS norms against their torch references, under
 TRITON_INTERPRET=1 on the CPU: fp32 / fp16 / bf16, widths that are not powers of two, the views the
 layers pass (a column slice of a projection, per-head rows), both gated-norm orders, and bad input."""
 from __future__ import annotations
@@ -8,8 +8,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
 from toolkit.kernels import rms_norm as kn  # noqa: E402
-from toolkit.kernels import selective_state_update as ssu  # noqa: E402
-from toolkit.kernels import rms_norm_ref, selective_state_update_ref  # noqa: E402
+from toolkit.kernels import rms_norm_ref  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # both sides compute in fp32 and round at the same places: allow about one ulp of the output dtype
@@ -73,21 +72,7 @@ def test_rms_norm_gated_mamba2_case_fp32_y_model_dtype_gate_and_out(norm_before_
     assert ((ours.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7 + 1e-30).all()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("limit", [None, (0.0, float("inf")), (1e-3, 0.5)])
-def test_mamba2_dt_equals_reference(dtype, limit):
-    g = torch.Generator().manual_seed(4)
-    heads = 6
-    proj = torch.empty(40, heads + 10)
-    proj[:, :] = torch.linspace(-40, 40, 40 * (heads + 10)).reshape(40, heads + 10)   # tiny, small and past threshold 20
-    dt_raw = proj.to(dtype)[:, 10:]                           # the dt columns of in_proj's output
-    bias = torch.randn(heads, generator=g).to(dtype)
-    ours, ref = ssu.mamba2_dt(dt_raw, bias, limit), selective_state_update_ref.mamba2_dt(dt_raw, bias, limit)
-    assert ours.dtype == ref.dtype == torch.float32
-    torch.testing.assert_close(ours, ref, atol=0, rtol=2e-6)  # relative: softplus(-40) is 4e-18
-
-
-def test_bad_input_names_the_argument():
+def test_rms_norm_launcher_names_what_is_wrong():
     x, w = torch.randn(3, 8), torch.ones(8)
     with pytest.raises(ValueError, match="x must be"):
         kn.rms_norm(torch.randn(3, 6), w, 1e-6)
@@ -99,7 +84,3 @@ def test_bad_input_names_the_argument():
         kn.rms_norm_gated(x, torch.randn(3, 4), w, 4, 1e-6)
     with pytest.raises(ValueError, match="weight must be"):
         kn.rms_norm(x, torch.ones(16)[::2], 1e-6)              # a strided weight
-    with pytest.raises(ValueError, match="dt_bias must be"):
-        ssu.mamba2_dt(torch.randn(3, 4), torch.ones(5))
-    with pytest.raises(ValueError, match="dt_raw must be"):
-        ssu.mamba2_dt(torch.randn(4, 3).t(), torch.ones(4))

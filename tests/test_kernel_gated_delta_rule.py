@@ -1,7 +1,8 @@
-"""Gated DeltaNet (Qwen3-Next) gated delta rule kernels against their torch references, under
-TRITON_INTERPRET=1 on the CPU (set in conftest): the decode update and the sequential varlen prefill,
-tiny shapes, fp32 / fp16 / bf16 inputs (the state cache and all math fp32), padded rows, mixed initial
-states, q / k / v as views of one conv output and g / beta as strided views, as the mixer passes them."""
+"""kernels/gated_delta_rule.py: Gated DeltaNet (Qwen3-Next) gated delta rule kernels against their torch
+references, under TRITON_INTERPRET=1 on the CPU (set in conftest): the decode update and the sequential
+varlen prefill, tiny shapes, fp32 / fp16 / bf16 inputs (the state cache and all math fp32), padded rows,
+mixed initial states, q / k / v as views of one conv output and g / beta as strided views, as the mixer
+passes them."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,7 +1,7 @@
-"""Mamba1 Triton kernels (toolkit/kernels/selective_scan.py) against their torch references, under
-TRITON_INTERPRET=1 on the CPU (set in conftest): small shapes, fp32 / fp16 / bf16 inputs (the SSM
-state cache and the math stay fp32, so tolerances stay tight), padded rows, varlen batches mixing
-sequences with and without initial state, the strided views the runner passes."""
+"""kernels/selective_scan.py: the Mamba1 Triton kernels (decode update and varlen scan) against their torch
+references, under TRITON_INTERPRET=1 on the CPU (set in conftest): small shapes, fp32 / fp16 / bf16
+inputs (the SSM state cache and the math stay fp32, so tolerances stay tight), padded rows, varlen
+batches mixing sequences with and without initial state, the strided views the runner passes."""
 from __future__ import annotations
 
 import pytest

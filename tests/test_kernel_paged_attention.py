@@ -1,7 +1,8 @@
-"""Paged attention kernel against its torch reference, under TRITON_INTERPRET=1 on the CPU (set in
-conftest before any kernel is defined): a mixed batch of decode rows and prefill chunks with earlier
-context, scattered block ids, a NaN-filled cache outside the written slots, padded tokens, q a view
-of a fused projection; fp32 / fp16 / bf16."""
+"""kernels/kv_cache.py and kernels/paged_attention.py against their torch references, under
+TRITON_INTERPRET=1 on the CPU (set in conftest before any kernel is defined), fp32 / fp16 / bf16.
+The KV-cache write: k and v views of a fused tensor, padded tokens. Paged attention: a mixed batch
+of decode rows and prefill chunks with earlier context, scattered block ids, a NaN-filled cache
+outside the written slots, padded tokens, q a view of a fused projection."""
 from __future__ import annotations
 
 import math
@@ -11,8 +12,10 @@ import torch
 
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
 from toolkit.attention.paged_attn import PagedAttentionMetadata  # noqa: E402
+from toolkit.kernels import kv_cache  # noqa: E402
 from toolkit.kernels import paged_attention as pa  # noqa: E402
 from toolkit.kernels import paged_attention_ref  # noqa: E402
+from toolkit.kernels import kv_cache_ref  # noqa: E402
 from toolkit.kernels.kv_cache_ref import write_kv_cache  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -22,6 +25,29 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3,
 # (q_len, seq_len): decode rows (q_len 1) and prefill chunks, fresh (seq_len == q_len) or with context;
 # seq_lens 1, block_size - 1, block_size, multiples of it and between
 MIXED = [(1, 7), (3, 3), (1, 1), (9, 14), (1, 12), (4, 8), (7, 16), (1, 4), (2, 10), (5, 5)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kv_cache_write_equals_reference(dtype):
+    g = torch.Generator().manual_seed(0)
+    blocks, bs, heads, d = 6, 4, 2, 16
+    qkv = torch.randn(9, 3, heads, d, generator=g).to(dtype)       # k, v are views of a fused tensor
+    k, v = qkv[:, 1], qkv[:, 2]
+    slots = torch.tensor([5, -1, 0 + 4, 17, -1, 22, 8, 9, 23])       # two padded tokens
+    ours = torch.zeros(blocks, 2, bs, heads, d, dtype=dtype)
+    ref = ours.clone()
+    kv_cache.write_kv_cache(ours, k, v, slots)
+    kv_cache_ref.write_kv_cache(ref, k, v, slots)
+    assert torch.equal(ours, ref)
+    assert ours.abs().sum() > 0
+
+
+def test_kv_cache_launcher_names_what_is_wrong():
+    cache = torch.zeros(4, 2, 4, 2, 8)
+    with pytest.raises(ValueError, match=r"k must be \[N=3, Hkv=2, D=8\]"):
+        kv_cache.write_kv_cache(cache, torch.zeros(3, 2, 4), torch.zeros(3, 2, 8), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="slot_mapping must be int32/int64"):
+        kv_cache.write_kv_cache(cache, torch.zeros(3, 2, 8), torch.zeros(3, 2, 8), torch.zeros(3))
 
 
 def make_batch(rows, hq, hkv, head_dim, block_size, dtype, *, pad=3, extra_cols=2, device="cpu", seed=0):

@@ -1,5 +1,6 @@
-"""SwiGLU's silu(gate) * up kernel against its torch reference under TRITON_INTERPRET=1: fp32 / fp16 /
-bf16, widths past one block, the two halves of one projection as strided views, and bad input."""
+"""kernels/activation.py: SwiGLU's silu(gate) * up kernel against its torch reference under
+TRITON_INTERPRET=1: fp32 / fp16 / bf16, widths past one block, the two halves of one projection as
+strided views, and bad input."""
 from __future__ import annotations
 
 import pytest
@@ -56,7 +57,7 @@ def test_silu_and_mul_leading_dims_and_empty():
     assert ka.silu_and_mul(torch.zeros(0, 8), torch.zeros(0, 8)).shape == (0, 8)
 
 
-def test_bad_input_names_the_argument():
+def test_silu_and_mul_launcher_names_what_is_wrong():
     with pytest.raises(ValueError, match="share shape"):
         ka.silu_and_mul(torch.zeros(2, 8), torch.zeros(2, 4))
     with pytest.raises(ValueError, match="gate must be contiguous"):

@@ -1,0 +1,214 @@
+"""The Mamba2 kernels against their torch references, under TRITON_INTERPRET=1 on the CPU (set in
+conftest): kernels/selective_state_update.py (the decode update, with dt prepared in the kernel or
+before it by `mamba2_dt`) and kernels/ssd_scan.py (the SSD chunked scan of the varlen prefill).
+fp32 / fp16 / bf16 inputs, head_dim / widths not powers of two, padded rows, x / B / C / dt as
+views of one projection; for the scan, chunk_size 8, sequence lengths around it, mixed initial
+states and a padded sequence; real shapes on a GPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
+from toolkit.attention.mamba2 import compute_chunk_metadata  # noqa: E402
+from toolkit.kernels import selective_state_update as ssu  # noqa: E402
+from toolkit.kernels import ssd_scan as ssd  # noqa: E402
+from toolkit.kernels import ssd_scan_ref  # noqa: E402
+from toolkit.kernels import selective_state_update_ref  # noqa: E402
+from toolkit.kernels.state_slots_ref import initial_states_at  # noqa: E402
+from toolkit.kernels.ssd_scan_ref import ssm_scan_sequential_ref  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("groups, with_d", [(1, True), (2, False)])
+def test_selective_state_update_equals_reference(dtype, groups, with_d):
+    g = torch.Generator().manual_seed(2)
+    slots, heads, head_dim, d_state, b = 5, 4, 12, 16, 4         # head_dim not a power of two
+    state = torch.randn(slots, heads, head_dim, d_state, generator=g)   # the fp32 state cache
+    xbc = torch.randn(b, heads * head_dim + 2 * groups * d_state, generator=g).to(dtype)
+    x = xbc[:, :heads * head_dim].view(b, heads, head_dim)        # views into one projection
+    B = xbc[:, heads * head_dim:heads * head_dim + groups * d_state].view(b, groups, d_state)
+    C = xbc[:, heads * head_dim + groups * d_state:].view(b, groups, d_state)
+    dt = torch.nn.functional.softplus(torch.randn(b, heads, generator=g))
+    A = -torch.rand(heads, generator=g) - 0.5
+    D = torch.randn(heads, generator=g) if with_d else None
+    idx = torch.tensor([2, -1, 4, 1])
+    ours_state, ref_state = state.clone(), state.clone()
+    y = ssu.selective_state_update(ours_state, x, dt, A, B, C, D, idx)
+    y_ref = selective_state_update_ref.mamba2_update_at_slots(ref_state, x, dt, A, B, C, D, idx)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)      # fp32 math on both sides
+    torch.testing.assert_close(ours_state, ref_state, atol=1e-6, rtol=1e-6)
+    assert torch.equal(ours_state[[0, 3]], state[[0, 3]]) and (y[1] == 0).all()
+
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dt_limit", [None, (0.0, float("inf")), (0.05, 0.8)])
+def test_selective_state_update_prepares_raw_dt_like_mamba2_dt(dtype, dt_limit):
+    """dt_bias given: dt is the raw in_proj column (a strided view), prepared in the kernel; equal to
+    preparing it first with the torch reference of `mamba2_dt` and updating with that."""
+    g = torch.Generator().manual_seed(5)
+    slots, heads, head_dim, d_state, b = 6, 4, 8, 16, 5
+    state = torch.randn(slots, heads, head_dim, d_state, generator=g)
+    proj = (6 * torch.randn(b, heads * head_dim + 2 * d_state + heads, generator=g)).to(dtype)
+    x = proj[:, :heads * head_dim].view(b, heads, head_dim)
+    B = proj[:, heads * head_dim:heads * head_dim + d_state].view(b, 1, d_state)
+    C = proj[:, heads * head_dim + d_state:heads * head_dim + 2 * d_state].view(b, 1, d_state)
+    dt_raw = proj[:, -heads:]
+    dt_bias = torch.randn(heads, generator=g).to(dtype)
+    A, D = -torch.rand(heads, generator=g) - 0.5, torch.randn(heads, generator=g)
+    idx = torch.tensor([3, 0, -1, 5, 1])
+    ours_state, ref_state = state.clone(), state.clone()
+    y = ssu.selective_state_update(ours_state, x, dt_raw, A, B, C, D, idx, dt_bias, dt_limit)
+    y_ref = selective_state_update_ref.mamba2_update_at_slots(ref_state, x, selective_state_update_ref.mamba2_dt(dt_raw, dt_bias, dt_limit), A, B, C, D, idx)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_state, ref_state, atol=1e-5, rtol=1e-5)
+    y_ref_raw = selective_state_update_ref.mamba2_update_at_slots(state.clone(), x, dt_raw, A, B, C, D, idx, dt_bias, dt_limit)  # the op's own form
+    torch.testing.assert_close(y_ref_raw, y_ref, atol=0, rtol=0)
+
+
+
+def test_selective_state_update_launcher_names_what_is_wrong():
+    state = torch.zeros(3, 4, 8, 16)
+    x, dt, A = torch.zeros(2, 4, 8), torch.zeros(2, 4), torch.zeros(4)
+    B = torch.zeros(2, 3, 16)
+    with pytest.raises(ValueError, match="not a multiple of the 3 groups"):
+        ssu.selective_state_update(state, x, dt, A, B, B, None, torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"x must be \[B, H=4, P=8\]"):
+        ssu.selective_state_update(state, torch.zeros(2, 8, 4), dt, A, B[:, :1], B[:, :1], None,
+                                   torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"dt_bias must be \[H=4\]"):
+        ssu.selective_state_update(state, x, dt, A, B[:, :1], B[:, :1], None, torch.zeros(2, dtype=torch.long),
+                                   torch.zeros(3))
+
+
+
+def test_selective_state_update_refuses_a_strided_dt():
+    """The kernel reads dt[row, h] at row stride + h: a dt strided along H must be refused, not misread."""
+    state = torch.zeros(3, 4, 8, 16)
+    x, A, B = torch.zeros(2, 4, 8), torch.zeros(4), torch.zeros(2, 1, 16)
+    with pytest.raises(ValueError, match="dt must be contiguous in its last dimension"):
+        ssu.selective_state_update(state, x, torch.zeros(2, 8)[:, ::2], A, B, B, None,
+                                   torch.zeros(2, dtype=torch.long))
+
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("limit", [None, (0.0, float("inf")), (1e-3, 0.5)])
+def test_mamba2_dt_equals_reference(dtype, limit):
+    g = torch.Generator().manual_seed(4)
+    heads = 6
+    proj = torch.empty(40, heads + 10)
+    proj[:, :] = torch.linspace(-40, 40, 40 * (heads + 10)).reshape(40, heads + 10)   # tiny, small and past threshold 20
+    dt_raw = proj.to(dtype)[:, 10:]                           # the dt columns of in_proj's output
+    bias = torch.randn(heads, generator=g).to(dtype)
+    ours, ref = ssu.mamba2_dt(dt_raw, bias, limit), selective_state_update_ref.mamba2_dt(dt_raw, bias, limit)
+    assert ours.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(ours, ref, atol=0, rtol=2e-6)  # relative: softplus(-40) is 4e-18
+
+
+
+def test_mamba2_dt_launcher_names_what_is_wrong():
+    with pytest.raises(ValueError, match="dt_bias must be"):
+        ssu.mamba2_dt(torch.randn(3, 4), torch.ones(5))
+    with pytest.raises(ValueError, match="dt_raw must be"):
+        ssu.mamba2_dt(torch.randn(4, 3).t(), torch.ones(4))
+
+
+def _case(dtype, heads, head_dim, d_state, groups, lens, computed, slots, num_slots, with_d, chunk_size,
+          seed=0, device="cpu"):
+    """Inputs as the Mamba2 mixer passes them: x, B, C column slices of one wider projection (model
+    dtype), dt a non-contiguous fp32 view, the chunk layout from compute_chunk_metadata."""
+    g = torch.Generator().manual_seed(seed)
+    t = sum(lens)
+    hp, gn = heads * head_dim, groups * d_state
+    proj = (torch.randn(t, 3 + hp + 2 * gn + 5, generator=g) * 0.5).to(dtype)
+    x = proj[:, 3:3 + hp].reshape(t, heads, head_dim)
+    B = proj[:, 3 + hp:3 + hp + gn].reshape(t, groups, d_state)
+    C = proj[:, 3 + hp + gn:3 + hp + 2 * gn].reshape(t, groups, d_state)
+    dt = torch.nn.functional.softplus(torch.randn(t, heads + 2, generator=g) - 1.0)[:, 1:heads + 1]
+    A = -(torch.rand(heads, generator=g) * 0.8 + 0.2)
+    D = torch.randn(heads, generator=g) if with_d else None
+    state = torch.randn(num_slots, heads, head_dim, d_state, generator=g)
+    cu, sidx, last = (torch.from_numpy(a) for a in
+                      compute_chunk_metadata(np.array(lens), np.array(computed), chunk_size))
+    idx = torch.tensor(slots, dtype=torch.int32)
+    has_init = torch.tensor([c > 0 for c in computed])
+    args = [x, dt, A, B, C, D, cu, sidx, last, chunk_size]
+    args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+    return args, state.to(device), idx.to(device), has_init.to(device)
+
+
+# lengths 1, chunk-1, chunk, chunk+1 and longer; rows with a saved state start mid-chunk (the first
+# chunk tops up to a chunk boundary); the last row is padded (slot -1, says it has a state: read nothing)
+LENS = [9, 1, 20, 7, 8, 3]
+COMPUTED = [0, 5, 3, 0, 16, 2]
+SLOTS = [4, 0, 6, 2, 7, -1]
+UNTOUCHED = [1, 3, 5]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, head_dim, d_state, groups, with_d",
+                         [(4, 8, 16, 1, True), (4, 12, 8, 2, False), (2, 16, 16, 2, True)])
+def test_ssd_scan_equals_reference(dtype, heads, head_dim, d_state, groups, with_d):
+    args, state, idx, has_init = _case(dtype, heads, head_dim, d_state, groups, LENS, COMPUTED, SLOTS, 8,
+                                       with_d, chunk_size=8)
+    ours_state, ref_state = state.clone(), state.clone()
+    y = ssd.ssd_scan(*args, ours_state, idx, has_init)
+    y_ref = ssd_scan_ref.ssd_scan_at_slots(*args, ref_state, idx, has_init)
+    assert y.dtype == torch.float32 and y.shape == y_ref.shape
+    # fp32 math on both sides from the same (rounded) inputs; they differ in summation order only
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_state, ref_state, atol=1e-5, rtol=1e-5)
+    assert torch.equal(ours_state[UNTOUCHED], state[UNTOUCHED])   # no other slot written (pad included)
+    assert not torch.equal(ours_state[SLOTS[:-1]], state[SLOTS[:-1]])
+
+
+def test_ssd_scan_equals_sequential_recurrence():
+    """The chunked kernel against the plain per-token recurrence (not the chunked reference)."""
+    args, state, idx, has_init = _case(torch.float32, 3, 8, 16, 1, LENS[:-1], COMPUTED[:-1], SLOTS[:-1], 8,
+                                       True, chunk_size=8, seed=3)
+    x, dt, A, B, C, D = args[:6]
+    init = initial_states_at(state, idx, has_init)
+    cu_seqlens = torch.tensor(np.cumsum([0] + LENS[:-1]))
+    y_seq, finals = ssm_scan_sequential_ref(x, dt, A, B, C, D, cu_seqlens, init)
+    ours_state = state.clone()
+    y = ssd.ssd_scan(*args, ours_state, idx, has_init)
+    torch.testing.assert_close(y, y_seq, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_state[idx.long()], finals, atol=1e-5, rtol=1e-5)
+
+
+def test_ssd_scan_launcher_names_what_is_wrong():
+    args, state, idx, has_init = _case(torch.float32, 2, 8, 8, 1, [3, 5], [0, 0], [0, 1], 2, True, 8)
+    x, dt = args[0], args[1]
+    with pytest.raises(ValueError, match=r"dt must be float \[T=8, H=2\]"):
+        ssd.ssd_scan(x, dt[:, :1], *args[2:], state, idx, has_init)
+    with pytest.raises(ValueError, match=r"ssm_state must be \[S, H=2, P=8, N\]"):
+        ssd.ssd_scan(*args, state[:, :1], idx, has_init)
+    with pytest.raises(ValueError, match="ssm_state must be float32"):
+        ssd.ssd_scan(*args, state.half(), idx, has_init)
+    with pytest.raises(ValueError, match=r"state_indices must be int32/int64 \[R=2\]"):
+        ssd.ssd_scan(*args, state, idx.float(), has_init)
+    with pytest.raises(ValueError, match=r"seq_idx must be int32/int64 \[NC=2\]"):
+        ssd.ssd_scan(*args[:7], args[7][:1], *args[8:], state, idx, has_init)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: real shapes")
+def test_ssd_scan_real_shape_cuda():
+    """mamba2-130m: H=24, P=64, N=128, G=1, chunk_size 256; lengths around the chunk size."""
+    lens, computed, slots = [1, 255, 256, 257, 600], [0, 100, 0, 256, 37], [3, 0, 9, 5, 1]
+    args, state, idx, has_init = _case(torch.bfloat16, 24, 64, 128, 1, lens, computed, slots, 10, True,
+                                       chunk_size=256, device="cuda")
+    ours_state, ref_state = state.clone(), state.clone()
+    y = ssd.ssd_scan(*args, ours_state, idx, has_init)
+    y_ref = ssd_scan_ref.ssd_scan_at_slots(*args, ref_state, idx, has_init)
+    # chunks of 256 and N=128: longer sums than the tiny tests, and 3xTF32 tensor-core dots (about fp32
+    # accuracy); the interpreter run of this case gave max errors ~2e-6 (y) and ~5e-6 (state) of the scale
+    scale = y_ref.abs().max().item()
+    torch.testing.assert_close(y, y_ref, atol=5e-5 * scale, rtol=1e-4)
+    torch.testing.assert_close(ours_state, ref_state, atol=5e-5 * ref_state.abs().max().item(), rtol=1e-4)
+    untouched = [2, 4, 6, 7, 8]
+    assert torch.equal(ours_state[untouched], state[untouched])
