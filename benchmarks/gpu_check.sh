@@ -32,9 +32,9 @@ print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton
 part="${1:-all}"            # "tests", "bench" or "all": one command fits the device's 10-minute limit
 status=0
 if [ "$part" != "bench" ]; then
-python3 -m pytest tests/test_kernels*.py -q -p no:cacheprovider -rs || status=1
+python3 -m pytest tests/test_kernel_*.py -q -p no:cacheprovider -rs || status=1
 python3 -m pytest tests/test_backend_triton.py -q -p no:cacheprovider -x || status=1
-python3 -m pytest tests/test_cudagraph.py tests/test_runner_parity.py tests/test_zoo_runner.py -q -p no:cacheprovider \
+python3 -m pytest tests/test_cudagraph.py tests/test_parity_*.py tests/test_model_state_routing.py tests/test_warmup.py -q -p no:cacheprovider \
     || status=1
 fi
 if [ "$part" != "tests" ]; then

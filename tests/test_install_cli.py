@@ -145,11 +145,16 @@ def _readme_blocks(title: str) -> list[str]:
 
 
 def test_readme_inspect_and_widgets_examples_run_as_written(tmp_path):
-    trace_block, fault_block, compare_block = _readme_blocks("Inspect")
+    trace_block, budget_block, fault_block, compare_block = _readme_blocks("Inspect")
     proc = run([PY, "-c", trace_block + "\n" + compare_block], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "first divergence at step" in proc.stdout and "layer 2 (model.layers.2)" in proc.stdout
     assert "traces agree" in proc.stdout and (tmp_path / "run1" / "tensors.safetensors").is_file()
+    narrow = run([PY, "-c", budget_block], cwd=tmp_path)
+    assert narrow.returncode == 0, narrow.stderr
+    assert narrow.stdout.splitlines() == [
+        "2 of 4 recurrent layers (backbone.layers.0.mixer, backbone.layers.2.mixer); requests '0'",
+        "all 4 recurrent layers; requests chosen by <lambda>"]
     fault = run([PY, "-c", fault_block], cwd=tmp_path)     # the example ends in the error it shows
     assert fault.returncode != 0 and "InvariantError" in fault.stderr and "fresh_slot_is_zero" in fault.stderr
     (widgets_block,) = _readme_blocks("Widgets")
