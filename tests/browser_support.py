@@ -251,15 +251,38 @@ class LabNotebook:
         if index < 0:
             index += self.panel.locator(".jp-Cell.jp-CodeCell").count()
         cell = self.code_cell(index)
-        before = cell.locator(".jp-InputPrompt").inner_text()
         cell.locator(".jp-InputPrompt").click()          # select the cell (command mode)
         self.page.keyboard.press("Escape")
+        return self._run_selected(cell)
+
+    def run_code(self, code: str) -> str:
+        """Add a code cell below the last one, type `code` into it and run it, as a user would;
+        returns its output text ("" if none)."""
+        cells = self.panel.locator(".jp-Cell.jp-CodeCell")
+        count = cells.count()
+        cells.nth(count - 1).locator(".jp-InputPrompt").click()
+        self.page.keyboard.press("Escape")
+        self.page.keyboard.press("b")                    # a new cell below, selected (command mode)
+        cell = cells.nth(count)
+        editor = cell.locator(".cm-content")
+        editor.click()
+        self.page.keyboard.type(code)
+        assert editor.inner_text() == code, (editor.inner_text(), code)   # no auto-inserted brackets
+        self.page.keyboard.press("Escape")
+        return self._run_selected(cell)
+
+    def _run_selected(self, cell) -> str:
+        """Ctrl+Enter on the selected `cell` (run it, stay on it), wait for its new execution
+        count and an idle kernel; returns its output text."""
+        prompt = cell.locator(".jp-InputPrompt")
+        before = prompt.inner_text()
         self.page.keyboard.press("Control+Enter")
         self.page.wait_for_function(
             """([el, before]) => { const t = el.textContent; return t !== before && /\\[\\d+\\]/.test(t); }""",
-            arg=[cell.locator(".jp-InputPrompt").element_handle(), before], timeout=self.timeout)
+            arg=[prompt.element_handle(), before], timeout=self.timeout)
         self.wait_kernel_idle()
-        return cell.locator(".jp-OutputArea-output").last.inner_text()
+        outputs = cell.locator(".jp-OutputArea-output")
+        return outputs.last.inner_text() if outputs.count() else ""
 
     # -- the inspector widget ---------------------------------------------------------------------
     @property
@@ -281,12 +304,21 @@ class LabNotebook:
         """Click the inspector's button `button` (Step, Run N, Run to end) and wait until the
         position label moves to a new record; returns the label."""
         before = self.position_text()
-        self.inspector.locator("button.jupyter-button:visible",
-                               has_text=re.compile(rf"^\s*{re.escape(button)}\s*$")).click()
+        self.click_button(button)
         label = self.inspector.locator(".widget-html-content", has_text=re.compile(r"^record \d+/\d+")).first
         self.page.wait_for_function("([el, before]) => el.textContent !== before",
                                     arg=[label.element_handle(), before], timeout=self.timeout)
         return self.position_text()
+
+    def click_button(self, button: str) -> None:
+        """Click the inspector's button labelled `button` (Step, Run N, Run to end, Reset, ...)."""
+        self.inspector.locator("button.jupyter-button:visible",
+                               has_text=re.compile(rf"^\s*{re.escape(button)}\s*$")).click()
+
+    @property
+    def status_line(self):
+        """The inspector's status line (the HTML widget between the history slider and the tabs)."""
+        return self.inspector.locator(":scope > .widget-html").first
 
     def open_tab(self, title: str):
         """Click the inspector's tab `title`; returns its panel once it is shown."""

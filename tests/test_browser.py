@@ -3,13 +3,16 @@
 - live in JupyterLab: run tests/notebooks/inspector_browser.ipynb, click Step twice, open Metadata
   and check that it shows the seq_lens_cpu_upper_bound / query_start_loc the runner used (the
   notebook's last cell, run again after the clicks, prints them); then pick a Mamba layer in the
-  State view and wait for its heatmaps;
+  State view and wait for its heatmaps; then plant a fault (the next step raises a RuntimeError,
+  as a bug would), click Step and find the error, and its traceback behind a toggle, in the
+  inspector's status line; the Step after it runs;
 - the notebook exported by nbconvert (widget state stored, widget JS from the local npm install),
   opened from file:// with every other request aborted: the rendered widget shows the Metadata tab.
 
 Needs chromium and .browser/node_modules: scripts/setup_browser_test.sh installs them (`make test`
 runs it first). Without them these tests fail, saying so; they are not skipped. Screenshots go to
-the test's tmp_path, and the last of each test to tests/output/ (git-ignored).
+the test's tmp_path, and the main ones (the State view, the planted fault, the export) to
+tests/output/ (git-ignored).
 """
 from __future__ import annotations
 
@@ -110,6 +113,23 @@ def test_inspector_live_in_jupyterlab(lab, tmp_path):
             final = tmp_path / "lab_3_state.png"
             nb.inspector.screenshot(path=final)
             _keep(final, "test_browser_lab_state.png")
+
+            # a planted bug: the next step raises a plain RuntimeError; Step shows it in the status line
+            assert nb.run_code("plant_fault()") == ""
+            before = nb.position_text()
+            nb.click_button("Step")
+            nb.wait_text(nb.status_line, "RuntimeError: planted fault: the runner raised")
+            assert "raised by Step" in nb.status_line.inner_text()
+            assert nb.position_text() == before                  # no step was recorded
+            nb.status_line.locator("summary", has_text="traceback").click()
+            nb.wait_text(nb.status_line, "Traceback (most recent call last)")
+            assert "in execute_model" in nb.status_line.locator("pre").inner_text()
+            fault = tmp_path / "lab_4_fault.png"
+            nb.inspector.screenshot(path=fault)
+            _keep(fault, "test_browser_lab_fault.png")
+            after = nb.click_step()                              # the engine still serves
+            assert re.search(r"step \d+ \(by step\(\)\)", after) and after != before, after
+            assert nb.status_line.inner_text().strip() == ""
             assert not errors, errors
         except Exception:
             page.screenshot(path=tmp_path / "lab_failure.png")

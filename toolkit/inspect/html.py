@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import html
+import traceback
 from typing import Any, Collection, Sequence
 
 # ---- palette -------------------------------------------------------------------------------------
@@ -49,6 +50,8 @@ HEADER = f"font-size:13px;font-weight:600;color:{FG}"
 SUMMARY = f"cursor:pointer;font-weight:600;color:{FG};margin:6px 0 2px 0"
 VIOLATION = (f"background:{BAD_BG};color:{BAD_FG};border-left:3px solid {RED};padding:3px 8px;"
              f"margin:2px 0;{MONO}")
+PRE = (f"background:{HEAD_BG};color:{FG};border:1px solid {ROW_LINE};padding:4px 8px;margin:2px 0;"
+       f"white-space:pre;overflow:auto;max-height:24em;font-size:11px;{MONO}")
 VERDICT_OK = (f"background:{GOOD_BG};color:{GOOD_FG};border:1px solid {GOOD_LINE};font-weight:600;"
               "padding:2px 8px;margin:2px 0 4px 0;border-radius:4px")
 VERDICT_BAD = (f"background:{BAD_BG};color:{BAD_FG};border:1px solid {BAD_LINE};font-weight:600;"
@@ -105,6 +108,19 @@ def section(summary: str, body: str, open_: bool = True) -> str:
     """A collapsible block; <details> needs no script and works in JupyterLab, VS Code and exports."""
     return (f'<details{" open" if open_ else ""} style="margin:4px 0">'
             f'<summary style="{SUMMARY}">{escape(summary)}</summary>{body}</details>')
+
+
+def pre(text: str) -> str:
+    """Preformatted text (a traceback), escaped; long text scrolls inside the block."""
+    return f'<pre style="{PRE}">{escape(text)}</pre>'
+
+
+def exception(err: BaseException, context: str) -> str:
+    """An exception in a status line, framed: its type and message in red, `context` (who raised
+    it, what state things are left in) below, and its traceback in a closed `section`."""
+    tb = "".join(traceback.format_exception(err))
+    return wrap(div(f"{type(err).__name__}: {err}", ALERT) + div(context, SOFT)
+                + section("traceback", pre(tb), open_=False))
 
 
 def wrap(body: str) -> str:

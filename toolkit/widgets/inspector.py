@@ -10,14 +10,20 @@ a text box (text, or token ids as "5, 6, 7"); a history slider over `llm.trace` 
 included and labelled). Tabs: Batch, Metadata, Blocks (KV blocks and state slots), State, Timeline, Warmup (and
 memory). The widget tree is built once; moving the slider or stepping sets values, and only the
 visible tab is redrawn (the others when they are opened).
+
+Nothing a control does fails silently: whatever an action raises (or a view raises while drawing)
+is shown in the status line, type, message and a toggle opening the traceback, instead of going to
+JupyterLab's log console, where nobody looks and the button would seem to do nothing. Run N and
+Run to end show their progress there while they run, and a kernel interrupt stops them after the
+last completed step, the engine still serving.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import time
+from typing import TYPE_CHECKING, Callable
 
 import ipywidgets as W
 
-from toolkit.errors import ToolkitError
 from toolkit.inspect import html as H
 from toolkit.inspect.record_views import step_record_html
 from toolkit.sampling import SamplingParams
@@ -33,6 +39,10 @@ from toolkit.widgets.views import (
 
 if TYPE_CHECKING:
     from toolkit.llm import LLM
+
+IDLE = "nothing to run: add a request first"
+SHOWN = "the views show the last recorded step"
+PROGRESS_EVERY_S = 0.1      # Run N / Run to end update their progress at most ~10 times a second
 
 
 class StepInspector:
@@ -67,6 +77,7 @@ class StepInspector:
         for i, name in enumerate(view_names()):
             self.tabs.set_title(i, name)
         self._drawn: set[int] = set()       # tabs up to date with the shown record
+        self._said = ""                     # the last action's status line (see _say)
         self.widget = W.VBox([
             W.HBox([self.step_button, self.run_n, self.run_n_button, self.run_all_button, self.reset_button]),
             W.HBox([self.prompt, self.max_tokens, self.add_button]),
@@ -83,60 +94,101 @@ class StepInspector:
     # ---- actions ---------------------------------------------------------------------------
     def step(self) -> None:
         """One engine step (if anything is left to run), then show it."""
-        self._guard(lambda: self.llm.step() if self.llm.has_unfinished_requests() else None,
-                    idle="nothing to run: add a request first")
+        def go() -> str:
+            self.llm.step()
+            return ""
+        self._guard(go, lambda: f"raised by Step; {SHOWN}", idle=IDLE)
 
     def run(self, n: int) -> None:
-        def go():
-            for _ in range(n):
-                if not self.llm.has_unfinished_requests():
-                    break
-                self.llm.step()
-        self._guard(go, idle="nothing to run: add a request first")
+        """Up to `n` steps (fewer if every request finishes), with progress; see `_run`."""
+        self._run("Run N", n)
 
     def run_to_end(self) -> None:
-        def go():
-            while self.llm.has_unfinished_requests():
-                self.llm.step()
-        self._guard(go, idle="nothing to run: add a request first")
+        """Step until every request has finished, with progress; see `_run`."""
+        self._run("Run to end", None)
+
+    def _run(self, action: str, limit: int | None) -> None:
+        """Step (at most `limit` times), showing steps done and requests left in the status line,
+        before the first step and then at most every PROGRESS_EVERY_S seconds. A kernel interrupt
+        ends the loop: the LLM put the interrupted step's requests back, so the views show the last
+        completed step and the engine still serves."""
+        done = 0
+
+        def go() -> str:
+            nonlocal done
+            shown = float("-inf")
+            try:
+                while (limit is None or done < limit) and self.llm.has_unfinished_requests():
+                    if time.monotonic() - shown >= PROGRESS_EVERY_S:
+                        self.status.value = H.wrap(H.escape(f"{action}: {_plural(done, 'step')} done, "
+                                                            f"{self._left()} (interrupt the kernel to stop)"))
+                        shown = time.monotonic()
+                    self.llm.step()
+                    done += 1
+            except KeyboardInterrupt:
+                return H.wrap(H.escape(f"{action}: interrupted after {_plural(done, 'step')}, {self._left()}; "
+                                       "the views show the last completed step and the engine still serves"))
+            return H.wrap(H.escape(f"{action}: ran {_plural(done, 'step')}, {self._left()}"))
+
+        self._guard(go, lambda: f"raised by {action} after {_plural(done, 'completed step')}; {SHOWN}", idle=IDLE)
 
     def add_request(self, prompt: str | None = None, max_tokens: int | None = None) -> str | None:
         text = (self.prompt.value if prompt is None else prompt).strip()
         params = SamplingParams(max_tokens=max_tokens or self.max_tokens.value, temperature=0.0)
         rid = None
 
-        def go():
+        def go() -> str:
             nonlocal rid
             ids = _parse_ids(text)
             rid = self.llm.add_request({"prompt_token_ids": ids} if ids is not None else text, params)
             self.prompt.value = ""
-            self.status.value = H.wrap(H.escape(f"added request {rid!r} ({params.max_tokens} tokens max)"))
-        self._guard(go, follow=False)
+            return H.wrap(H.escape(f"added request {rid!r} ({params.max_tokens} tokens max)"))
+        self._guard(go, lambda: "raised by Add request", follow=False)
         return rid
 
     def reset(self) -> None:
-        """A new LLM from the same arguments (the old one is shut down)."""
-        engine, args = type(self.llm), dict(self.llm.init_args)
-        self.llm.shutdown()
-        self.llm = engine(**args)
+        """A new LLM from the same arguments. The old one is shut down only once the new one is
+        built: if building raises, the inspector keeps the old engine as it was."""
+        old = self.llm
+        engine, args = type(old), dict(old.init_args)
+        try:
+            self.llm = engine(**args)
+        except Exception as err:
+            self._say(H.exception(err, "raised by Reset while building the new engine: the inspector "
+                                       "keeps the old engine, unchanged"))
+            return
         self.state.inspect = self.llm.inspect
-        self.status.value = H.wrap(H.escape(f"reset: a new {engine.__name__}({args['model']!r}, ...)"))
+        try:
+            old.shutdown()
+            self._say(H.wrap(H.escape(f"reset: a new {engine.__name__}({args['model']!r}, ...)")))
+        except Exception as err:
+            self._say(H.exception(err, "raised by Reset while shutting the old engine down: the "
+                                       "inspector shows the new engine"))
         self._follow_latest()
 
-    def _guard(self, fn, follow: bool = True, idle: str | None = None) -> None:
-        """Run an action; a toolkit error (e.g. an InvariantError) is shown, not raised, and the
-        step that raised it is still in the trace."""
+    def _guard(self, fn: Callable[[], str], where: Callable[[], str], follow: bool = True,
+               idle: str | None = None) -> None:
+        """Run an action; the status line shows what `fn` returns or, if it raised, the exception
+        with `where()` (e.g. an InvariantError: the failed step is still in the trace and shown)."""
         if idle is not None and not self.llm.has_unfinished_requests():
-            self.status.value = H.note(idle)
+            self._say(H.note(idle))
             return
         try:
-            fn()
-            if follow:
-                self.status.value = ""
-        except ToolkitError as err:
-            self.status.value = H.wrap(H.span(f"{type(err).__name__}: {err}", H.ALERT))
+            message = fn()
+        except Exception as err:
+            message = H.exception(err, where())
+        self._say(message)
         if follow:
             self._follow_latest()
+
+    def _left(self) -> str:
+        stats = self.llm.stats()
+        left = stats["num_running"] + stats["num_waiting"]
+        return f"{_plural(left, 'request')} left" if left else "no request left"
+
+    def _say(self, html: str) -> None:
+        """The status line: the last action's message (a view that fails to draw adds its error)."""
+        self._said = self.status.value = html
 
     # ---- showing ---------------------------------------------------------------------------
     @property
@@ -171,10 +223,15 @@ class StepInspector:
             return
         rec, trace = self.record, self.llm.trace      # no record: each view says there is none yet
         prev = trace[self.slider.value - 1] if rec is not None and self.slider.value > 0 else None
-        [lambda: self.batch.show(rec), lambda: self.metadata.show(rec, prev),
-         lambda: self.blocks.show(rec), lambda: self.state.show(trace, rec),
-         lambda: self.timeline.show(trace),
-         lambda: self.warmup.show(trace, self.llm.memory_report())][index]()
+        try:
+            [lambda: self.batch.show(rec), lambda: self.metadata.show(rec, prev),
+             lambda: self.blocks.show(rec), lambda: self.state.show(trace, rec),
+             lambda: self.timeline.show(trace),
+             lambda: self.warmup.show(trace, self.llm.memory_report())][index]()
+        except Exception as err:                      # not marked drawn: the next visit tries again
+            self.status.value = self._said + H.exception(err, f"raised while drawing the {view_names()[index]} tab")
+            return
+        self.status.value = self._said
         self._drawn.add(index)
 
     def _decode(self, ids: list[int]) -> str:
@@ -197,6 +254,10 @@ class StepInspector:
 
     def __repr__(self) -> str:
         return f"StepInspector({self.llm.model_name!r}, {len(self.llm.trace)} records, showing {self.slider.value})"
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _parse_ids(text: str) -> list[int] | None:
