@@ -201,3 +201,30 @@ def test_a_view_that_fails_to_draw_says_so_and_is_drawn_again(monkeypatch):
     ins.tabs.selected_index = 0
     ins.tabs.selected_index = 1
     assert ins.status.value == "" and "seq_lens_cpu_upper_bound" in ins.metadata.html.value
+
+
+def test_capture_chooses_what_full_mode_records_and_refuses_bad_values():
+    ins = make()
+    ins.capture_layers.value, ins.capture_requests.value = r"layers\.2\.", "0"
+    click(ins.capture_button)
+    assert ins.llm.inspect_filter == "1 of 2 recurrent layers (model.layers.2.mamba); requests '0'"
+    assert "capturing 1 of 2 recurrent layers" in unescape(ins.status.value)
+    assert "captures 1 of 2 recurrent layers (model.layers.2.mamba); requests '0'" in unescape(ins.capture_info.value)
+    click(ins.step_button)
+    (st,) = ins.llm.trace[-1].states
+    assert st.layer_name == "model.layers.2.mamba" and st.request_ids == ["0"]
+    ins.capture_layers.value = "model.layers.1.self_attn, model.layers.0.mamba"     # names, not a regex
+    click(ins.capture_button)
+    status = unescape(ins.status.value)
+    assert "ValueError" in status and "is not a recurrent layer" in status and "capture is unchanged" in status
+    assert ins.llm.inspect_filter == "1 of 2 recurrent layers (model.layers.2.mamba); requests '0'"
+    ins.set_capture("", "")
+    assert ins.llm.inspect_filter == "all 2 recurrent layers; every request"
+    assert re.search(r"trace: \d+ records?, [\d.]+ \w*B of a [\d.]+ \w*B budget", unescape(ins.capture_info.value))
+
+
+def test_capture_controls_only_with_full_mode():
+    llm = LLM("tiny-bamba", device="cpu", dtype="float32", inspect="metadata", trace_max_bytes=None)
+    ins = StepInspector(llm)
+    assert ins.capture_button not in ins.widget.children[2].children
+    assert "no byte budget" in unescape(ins.capture_info.value) and "captures" not in ins.capture_info.value

@@ -6,8 +6,9 @@
     StepInspector(llm)
 
 Controls: Step, Run N, Run to end, Reset (a new LLM from the same arguments), add a request from
-a text box (text, or token ids as "5, 6, 7"); a history slider over `llm.trace` (warmup stages
-included and labelled). Tabs: Batch, Metadata, Blocks (KV blocks and state slots), State, Timeline, Warmup (and
+a text box (text, or token ids as "5, 6, 7"); with inspect="full", Capture: which recurrent layers
+and requests the next steps record (`llm.set_inspect_filter`); a line with the trace's records and
+bytes against its budget; a history slider over `llm.trace` (warmup stages included and labelled). Tabs: Batch, Metadata, Blocks (KV blocks and state slots), State, Timeline, Warmup (and
 memory). The widget tree is built once; moving the slider or stepping sets values, and only the
 visible tab is redrawn (the others when they are opened).
 
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Callable
 import ipywidgets as W
 
 from toolkit.inspect import html as H
+from toolkit.inspect.memory import fmt_bytes
 from toolkit.inspect.record_views import step_record_html
 from toolkit.sampling import SamplingParams
 from toolkit.widgets.views import (
@@ -65,6 +67,12 @@ class StepInspector:
                                   layout=W.Layout(width="60%"))
         self.position = W.HTML()
         self.status = W.HTML()
+        # what a full-mode step captures (llm.set_inspect_filter), and the trace against its budget
+        self.capture_layers = W.Text(placeholder="layers: a regex, or names a, b (empty: all)",
+                                     layout=W.Layout(width="280px"))
+        self.capture_requests = W.Text(placeholder="requests: ids a, b (empty: all)", layout=W.Layout(width="200px"))
+        self.capture_button = W.Button(description="Capture")
+        self.capture_info = W.HTML()
         # views
         self.batch = BatchView(decode=self._decode)
         self.metadata = MetadataView()
@@ -78,15 +86,18 @@ class StepInspector:
             self.tabs.set_title(i, name)
         self._drawn: set[int] = set()       # tabs up to date with the shown record
         self._said = ""                     # the last action's status line (see _say)
+        capture_row = (W.HBox([self.capture_layers, self.capture_requests, self.capture_button])
+                       if llm.inspect == "full" else W.HBox([]))
         self.widget = W.VBox([
             W.HBox([self.step_button, self.run_n, self.run_n_button, self.run_all_button, self.reset_button]),
-            W.HBox([self.prompt, self.max_tokens, self.add_button]),
+            W.HBox([self.prompt, self.max_tokens, self.add_button]), capture_row, self.capture_info,
             W.HBox([self.slider, self.position]), self.status, self.tabs])
         self.step_button.on_click(lambda _: self.step())
         self.run_n_button.on_click(lambda _: self.run(self.run_n.value))
         self.run_all_button.on_click(lambda _: self.run_to_end())
         self.reset_button.on_click(lambda _: self.reset())
         self.add_button.on_click(lambda _: self.add_request())
+        self.capture_button.on_click(lambda _: self.set_capture())
         self.slider.observe(lambda _: self._show_selected(), names="value")
         self.tabs.observe(lambda _: self._draw_visible(), names="selected_index")
         self._follow_latest()
@@ -146,6 +157,20 @@ class StepInspector:
         self._guard(go, lambda: "raised by Add request", follow=False)
         return rid
 
+    def set_capture(self, layers: str | None = None, requests: str | None = None) -> None:
+        """What the next full-mode steps capture (`llm.set_inspect_filter`): layers as a regex, or
+        names separated by commas; requests as ids separated by commas; empty means all. A value
+        the engine refuses is shown in the status line and changes nothing."""
+        layers = (self.capture_layers.value if layers is None else layers).strip()
+        requests = (self.capture_requests.value if requests is None else requests).strip()
+
+        def go() -> str:
+            chosen_layers = None if not layers else _split(layers) if "," in layers else layers
+            described = self.llm.set_inspect_filter(chosen_layers, _split(requests) if requests else None)
+            return H.wrap(H.escape(f"capturing {described}"))
+        self._guard(go, lambda: "raised by Capture: the capture is unchanged", follow=False)
+        self._show_capture()
+
     def reset(self) -> None:
         """A new LLM from the same arguments. The old one is shut down only once the new one is
         built: if building raises, the inspector keeps the old engine as it was."""
@@ -197,7 +222,19 @@ class StepInspector:
         trace = self.llm.trace
         return trace[self.slider.value] if len(trace) else None
 
+    def _show_capture(self) -> None:
+        """`trace: 12 records, 3.1 MiB of a 2.0 GiB budget; captures all 2 recurrent layers; every request`."""
+        trace = self.llm.trace
+        budget = "no byte budget" if trace.max_bytes is None else f"a {fmt_bytes(trace.max_bytes)} budget"
+        line = f"trace: {_plural(len(trace), 'record')}, {fmt_bytes(trace.host_bytes)} of {budget}"
+        if trace.num_trimmed:
+            line += f" ({trace.num_trimmed} trimmed to it)"
+        if self.llm.inspect_filter is not None:
+            line += f"; captures {self.llm.inspect_filter}"
+        self.capture_info.value = H.span(line, H.SOFT)
+
     def _follow_latest(self) -> None:
+        self._show_capture()
         n = len(self.llm.trace)
         self.slider.max = max(n - 1, 0)
         if self.slider.value != self.slider.max:
@@ -254,6 +291,10 @@ class StepInspector:
 
     def __repr__(self) -> str:
         return f"StepInspector({self.llm.model_name!r}, {len(self.llm.trace)} records, showing {self.slider.value})"
+
+
+def _split(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def _plural(n: int, noun: str) -> str:
