@@ -42,6 +42,9 @@ class HiddenCollector:
         for row, rid in enumerate(b.req_ids):
             self.hidden.setdefault(rid, []).append(state.hidden_states[qsl[row]:qsl[row + 1]].float())
 
+    def after_logits(self, runner, state) -> None:
+        pass
+
 
 def windows_of(tokens: np.ndarray, seq_len: int, limit: int) -> list[list[int]]:
     n = (len(tokens) - 1) // seq_len

@@ -318,7 +318,7 @@ class LabNotebook:
     @property
     def status_line(self):
         """The inspector's status line (the HTML widget between the history slider and the tabs)."""
-        return self.inspector.locator(":scope > .widget-html").first
+        return self.inspector.locator(".runnerscope-status").first
 
     def open_tab(self, title: str):
         """Click the inspector's tab `title`; returns its panel once it is shown."""

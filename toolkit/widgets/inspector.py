@@ -67,12 +67,14 @@ class StepInspector:
                                   layout=W.Layout(width="60%"))
         self.position = W.HTML()
         self.status = W.HTML()
+        self.status.add_class("runnerscope-status")      # the browser tests find it by this class
         # what a full-mode step captures (llm.set_inspect_filter), and the trace against its budget
         self.capture_layers = W.Text(placeholder="layers: a regex, or names a, b (empty: all)",
                                      layout=W.Layout(width="280px"))
         self.capture_requests = W.Text(placeholder="requests: ids a, b (empty: all)", layout=W.Layout(width="200px"))
         self.capture_button = W.Button(description="Capture")
         self.capture_info = W.HTML()
+        self.capture_info.add_class("runnerscope-capture")
         # views
         self.batch = BatchView(decode=self._decode)
         self.metadata = MetadataView()
