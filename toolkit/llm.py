@@ -268,8 +268,9 @@ class LLM:
             raise RuntimeError("warmup() needs an idle engine: requests are still running")
         cfg, timings = self.cfg, {}
         runner = self.model_runner
+        few = min(cfg.max_num_seqs, 4)     # the token budget over a few rows, none longer than max_model_len
         dummy_shapes = [(1, 1), (cfg.max_num_seqs, cfg.max_num_seqs),
-                        (min(cfg.max_num_seqs, 4), cfg.max_num_batched_tokens)]
+                        (few, min(cfg.max_num_batched_tokens, few * cfg.max_model_len))]
         stages = [("profile run", runner.profile_run)]
         stages += [(f"dummy batch {r} reqs x {t} tokens",
                     lambda r=r, t=t: runner.dummy_run(r, t)) for r, t in dummy_shapes]
