@@ -90,3 +90,16 @@ def test_warmup_leaves_engine_clean_and_outputs_unchanged(preset):
             recs.append(llm.step())
         assert recs[0].step_index == 0                  # warmup's own steps are not counted
         assert recs[-1].outputs[0].outputs[0].token_ids == expected
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-bamba"])
+def test_warmup_dummy_rows_never_pass_max_model_len(preset):
+    """A token budget larger than a few rows of max_model_len: warmup's largest dummy batch spreads
+    at most max_model_len tokens over each row (it used to give each row budget / rows tokens, which
+    overflowed the block table)."""
+    with LLM(preset, device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=256,
+             max_model_len=32) as llm:
+        stages = llm.warmup(progress=False)
+        assert "dummy batch 4 reqs x 128 tokens" in stages
+        tokens = llm.generate({"prompt_token_ids": [3, 4, 5]}, GREEDY)[0].outputs[0].token_ids
+        assert len(tokens) == GREEDY.max_tokens

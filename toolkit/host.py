@@ -5,11 +5,18 @@ A copy from pageable host memory to a CUDA device first synchronises the stream.
 therefore copied through pinned memory: `Tensor.pin_memory()` takes a block from PyTorch's caching
 host allocator, which does not reuse it until the non_blocking copy that reads it has run. On the
 CPU nothing is copied: the tensor shares the array's memory, as `torch.from_numpy` does.
+
+`TRANSFERS` counts the host-to-device transfers issued through this module (on a CPU: the ones a
+GPU would make), by function: what a decode step costs besides its kernels (tests pin it).
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import torch
+
+TRANSFERS: Counter[str] = Counter()
 
 
 def staged(host: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -20,12 +27,22 @@ def staged(host: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tenso
 
 def to_device(host: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
     """A new tensor on `device` holding `host`, copied without blocking the host."""
+    TRANSFERS["to_device"] += 1
     return staged(host, device).to(device, non_blocking=True)
 
 
 def copy_to(dst: torch.Tensor, host: np.ndarray | torch.Tensor) -> None:
     """dst[...] = host, copied without blocking the host."""
+    TRANSFERS["copy_to"] += 1
     dst.copy_(staged(host, dst.device), non_blocking=True)
+
+
+def copy_pinned(dst: torch.Tensor, pinned: torch.Tensor) -> None:
+    """dst[...] = pinned (a host tensor already in pinned memory: a persistent staging buffer),
+    without blocking the host; nothing to copy when dst is that same memory (a CPU runner)."""
+    TRANSFERS["copy_pinned"] += 1
+    if dst.data_ptr() != pinned.data_ptr():
+        dst.copy_(pinned, non_blocking=True)
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from toolkit.kv_cache_manager import CacheGroupKind
 from toolkit.models import load_model
 from toolkit.request import (Prompt, Request, RequestIds, RequestLimits, RequestOutput, own_params,
                              prompt_token_ids, request_output)
+from toolkit.runner.cudagraph import CaptureReport
 from toolkit.runner.cudagraph import resolve_mode as resolve_cudagraph_mode
 from toolkit.runner.model_runner import ModelRunner
 from toolkit.sampling import SamplingParams, check_seed, derive_seed
@@ -267,8 +268,9 @@ class LLM:
             raise RuntimeError("warmup() needs an idle engine: requests are still running")
         cfg, timings = self.cfg, {}
         runner = self.model_runner
+        few = min(cfg.max_num_seqs, 4)     # the token budget over a few rows, none longer than max_model_len
         dummy_shapes = [(1, 1), (cfg.max_num_seqs, cfg.max_num_seqs),
-                        (min(cfg.max_num_seqs, 4), cfg.max_num_batched_tokens)]
+                        (few, min(cfg.max_num_batched_tokens, few * cfg.max_model_len))]
         stages = [("profile run", runner.profile_run)]
         stages += [(f"dummy batch {r} reqs x {t} tokens",
                     lambda r=r, t=t: runner.dummy_run(r, t)) for r, t in dummy_shapes]
@@ -284,17 +286,24 @@ class LLM:
                     self._recorder.record_failed_stage(f"warmup/{name}", err)
                 raise
             timings[name] = time.perf_counter() - start
-            if exec_state is not None and self._recorder is not None:
+            if self._recorder is None or exec_state is None:
+                continue
+            if isinstance(exec_state, CaptureReport):
+                self._recorder.record_capture(f"warmup/{name}", exec_state)
+            else:
                 self._recorder.record_stage(f"warmup/{name}", exec_state, timings[name])
         self._memory.mark("warmup")
         return timings
 
-    def _capture(self, progress: bool) -> None:
+    def _capture(self, progress: bool) -> CaptureReport:
         report = self.model_runner.capture_cudagraphs(progress)
         self.cudagraph_report = report
         if progress:
+            dropped = f"; {len(report.failed)} dropped to eager: {sorted(report.failed)}" if report.failed else ""
             print(f"captured {len(report.sizes)} decode graphs (sizes {report.sizes}) in "
-                  f"{report.seconds:.1f} s, {report.graph_bytes / 2**20:.1f} MiB")
+                  f"{report.seconds:.1f} s (checks {report.check_seconds:.1f} s), "
+                  f"{report.graph_bytes / 2**20:.1f} MiB{dropped}")
+        return report
 
     def _warmup_requests(self) -> None:
         """Real requests through real steps (stage "warmup/requests"). They do not count: the

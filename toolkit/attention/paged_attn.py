@@ -5,7 +5,8 @@ KV cache of one attention layer: [num_blocks, 2, block_size, num_kv_heads, head_
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,15 +30,24 @@ class PagedAttentionMetadata:
     seq_lens_cpu: torch.Tensor       # CPU int32 [B]: same values, for host-side loops
     block_table: torch.Tensor        # device int32 [B, max_blocks]
     slot_mapping: torch.Tensor       # device int64 [T]: KV slot of each token, -1 = skip write
-    # derived once per step (not per layer): rows with a single query token, batched together
-    single_token_rows: torch.Tensor = field(init=False)   # device int64 [D]
-    single_token_max_seq_len: int = field(init=False)     # 0 when D == 0
 
-    def __post_init__(self) -> None:
-        # from the host copies, in numpy: nothing here reads the device
-        rows = np.flatnonzero(np.diff(self.query_start_loc_cpu.numpy()) == 1).astype(np.int64)
-        self.single_token_rows = to_device(rows, self.query_start_loc.device)
-        self.single_token_max_seq_len = int(self.seq_lens_cpu.numpy()[rows].max()) if len(rows) else 0
+    # Rows with a single query token, batched together by the torch reference. Derived from the
+    # host copies on first use (once per step, not per layer; the Triton kernel never asks, so a
+    # step on the Triton backend makes no host-to-device copy for them).
+    @functools.cached_property
+    def _single_token_host_rows(self) -> np.ndarray:
+        return np.flatnonzero(np.diff(self.query_start_loc_cpu.numpy()) == 1).astype(np.int64)
+
+    @functools.cached_property
+    def single_token_rows(self) -> torch.Tensor:
+        """device int64 [D]."""
+        return to_device(self._single_token_host_rows, self.query_start_loc.device)
+
+    @functools.cached_property
+    def single_token_max_seq_len(self) -> int:
+        """0 when D == 0."""
+        rows = self._single_token_host_rows
+        return int(self.seq_lens_cpu.numpy()[rows].max()) if len(rows) else 0
 
 
 class PagedAttentionMetadataBuilder(AttentionMetadataBuilder):

@@ -185,7 +185,7 @@ def check_shutdown(runner) -> list[Violation]:
         out.append(Violation("released_on_shutdown", "shutdown", "cudagraph_manager",
                              f"{type(manager).__name__} is still set after shutdown and holds "
                              f"{len(held)} tensor(s), {size / 2**20:.2f} MiB (caches and buffers)"))
-    for attr in ("kv_caches", "model", "model_state", "input_buffers", "block_tables", "req_states"):
+    for attr in ("kv_caches", "model", "model_state", "input_buffers", "block_tables", "staging", "req_states"):
         if hasattr(runner, attr):
             out.append(Violation("released_on_shutdown", "shutdown", f"runner.{attr}",
                                  "still set after shutdown"))

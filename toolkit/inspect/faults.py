@@ -24,6 +24,7 @@ import toolkit.runner.model_runner as model_runner
 from toolkit.attention.mamba_base import BaseMambaMetadataBuilder
 from toolkit.errors import ToolkitError
 from toolkit.inspect import html as H
+from toolkit.runner.block_table import BlockTables
 from toolkit.runner.input_batch import runs_as_decode
 from toolkit.runner.model_runner import ModelRunner
 from toolkit.runner.model_states import DefaultModelState, MambaHybridModelState
@@ -142,8 +143,11 @@ def _plant_graph_manager_kept(stack: contextlib.ExitStack) -> None:
 
 def _plant_padded_row_on_real_slot(stack: contextlib.ExitStack) -> None:
     def on_slot_one(self, num_rows):       # padded rows get block / slot 1 instead of the null 0
-        return tuple(t[:num_rows].fill_(1) for t in self.block_tables.input_block_tables)
-    _patch(stack, ModelRunner, "_padded_block_tables", on_slot_one)
+        for g in range(self.num_groups):
+            self.staging.host(f"block_table_{g}")[:num_rows] = 1
+            self.staging.written(f"block_table_{g}", num_rows)
+        return tuple(t[:num_rows] for t in self.input_block_tables)
+    _patch(stack, BlockTables, "null_block_tables", on_slot_one)
 
 
 def _plant_prefill_before_decode(stack: contextlib.ExitStack) -> None:

@@ -157,6 +157,8 @@ def _header_lines(rec: Any) -> str:
         total = total_seconds(rec.timings)
         extra.append(f"timings: {timings_text(rec.timings)}" +
                      ("" if "total" in rec.timings else f" (total {format_ms(total)})"))
+    if getattr(rec, "device_timings", None):
+        extra.append(f"device timings: {timings_text(rec.device_timings)}")
     if rec.preempted_request_ids:
         extra.append(f"preempted: {', '.join(rec.preempted_request_ids)}")
     if rec.finished_request_ids:

@@ -33,6 +33,7 @@ from toolkit.inspect.step_record import (TOP_K_LOGITS, LayerState, StepRecord, V
 from toolkit.inspect.trace import Trace
 from toolkit.layers.state_mixer import StateSlotMixer
 from toolkit.request import Request, RequestOutput
+from toolkit.runner.cudagraph import CaptureReport
 from toolkit.runner.model_runner import ExecuteModelState, ModelRunner
 from toolkit.scheduler import Scheduler, SchedulerOutput
 
@@ -69,7 +70,8 @@ def step_record(step: StepOutcome, backend: str, logits: torch.Tensor | None = N
         logits=logits if logits is not None else snapshot(state.logits) if state else None,
         sampled_token_ids=step.sampled, kept_token_ids=step.kept, outputs=list(step.outputs),
         timings={"schedule": step.timings["schedule"], **(state.timings if state else {}),
-                 "update": step.timings["update"]})
+                 "update": step.timings["update"]},
+        device_timings=dict(state.device_timings) if state else {})
 
 
 class Recorder:
@@ -203,6 +205,17 @@ class Recorder:
             record.violations = checks.check_dummy_metadata(groups, stage)
         self.trace.append(record)
         checks.raise_if_any(record.violations)
+
+    def record_capture(self, stage: str, report: CaptureReport) -> None:
+        """Warmup's CUDA-graph capture: its time (and the replay checks'), and each size whose
+        graph replayed differently from the eager forward (dropped to eager, cudagraph.py) as a
+        violation. Not raised: the engine runs those sizes eagerly and has warned once."""
+        violations = [Violation("graph_replays_as_eager", f"{stage}, size {size}", "graph", why)
+                      for size, why in sorted(report.failed.items())]
+        self.trace.append(StepRecord(step_index=None, scheduled=[], preempted_request_ids=[], input_batch=None,
+                                     attn_metadata=[], logits=None, sampled_token_ids={}, kept_token_ids={},
+                                     outputs=[], stage=stage, backend=self.backend, violations=violations,
+                                     timings={"total": report.seconds, "check": report.check_seconds}))
 
     def record_failed_stage(self, stage: str, err: Exception) -> None:
         """A warmup stage that raised before it had a batch to show: the record carries the error

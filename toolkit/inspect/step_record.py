@@ -124,7 +124,8 @@ class StepRecord:
     stage: str = "step"                          # "step", "generate", "warmup/profile run",
                                                  # "warmup/dummy batch RxT", "warmup/requests"
     finished_request_ids: list[str] = field(default_factory=list)   # finished in this step
-    timings: dict[str, float] = field(default_factory=dict)         # seconds per stage
+    timings: dict[str, float] = field(default_factory=dict)         # host seconds per stage
+    device_timings: dict[str, float] = field(default_factory=dict)  # CUDA: device seconds per runner stage
     ledger: CacheLedger | None = None            # cache holdings after the step
     states: list[LayerState] = field(default_factory=list)          # inspect="full" only
     top_logit_ids: torch.Tensor | None = None    # int64 [B, k], inspect="full" only

@@ -128,6 +128,8 @@ class TopKRouter(nn.Module):
 class FusedExperts(nn.Module):
     """E SwiGLU experts as 3D tensors gate_up_proj [E, 2I, H], down_proj [E, H, I] (HF names)."""
 
+    graph_max_tokens = DENSE_MAX_TOKENS     # larger steps take the sparse path, which a CUDA graph cannot hold
+
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, hidden_act: str = "silu") -> None:
         super().__init__()
         self.num_experts = num_experts

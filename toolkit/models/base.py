@@ -130,6 +130,12 @@ class CausalLM(nn.Module, ABC):
     def is_tied(self) -> bool:
         return self.lm_head.weight is self.get_input_embeddings().weight
 
+    def max_graph_tokens(self) -> int | None:
+        """The largest step a CUDA graph of this model can hold (None: no limit): a module with a
+        `graph_max_tokens` (a MoE layer, whose larger steps sync on the host) caps it."""
+        limits = [m.graph_max_tokens for m in self.modules() if getattr(m, "graph_max_tokens", None)]
+        return min(limits) if limits else None
+
     def cache_layers(self) -> dict[str, nn.Module]:
         """layer_name -> cache-holding layer, in layer (module registration) order."""
         out: dict[str, nn.Module] = {}

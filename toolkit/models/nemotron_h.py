@@ -145,6 +145,8 @@ class NemotronHTopkRouter(nn.Module):
 class NemotronHExperts(nn.Module):
     """E non-gated experts down_proj[e] @ act(up_proj[e] @ x): up_proj [E, I, D], down_proj [E, D, I]."""
 
+    graph_max_tokens = DENSE_MAX_TOKENS     # larger steps take the sparse path, which a CUDA graph cannot hold
+
     def __init__(self, input_size: int, intermediate_size: int, num_experts: int, act: str) -> None:
         super().__init__()
         self.num_experts = num_experts

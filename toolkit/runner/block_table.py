@@ -1,7 +1,8 @@
 """Block tables and slot mappings, one per KV-cache group (MRV2 `BlockTables`).
 
 The CPU table [R, W_g] is the authority (W_g = blocks per request in group g); each step gathers
-the batch's rows, in batch order, into a persistent device buffer `input_block_tables[g]`.
+the batch's rows, in batch order, into a persistent device buffer `input_block_tables[g]`, staged
+with the slot mappings (runner/staging.py: written on the host, sent by the runner's one flush).
 Slot mapping: token at position p of a row -> block_table[row, p // block_size] * block_size
 + p % block_size, with PAD_SLOT_ID beyond the real tokens.
 """
@@ -10,20 +11,28 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from toolkit.host import copy_to
 from toolkit.kv_cache_spec import PAD_SLOT_ID
+from toolkit.runner.staging import Staging
+
+
+def staging_regions(widths: list[int], max_num_reqs: int, max_num_tokens: int) -> tuple[dict, dict]:
+    """(int32, int64) staging regions of the block tables (narrowest first, so a step's span stops
+    at the batch's rows of the widest) and of the slot mappings."""
+    order = sorted(range(len(widths)), key=lambda g: widths[g])
+    return ({f"block_table_{g}": (max_num_reqs, widths[g]) for g in order},
+            {"slot_mappings": (len(widths), max_num_tokens)})
 
 
 class BlockTables:
-    def __init__(self, block_sizes: list[int], widths: list[int], max_num_reqs: int,
-                 max_num_tokens: int, device: torch.device):
+    def __init__(self, block_sizes: list[int], widths: list[int], max_num_reqs: int, staging: Staging):
         self.block_sizes = block_sizes
+        self.staging = staging
         self.tables = [np.zeros((max_num_reqs, w), dtype=np.int32) for w in widths]
         self.num_blocks = [np.zeros(max_num_reqs, dtype=np.int32) for _ in widths]
-        self.input_block_tables = [torch.zeros(max_num_reqs, w, dtype=torch.int32, device=device)
-                                   for w in widths]
-        self.slot_mappings = torch.full((len(widths), max_num_tokens), PAD_SLOT_ID,
-                                        dtype=torch.int64, device=device)
+        self.input_block_tables = [staging.device(f"block_table_{g}") for g in range(len(widths))]
+        self.slot_mappings = staging.device("slot_mappings")
+        staging.host("slot_mappings")[:] = PAD_SLOT_ID
+        staging.written("slot_mappings")
 
     @property
     def num_groups(self) -> int:
@@ -47,34 +56,49 @@ class BlockTables:
     def gather_block_tables(self, idx_mapping_np: np.ndarray, num_rows: int | None = None
                             ) -> tuple[torch.Tensor, ...]:
         """Rows of the batch, in batch order: tuple over groups of int32 [num_rows, W_g] (device
-        views; num_rows defaults to B). Rows past B are padded rows: every entry the null block /
-        null state slot 0, rewritten every step so no stale real id survives there. One
-        host-to-device copy per group."""
+        views; num_rows defaults to B), staged. Rows past B are padded rows: every entry the null
+        block / null state slot 0, rewritten every step so no stale real id survives there."""
         b = len(idx_mapping_np)
         rows = b if num_rows is None else num_rows
         out = []
         for g, table in enumerate(self.tables):
-            host = np.zeros((rows, table.shape[1]), dtype=np.int32)
+            host = self.staging.host(f"block_table_{g}")
             host[:b] = table[idx_mapping_np]
-            dst = self.input_block_tables[g][:rows]
-            copy_to(dst, host)
-            out.append(dst)
+            host[b:rows] = 0
+            self.staging.written(f"block_table_{g}", rows)
+            out.append(self.input_block_tables[g][:rows])
         return tuple(out)
+
+    def null_block_tables(self, num_rows: int) -> tuple[torch.Tensor, ...]:
+        """Block tables of `num_rows` dummy or padded rows: every entry the null block / null state
+        slot 0 (staged)."""
+        for g in range(self.num_groups):
+            self.staging.host(f"block_table_{g}")[:num_rows] = 0
+            self.staging.written(f"block_table_{g}", num_rows)
+        return tuple(t[:num_rows] for t in self.input_block_tables)
+
+    def pad_slot_mappings(self, num_tokens: int) -> torch.Tensor:
+        """int64 [G, num_tokens] view of slot mappings that write nothing (PAD_SLOT_ID), staged."""
+        host = self.staging.host("slot_mappings")
+        host[:, :num_tokens] = PAD_SLOT_ID
+        self.staging.written("slot_mappings", elements=(self.num_groups - 1) * host.shape[1] + num_tokens)
+        return self.slot_mappings[:, :num_tokens]
 
     def compute_slot_mappings(self, idx_mapping_np: np.ndarray, query_start_loc_np: np.ndarray,
                               num_computed_np: np.ndarray, num_padded: int | None = None) -> torch.Tensor:
         """int64 [G, num_padded or T] view of the persistent slot-mapping buffer: the slots of the
         batch's T tokens (row r's tokens sit at positions num_computed[r], num_computed[r] + 1, ...),
         then PAD_SLOT_ID for the padded tokens of a padded batch. Computed on the host from the
-        CPU tables (the authority), then one host-to-device copy per group."""
+        CPU tables (the authority), staged."""
         qsl = query_start_loc_np
         num_tokens = int(qsl[-1])
         token_rows = np.repeat(np.arange(len(qsl) - 1), np.diff(qsl))
         positions = num_computed_np[token_rows].astype(np.int64) + np.arange(num_tokens) - qsl[token_rows]
         width = num_padded or num_tokens
+        host = self.staging.host("slot_mappings")
         for g, table in enumerate(self.tables):
             bs = self.block_sizes[g]
-            slots = np.full(width, PAD_SLOT_ID, dtype=np.int64)
-            slots[:num_tokens] = table[idx_mapping_np[token_rows], positions // bs].astype(np.int64) * bs + positions % bs
-            copy_to(self.slot_mappings[g, :width], slots)
+            host[g, :num_tokens] = table[idx_mapping_np[token_rows], positions // bs].astype(np.int64) * bs + positions % bs
+            host[g, num_tokens:width] = PAD_SLOT_ID
+        self.staging.written("slot_mappings", elements=(self.num_groups - 1) * host.shape[1] + width)
         return self.slot_mappings[:, :width]

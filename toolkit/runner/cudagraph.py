@@ -15,24 +15,40 @@ Modes (`LLM(cudagraph_mode=...)`):
 A graph reads the persistent input buffers, block tables and slot mappings at fixed addresses: the
 step writes the real batch there and replays. Metadata for capture is built by the same
 `prepare_attn` as real steps (`for_capture=True`), so a contract bug fails at capture.
+
+Capture is checked as it goes: each size's graph is replayed on a dummy batch with token ids other
+than the capture's and compared with the eager forward on the same inputs (greedy tokens equal,
+logits within the dtype's tolerance). A graph that reads something the step does not rewrite (a
+tensor that is not a persistent buffer) fails this: that size is dropped and runs eagerly, with one
+warning naming the size and the first differing output (`CaptureReport.failed`). A capture that
+raises releases what it captured, so no half-filled manager is left. Each manager captures on a
+stream of its own (two engines in one process do not share one), keeps every captured forward (and
+so its metadata tensors) alive while its graph lives, and measures the capture's memory as the
+growth of the caching allocator's reserved memory (a graph pool's intermediates are freed back to
+the pool, so allocated memory cannot see them).
 """
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from tqdm.auto import tqdm
 
 MODES = ("auto", "full_decode", "padded_eager", "none")
 
 
-def capture_sizes(max_num_seqs: int) -> list[int]:
-    """vLLM's decode capture sizes: 1, 2, 4, then multiples of 8, up to max_num_seqs (included)."""
-    sizes = [s for s in (1, 2, 4) if s <= max_num_seqs]
-    sizes += list(range(8, max_num_seqs + 1, 8))
-    if sizes[-1] != max_num_seqs:
-        sizes.append(max_num_seqs)
+def capture_sizes(max_num_seqs: int, max_tokens: int | None = None) -> list[int]:
+    """vLLM's decode capture sizes: 1, 2, 4, then multiples of 8, up to max_num_seqs (included),
+    and up to `max_tokens` when the model cannot capture larger steps (a MoE layer's dense routing
+    stops at DENSE_MAX_TOKENS: above it, its sparse path syncs, which a graph cannot hold)."""
+    top = max_num_seqs if max_tokens is None else min(max_num_seqs, max_tokens)
+    sizes = [s for s in (1, 2, 4) if s <= top]
+    sizes += list(range(8, top + 1, 8))
+    if sizes[-1] != top:
+        sizes.append(top)
     return sizes
 
 
@@ -54,9 +70,17 @@ def resolve_mode(mode: str, enforce_eager: bool, device: torch.device, backend: 
 
 @dataclass
 class CaptureReport:
-    sizes: list[int] = field(default_factory=list)
-    seconds: float = 0.0
-    graph_bytes: int = 0          # CUDA memory the capture took (pool + static outputs)
+    sizes: list[int] = field(default_factory=list)    # sizes whose graph replays (checked at capture)
+    seconds: float = 0.0                              # capture and its check
+    graph_bytes: int = 0          # CUDA memory the capture took (growth of reserved memory)
+    failed: dict[int, str] = field(default_factory=dict)   # size -> why its graph was dropped (runs eagerly)
+    check_seconds: float = 0.0                        # of `seconds`, the replay-vs-eager checks
+
+
+# (atol, rtol) of a replayed graph's logits against the eager forward on the same inputs
+CHECK_TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 1e-2), torch.bfloat16: (6e-2, 2e-2)}
+# the check: (size, run eagerly, replay) -> None, or the first differing output in words
+CaptureCheck = Callable[[int, Callable[[], torch.Tensor], Callable[[], torch.Tensor]], "str | None"]
 
 
 class CudaGraphManager:
@@ -67,13 +91,15 @@ class CudaGraphManager:
     runner wrote the step's inputs into the persistent buffers) and returns its static output.
     """
 
-    def __init__(self, mode: str, max_num_seqs: int, device: torch.device):
+    def __init__(self, mode: str, max_num_seqs: int, device: torch.device, max_tokens: int | None = None):
         self.mode = mode
         self.device = device
-        self.sizes = capture_sizes(max_num_seqs)
+        self.sizes = capture_sizes(max_num_seqs, max_tokens)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.forwards: dict[int, Callable[[], torch.Tensor]] = {}   # keep each graph's inputs alive
         self.pool = None
+        self.stream: torch.cuda.Stream | None = None
         self.report: CaptureReport | None = None
 
     def padded_size(self, num_reqs: int, num_tokens: int, all_decode: bool) -> int | None:
@@ -85,33 +111,88 @@ class CudaGraphManager:
         """What ran, for the StepRecord: "eager", "padded eager" or "graph" (a captured graph replayed)."""
         if padded is None:
             return "eager"
-        return "graph" if self.captured else "padded eager"     # full_decode before warmup: eager
+        return "graph" if self.has_graph(padded) else "padded eager"   # before warmup, or a dropped size
 
-    # ---- CUDA ------------------------------------------------------------------------------
-    def capture(self, prepare_dummy: Callable[[int], Callable[[], torch.Tensor]],
+    def has_graph(self, size: int | None) -> bool:
+        return size in self.graphs
+
+    # ---- capture -------------------------------------------------------------------------------
+    def capture(self, prepare_dummy: Callable[..., Callable[[], torch.Tensor]], check: CaptureCheck | None = None,
                 progress: bool = False) -> CaptureReport:
-        """Capture one graph per size, largest first (they share one memory pool, as in vLLM).
-        `prepare_dummy(size)` writes a padded dummy decode batch of that size into the persistent
-        buffers and builds its metadata (outside the capture: host work and host-to-device copies
-        cannot be captured); the forward it returns is what the graph records."""
-        from tqdm.auto import tqdm
+        """Capture one graph per size, largest first (they share one memory pool, as in vLLM), each
+        checked by `check` right after (see the module docstring). `prepare_dummy(size, token_ids=None)`
+        writes a padded dummy decode batch of that size into the persistent buffers and builds its
+        metadata (outside the capture: host work and host-to-device copies cannot be captured); the
+        forward it returns is what the graph records. If anything raises, everything captured so far
+        is released and the error propagates."""
         if self.mode != "full_decode":
             return CaptureReport()
         start = time.perf_counter()
-        before = torch.cuda.memory_allocated(self.device)
-        self.pool = torch.cuda.graph_pool_handle()
-        for size in tqdm(sorted(self.sizes, reverse=True), desc="capture CUDA graphs", disable=not progress):
-            prepare_dummy(size)()                     # warm up outside the capture (Triton compiles)
-            forward = prepare_dummy(size)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[size] = forward()
-            self.graphs[size] = graph
+        before = self._reserved_bytes()
+        report = CaptureReport()
+        try:
+            for size in tqdm(sorted(self.sizes, reverse=True), desc="capture CUDA graphs", disable=not progress):
+                forward = prepare_dummy(size)
+                self.graphs[size], self.outputs[size] = self._record(forward)
+                self.forwards[size] = forward
+                if check is not None:
+                    checked = time.perf_counter()
+                    problem = check(size, lambda s=size: prepare_dummy(s, True)(),
+                                    lambda s=size: self._replay_checked(s, prepare_dummy))
+                    report.check_seconds += time.perf_counter() - checked
+                    if problem is not None:
+                        self._drop(size)
+                        report.failed[size] = problem
+        except BaseException:
+            self.release()
+            raise
+        report.sizes = sorted(self.graphs)
+        report.seconds = time.perf_counter() - start
+        report.graph_bytes = self._reserved_bytes() - before
+        if report.failed:
+            size, why = next(iter(report.failed.items()))
+            warnings.warn(f"CUDA graph check: {len(report.failed)} of {len(self.sizes)} decode graph sizes "
+                          f"replayed differently from the eager forward and run eagerly instead "
+                          f"({sorted(report.failed)}); size {size}: {why}", RuntimeWarning, stacklevel=3)
+        self.report = report
+        return report
+
+    def _replay_checked(self, size: int, prepare_dummy) -> torch.Tensor:
+        """Replay `size`'s graph on the check's inputs: the same dummy batch as the eager run, with
+        its token ids, written into the persistent buffers (metadata built anew, not used: a graph
+        reads only what the step rewrites)."""
+        prepare_dummy(size, True)
+        return self.replay(size)
+
+    def _drop(self, size: int) -> None:
+        for held in (self.graphs, self.outputs, self.forwards):
+            held.pop(size, None)
+
+    def _record(self, forward: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """CUDA: run `forward` once, then capture it into a graph, both on this manager's own stream
+        (the warm-up compiles the Triton kernels and allocates the stream's cuBLAS workspace, which
+        must not first happen inside a capture) and pool."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+            self.stream = torch.cuda.Stream(self.device)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))     # the dummy batch's copies
+        with torch.cuda.stream(self.stream):
+            forward()
         torch.cuda.synchronize(self.device)
-        self.report = CaptureReport(sorted(self.sizes), time.perf_counter() - start,
-                                    torch.cuda.memory_allocated(self.device) - before)
-        return self.report
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            output = forward()
+        torch.cuda.synchronize(self.device)
+        return graph, output
+
+    def _reserved_bytes(self) -> int:
+        """CUDA memory the caching allocator holds, after clearing what it can give back (so that
+        the difference around the capture is what the graphs keep)."""
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved(self.device)
 
     def replay(self, size: int) -> torch.Tensor:
         self.graphs[size].replay()
@@ -128,4 +209,6 @@ class CudaGraphManager:
     def release(self) -> None:
         self.graphs.clear()
         self.outputs.clear()
+        self.forwards.clear()
         self.pool = None
+        self.stream = None

@@ -3,6 +3,11 @@
 `InputBuffers` are allocated once at their maximum sizes; every step writes into them, and the
 `InputBatch` holds views of the written prefix, so a later CUDA-graph capture can reuse the same
 storage. B = num_reqs, T = num_tokens. Rows are in batch order: decodes first (see `sort_batch`).
+
+All but `input_ids` are staged (runner/staging.py): the host writes them into the staging's host
+twin and the runner's one flush per step sends them; `input_ids` are gathered on the device from
+the last sampled tokens for a decode step (`gather_sampled_input_ids`, after the flush), and copied
+from the CPU token history otherwise.
 """
 from __future__ import annotations
 
@@ -13,16 +18,28 @@ import torch
 
 from toolkit.host import copy_to, to_device
 from toolkit.runner.request_states import RequestStates
+from toolkit.runner.staging import Staging
+
+STAGED_INT32 = ("query_start_loc", "seq_lens")                        # staging regions of InputBuffers
+STAGED_INT64 = ("idx_mapping", "logits_indices", "positions")
+
+
+def staging_regions(max_num_reqs: int, max_num_tokens: int) -> tuple[dict, dict]:
+    """(int32, int64) staging regions of the input buffers, small first."""
+    shapes = {"query_start_loc": (max_num_reqs + 1,), "seq_lens": (max_num_reqs,),
+              "idx_mapping": (max_num_reqs,), "logits_indices": (max_num_reqs,), "positions": (max_num_tokens,)}
+    return {n: shapes[n] for n in STAGED_INT32}, {n: shapes[n] for n in STAGED_INT64}
 
 
 class InputBuffers:
-    def __init__(self, max_num_reqs: int, max_num_tokens: int, device: torch.device):
+    def __init__(self, staging: Staging, max_num_tokens: int, device: torch.device):
+        self.staging = staging
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
-        self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
-        self.query_start_loc = torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
-        self.idx_mapping = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
-        self.logits_indices = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
+        self.positions = staging.device("positions")
+        self.query_start_loc = staging.device("query_start_loc")
+        self.seq_lens = staging.device("seq_lens")
+        self.idx_mapping = staging.device("idx_mapping")
+        self.logits_indices = staging.device("logits_indices")
 
 
 @dataclass
@@ -44,6 +61,8 @@ class InputBatch:
     input_ids: torch.Tensor                # device int32 [T]
     positions: torch.Tensor                # device int64 [T]
     logits_indices: torch.Tensor           # device int64 [B]: last token of each row
+    input_ids_sampled: bool = False        # a decode-only step: input ids are the last sampled tokens,
+                                           # gathered on the device after the flush
 
     @property
     def has_prefill(self) -> bool:
@@ -77,7 +96,9 @@ def sort_batch(req_ids: list[str], num_scheduled: dict[str, int], num_computed: 
 
 def prepare_inputs(buffers: InputBuffers, req_states: RequestStates, req_ids: list[str],
                    num_scheduled: dict[str, int]) -> InputBatch:
-    """Write this step's inputs into the persistent buffers; `req_ids` are already sorted."""
+    """Write this step's inputs into the persistent buffers (staged: they reach the device at the
+    runner's flush); `req_ids` are already sorted. A decode-only step's input ids are left to
+    `gather_sampled_input_ids`, after the flush."""
     b = len(req_ids)
     idx_np = np.array([req_states.req_id_to_index[r] for r in req_ids], dtype=np.int64)
     q = np.array([num_scheduled[r] for r in req_ids], dtype=np.int32)
@@ -93,13 +114,12 @@ def prepare_inputs(buffers: InputBuffers, req_states: RequestStates, req_ids: li
     token_rows = np.repeat(np.arange(b), q)
     from_sampled = positions >= prefill_len[token_rows]
 
-    d = buffers
-    copy_to(d.idx_mapping[:b], idx_np)
+    d, stage = buffers, buffers.staging
+    stage.put("idx_mapping", idx_np)
     # prompt tokens come from the CPU history; positions past prefill_len are decode inputs and
     # come from the device-side last sampled token (MRV2: combine_sampled_and_draft_tokens)
-    if b and t == b and from_sampled.all():          # a decode-only step: every input was just sampled
-        d.input_ids[:t] = req_states.last_sampled_tokens[d.idx_mapping[:b]]
-    else:
+    decode_only = bool(b and t == b and from_sampled.all())
+    if not decode_only:
         ids = req_states.all_token_ids[torch.from_numpy(idx_np[token_rows]),
                                        torch.from_numpy(np.minimum(positions, prefill_len[token_rows] - 1))]
         copy_to(d.input_ids[:t], ids)
@@ -107,16 +127,18 @@ def prepare_inputs(buffers: InputBuffers, req_states: RequestStates, req_ids: li
             tok_idx = to_device(np.nonzero(from_sampled)[0], d.input_ids.device)
             rows = to_device(idx_np[token_rows[from_sampled]], d.input_ids.device)
             d.input_ids[tok_idx] = req_states.last_sampled_tokens[rows].to(torch.int32)
-    copy_to(d.positions[:t], positions.astype(np.int64))
-    # whole buffers, so the rows past B need no separate fill: query_start_loc repeats the total
+    stage.put("positions", positions.astype(np.int64))
+    # whole regions, so the rows past B need no separate fill: query_start_loc repeats the total
     # there, seq_lens is 0
-    qsl_full = np.full(d.query_start_loc.shape[0], t, dtype=np.int32)
+    qsl_full = stage.host("query_start_loc")
+    qsl_full[:] = t
     qsl_full[:b + 1] = qsl
-    copy_to(d.query_start_loc, qsl_full)
-    seq_lens_full = np.zeros(d.seq_lens.shape[0], dtype=np.int32)
+    stage.written("query_start_loc")
+    seq_lens_full = stage.host("seq_lens")
+    seq_lens_full[:] = 0
     seq_lens_full[:b] = seq_lens
-    copy_to(d.seq_lens, seq_lens_full)
-    copy_to(d.logits_indices[:b], qsl[1:].astype(np.int64) - 1)
+    stage.written("seq_lens")
+    stage.put("logits_indices", qsl[1:].astype(np.int64) - 1)
 
     return InputBatch(
         req_ids=list(req_ids), num_reqs=b, num_tokens=t, max_query_len=int(q.max()) if b else 0,
@@ -125,7 +147,16 @@ def prepare_inputs(buffers: InputBuffers, req_states: RequestStates, req_ids: li
         is_prefilling_np=computed < prefill_len,
         query_start_loc=d.query_start_loc[:b + 1], query_start_loc_np=qsl,
         seq_lens=d.seq_lens[:b], seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens.astype(np.int32)),
-        input_ids=d.input_ids[:t], positions=d.positions[:t], logits_indices=d.logits_indices[:b])
+        input_ids=d.input_ids[:t], positions=d.positions[:t], logits_indices=d.logits_indices[:b],
+        input_ids_sampled=decode_only)
+
+
+def gather_sampled_input_ids(buffers: InputBuffers, req_states: RequestStates, num_rows: int) -> None:
+    """A decode-only step's input ids: each row's last sampled token, gathered on the device by
+    idx_mapping (staged, so call it after the flush). `num_rows` covers the padded rows too (their
+    idx_mapping is 0: a real token id, and their outputs are dropped), so no separate fill runs."""
+    d = buffers
+    d.input_ids[:num_rows] = req_states.last_sampled_tokens[d.idx_mapping[:num_rows]]
 
 
 def make_dummy(buffers: InputBuffers, num_reqs: int, num_tokens: int) -> InputBatch:
@@ -136,15 +167,19 @@ def make_dummy(buffers: InputBuffers, num_reqs: int, num_tokens: int) -> InputBa
     q[num_reqs - num_tokens % num_reqs:] += 1         # ascending, so the batch order holds
     qsl = np.zeros(num_reqs + 1, dtype=np.int32)
     np.cumsum(q, out=qsl[1:])
-    d = buffers
+    d, stage = buffers, buffers.staging
     d.input_ids[:num_tokens] = 0
-    d.positions[:num_tokens] = 0
-    copy_to(d.query_start_loc[:num_reqs + 1], qsl)
-    d.query_start_loc[num_reqs + 1:] = num_tokens
-    copy_to(d.seq_lens[:num_reqs], q)
-    d.seq_lens[num_reqs:] = 0
-    d.idx_mapping[:num_reqs] = 0
-    copy_to(d.logits_indices[:num_reqs], qsl[1:].astype(np.int64) - 1)
+    stage.put("positions", np.zeros(num_tokens, dtype=np.int64))
+    qsl_full = stage.host("query_start_loc")
+    qsl_full[:] = num_tokens
+    qsl_full[:num_reqs + 1] = qsl
+    stage.written("query_start_loc")
+    seq_lens_full = stage.host("seq_lens")
+    seq_lens_full[:] = 0
+    seq_lens_full[:num_reqs] = q
+    stage.written("seq_lens")
+    stage.put("idx_mapping", np.zeros(num_reqs, dtype=np.int64))
+    stage.put("logits_indices", qsl[1:].astype(np.int64) - 1)
     zeros = np.zeros(num_reqs, dtype=np.int32)
     return InputBatch(
         req_ids=[f"dummy-{i}" for i in range(num_reqs)], num_reqs=num_reqs, num_tokens=num_tokens,
@@ -166,15 +201,19 @@ def pad_decode_batch(buffers: InputBuffers, batch: InputBatch, size: int) -> Inp
     if batch.num_tokens != n or size < n:
         raise ValueError(f"pad_decode_batch: {n} rows / {batch.num_tokens} tokens is not a decode "
                          f"batch that fits {size} rows")
-    d = buffers
-    d.input_ids[n:size] = 0
-    d.positions[n:size] = 0
+    d, stage = buffers, buffers.staging
+    if not batch.input_ids_sampled:                 # else gather_sampled_input_ids covers the padding
+        d.input_ids[n:size] = 0
     qsl = np.arange(size + 1, dtype=np.int32)
-    copy_to(d.query_start_loc[n + 1:size + 1], qsl[n + 1:])
-    d.query_start_loc[size + 1:] = size
-    d.seq_lens[n:size] = 1
-    d.idx_mapping[n:size] = 0
-    copy_to(d.logits_indices[n:size], qsl[n:size].astype(np.int64))
+    for name, values in (("positions", 0), ("seq_lens", 1), ("idx_mapping", 0)):
+        stage.host(name)[n:size] = values
+        stage.written(name, size)
+    qsl_full = stage.host("query_start_loc")
+    qsl_full[n + 1:size + 1] = qsl[n + 1:]
+    qsl_full[size + 1:] = size
+    stage.written("query_start_loc")
+    stage.host("logits_indices")[n:size] = qsl[n:size]
+    stage.written("logits_indices", size)
     pad = size - n
     seq_lens = np.concatenate([batch.seq_lens_cpu_upper_bound.numpy(), np.ones(pad, dtype=np.int32)])
     return InputBatch(
@@ -187,4 +226,5 @@ def pad_decode_batch(buffers: InputBuffers, batch: InputBatch, size: int) -> Inp
         is_prefilling_np=np.zeros(size, dtype=bool),
         query_start_loc=d.query_start_loc[:size + 1], query_start_loc_np=qsl,
         seq_lens=d.seq_lens[:size], seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens),
-        input_ids=d.input_ids[:size], positions=d.positions[:size], logits_indices=d.logits_indices[:size])
+        input_ids=d.input_ids[:size], positions=d.positions[:size], logits_indices=d.logits_indices[:size],
+        input_ids_sampled=batch.input_ids_sampled)

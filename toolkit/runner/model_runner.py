@@ -5,7 +5,6 @@ update (sample_tokens). Shaped like vLLM's Model Runner V2 (`vllm/v1/worker/gpu/
 from __future__ import annotations
 
 import gc
-import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -16,15 +15,18 @@ from torch import nn
 from toolkit.config import RunnerConfig
 from toolkit.layers.ops import TORCH_OPS, set_ops, triton_ops
 from toolkit.runner.attn_utils import AttnMetadata, init_attn_groups
-from toolkit.kv_cache_spec import PAD_SLOT_ID
 from toolkit.runner.block_table import BlockTables
-from toolkit.runner.cudagraph import CudaGraphManager
-from toolkit.runner.input_batch import (InputBatch, InputBuffers, make_dummy, pad_decode_batch, prepare_inputs,
-                                        sort_batch)
+from toolkit.runner.block_table import staging_regions as table_regions
+from toolkit.runner.cudagraph import CHECK_TOLERANCE, CudaGraphManager
+from toolkit.runner.device import StageClock, on_device
+from toolkit.runner.input_batch import (InputBatch, InputBuffers, gather_sampled_input_ids, make_dummy,
+                                        pad_decode_batch, prepare_inputs, sort_batch)
+from toolkit.runner.input_batch import staging_regions as input_regions
 from toolkit.runner.kv_cache import allocate_kv_caches, make_kv_cache_groups
 from toolkit.runner.model_states import init_model_state
 from toolkit.runner.request_states import RequestStates
 from toolkit.runner.sampler import Sampler
+from toolkit.runner.staging import Staging
 from toolkit.scheduler import SchedulerOutput
 
 
@@ -36,8 +38,10 @@ class ExecuteModelState:
     hidden_states: torch.Tensor | None   # [T, hidden], set by the forward
     logits: torch.Tensor | None = None   # float32 [B, vocab], set by sample_tokens
     block_tables: tuple[torch.Tensor, ...] = ()   # per group: int32 [B or P, W_g] (device views)
-    timings: dict[str, float] = field(default_factory=dict)   # seconds: prepare_inputs,
-                                                              # build_metadata, forward, sample
+    timings: dict[str, float] = field(default_factory=dict)   # host seconds: prepare_inputs, build_metadata,
+                                                              # forward, sample, wait (at the one sync)
+    device_timings: dict[str, float] = field(default_factory=dict)   # CUDA: device seconds of the same
+                                                                     # stages, from events (StageClock)
     graph: str = "eager"                 # what ran the forward: "eager", "padded eager", "graph"
     padded_size: int | None = None       # P: rows the forward ran (padded decode batch), else None
 
@@ -69,14 +73,19 @@ class ModelRunner:
         self.model_state.initialize_kv_cache(self.kv_cache_groups, self.kv_caches)
         self.attn_groups = init_attn_groups(self.kv_cache_groups)
         self.req_states = RequestStates(cfg.max_num_seqs, cfg.max_model_len, cfg.device)
-        self.block_tables = BlockTables([g.block_size for g in self.kv_cache_groups],
-                                        [g.width for g in self.kv_cache_groups],
-                                        cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.device)
-        self.input_buffers = InputBuffers(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.device)
+        widths = [g.width for g in self.kv_cache_groups]
+        inputs32, inputs64 = input_regions(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        tables32, tables64 = table_regions(widths, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.staging = Staging({**inputs32, **tables32}, {**inputs64, **tables64}, cfg.device)
+        self.block_tables = BlockTables([g.block_size for g in self.kv_cache_groups], widths, cfg.max_num_seqs,
+                                        self.staging)
+        self.input_buffers = InputBuffers(self.staging, cfg.max_num_batched_tokens, cfg.device)
         self.sampler = Sampler(cfg.max_num_seqs, cfg.device, self.ops.gumbel_argmax)
-        self.cudagraph_manager = CudaGraphManager(cfg.cudagraph_mode, cfg.max_num_seqs, cfg.device)
+        self.cudagraph_manager = CudaGraphManager(cfg.cudagraph_mode, cfg.max_num_seqs, cfg.device,
+                                                  model.max_graph_tokens())
         self.execute_state: ExecuteModelState | None = None
         self.observer: StepObserver | None = None
+        self.clock = StageClock(use_events=cfg.device.type == "cuda")
 
     # ---- state updates ---------------------------------------------------------------------
     def remove_requests(self, req_ids) -> None:
@@ -104,9 +113,11 @@ class ModelRunner:
             self.block_tables.append_block_ids(idx, new_ids, overwrite=False)
 
     # ---- one step ---------------------------------------------------------------------------
+    @on_device
     @torch.inference_mode()
     def execute_model(self, sched_out: SchedulerOutput) -> ExecuteModelState | None:
-        start = time.perf_counter()
+        clock = self.clock
+        clock.start()
         self._update_states(sched_out)
         self.execute_state = None
         if sched_out.total_num_scheduled_tokens == 0:
@@ -125,38 +136,43 @@ class ModelRunner:
         block_tables = self.block_tables.gather_block_tables(input_batch.idx_mapping_np, padded)
         slot_mappings = self.block_tables.compute_slot_mappings(
             input_batch.idx_mapping_np, input_batch.query_start_loc_np, input_batch.num_computed_tokens_np, padded)
-        inputs_done = time.perf_counter()
+        self.staging.flush()                    # the step's host data, one copy per dtype (staging.py)
+        if input_batch.input_ids_sampled:
+            gather_sampled_input_ids(self.input_buffers, self.req_states, padded or n)
+        clock.mark("prepare_inputs")
         self.model_state.preprocess_state(forward_batch)
         attn_metadata = self.model_state.prepare_attn(forward_batch, block_tables, slot_mappings,
                                                       self.attn_groups)
         state = ExecuteModelState(input_batch, attn_metadata, None, block_tables=block_tables,
                                   graph=graphs.label(padded), padded_size=padded)
-        metadata_done = time.perf_counter()
+        clock.mark("build_metadata")
         if self.observer is not None:
             self.observer.before_forward(self, state)
-        forward_start = time.perf_counter()
-        if padded is not None and graphs.captured:
+            clock.skip()
+        if graphs.has_graph(padded):
             state.hidden_states = graphs.replay(padded)
         else:
             state.hidden_states = self.model(forward_batch.input_ids, forward_batch.positions,
                                              attn_metadata.by_layer,
                                              **self.model_state.prepare_inputs(forward_batch))
-        forward_done = time.perf_counter()
+        clock.mark("forward")
         if self.observer is not None:
             self.observer.after_forward(self, state)
-        state.timings = {"prepare_inputs": inputs_done - start,
-                         "build_metadata": metadata_done - inputs_done,
-                         "forward": forward_done - forward_start}
+        state.timings = clock.host
         self.execute_state = state
         return state
 
+    @on_device
     @torch.inference_mode()
     def sample_tokens(self) -> dict[str, int]:
-        """Sample one token per row of the last executed batch; returns req_id -> token."""
+        """Sample one token per row of the last executed batch; returns req_id -> token.
+        `state.timings` gets "sample" and "wait" (host seconds waiting at the sync); on CUDA,
+        `state.device_timings` the device seconds of each stage (StageClock)."""
         state = self.execute_state
         if state is None:
             return {}
-        start = time.perf_counter()
+        clock = self.clock
+        clock.skip()
         batch = state.input_batch
         hidden = state.hidden_states
         # one token per row: the last tokens are rows 0..B-1 (a view, no gather)
@@ -168,11 +184,15 @@ class ModelRunner:
         # a row whose chunk ends before its known tokens do (partial prefill) draws nothing
         draws = batch.num_computed_tokens_np + batch.num_scheduled_tokens >= batch.prefill_len_np
         sampled = self.sampler(logits, batch.idx_mapping_np, batch.seq_lens, draws)
+        clock.mark("sample")
         sampled_np = sampled.cpu().numpy()      # the step's one device -> host copy (a sync)
+        clock.mark("wait", event=False)
+        state.device_timings = clock.device_times()
         self._post_update(batch, sampled, sampled_np)
         self.model_state.postprocess_state(batch, sampled)
         out = dict(zip(batch.req_ids, sampled_np.tolist()))
-        state.timings["sample"] = time.perf_counter() - start
+        clock.mark("sample", event=False)
+        state.timings = dict(clock.host)
         return out
 
     def _post_update(self, batch: InputBatch, sampled: torch.Tensor, sampled_cpu: np.ndarray) -> None:
@@ -189,16 +209,19 @@ class ModelRunner:
                 rs.total_len[idx] += 1
 
     # ---- warmup -----------------------------------------------------------------------------
+    @on_device
     @torch.inference_mode()
     def profile_run(self) -> ExecuteModelState:
         """Largest batch, no attention metadata (layers skip cache/state I/O), then the sampler."""
         batch = make_dummy(self.input_buffers, min(self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens),
                            self.cfg.max_num_batched_tokens)
+        self.staging.flush()
         hidden = self.model(batch.input_ids, batch.positions, None)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         logits.argmax(dim=-1)
         return ExecuteModelState(batch, AttnMetadata([], {}), hidden, logits)
 
+    @on_device
     @torch.inference_mode()
     def dummy_run(self, num_reqs: int, num_tokens: int) -> ExecuteModelState:
         """A dummy batch whose metadata goes through the same prepare_attn as real steps. Block
@@ -206,30 +229,62 @@ class ModelRunner:
         batch, block_tables, attn_metadata, forward = self._prepare_dummy(num_reqs, num_tokens)
         return ExecuteModelState(batch, attn_metadata, forward(), block_tables=block_tables)
 
-    def capture_cudagraphs(self, progress: bool = False):
-        """Warmup's last stage on CUDA: one graph per decode capture size (cudagraph.py). The
-        dummy batch and its metadata are prepared outside the capture (host work and host-to-device
-        copies cannot be captured); the graph records the forward."""
+    @on_device
+    def capture_cudagraphs(self, progress: bool = False, check: bool = True):
+        """Warmup's last stage on CUDA: one graph per decode capture size (cudagraph.py), each
+        checked against the eager forward (`check`). The dummy batch and its metadata are prepared
+        outside the capture (host work and host-to-device copies cannot be captured); the graph
+        records the forward."""
         with torch.inference_mode():
             return self.cudagraph_manager.capture(
-                lambda size: self._prepare_dummy(size, size, for_capture=True)[3], progress)
+                lambda size, vary_tokens=False: self._prepare_dummy(size, size, True, vary_tokens)[3],
+                self._check_graph if check else None, progress)
 
-    def _prepare_dummy(self, num_reqs: int, num_tokens: int, for_capture: bool = False):
+    def _check_graph(self, size: int, run_eager, replay) -> str | None:
+        """A graph's replay against the eager forward on the same dummy batch (cudagraph.py): None
+        when the greedy tokens are equal and the logits within the dtype's tolerance, else the
+        first differing output. The null state slot, which dummy rows read and write, is zeroed
+        before each run so that both start from the same state."""
+        logits = []
+        for run in (run_eager, replay):
+            self._zero_null_slots()
+            logits.append(self.model.compute_logits(run()[:size]).float())
+        want, got = logits
+        atol, rtol = CHECK_TOLERANCE.get(self.cfg.dtype, CHECK_TOLERANCE[torch.float32])
+        tokens = want.argmax(-1) != got.argmax(-1)
+        bad = (got - want).abs() > atol + rtol * want.abs()
+        if not (tokens.any() or bad.any()):
+            return None
+        row = int(tokens.nonzero()[0, 0]) if tokens.any() else int(bad.nonzero()[0, 0])
+        col = int((got[row] - want[row]).abs().argmax())
+        return (f"row {row}: eager token {int(want[row].argmax())}, graph token {int(got[row].argmax())}; "
+                f"logit {col}: eager {float(want[row, col]):.6g}, graph {float(got[row, col]):.6g} "
+                f"(tolerance {atol:g} + {rtol:g} * |eager|)")
+
+    def _zero_null_slots(self) -> None:
+        for group in self.kv_cache_groups:
+            if group.kind == "mamba":
+                for name in group.layer_names:
+                    for t in self.kv_caches[name]:
+                        t[0].zero_()
+
+    def _prepare_dummy(self, num_reqs: int, num_tokens: int, for_capture: bool = False, vary_tokens: bool = False):
         """Write a dummy batch into the persistent buffers and build its metadata. Returns
-        (batch, block_tables, attn_metadata, forward), `forward()` running the model on it."""
+        (batch, block_tables, attn_metadata, forward), `forward()` running the model on it.
+        `vary_tokens`: token ids other than the capture's zeros (the capture check's inputs)."""
         batch = make_dummy(self.input_buffers, num_reqs, num_tokens)
-        block_tables = self._padded_block_tables(num_reqs)
-        self.block_tables.slot_mappings.fill_(PAD_SLOT_ID)
-        attn_metadata = self.model_state.prepare_attn(batch, block_tables,
-                                                      self.block_tables.slot_mappings[:, :num_tokens],
-                                                      self.attn_groups, for_capture=for_capture)
+        block_tables = self.block_tables.null_block_tables(num_reqs)
+        slot_mappings = self.block_tables.pad_slot_mappings(num_tokens)
+        self.staging.flush()
+        if vary_tokens:
+            vocab = self.model.get_input_embeddings().num_embeddings
+            ids = torch.arange(1, num_tokens + 1, device=self.device) * 7919 % vocab
+            self.input_buffers.input_ids[:num_tokens] = ids.to(self.input_buffers.input_ids.dtype)
+        attn_metadata = self.model_state.prepare_attn(batch, block_tables, slot_mappings, self.attn_groups,
+                                                      for_capture=for_capture)
         extra = self.model_state.prepare_inputs(batch)
         return batch, block_tables, attn_metadata, lambda: self.model(batch.input_ids, batch.positions,
                                                                       attn_metadata.by_layer, **extra)
-
-    def _padded_block_tables(self, num_rows: int) -> tuple[torch.Tensor, ...]:
-        """Block tables for padded rows: every entry the null block / null state slot 0."""
-        return tuple(t[:num_rows].zero_() for t in self.block_tables.input_block_tables)
 
     # ---- shutdown ---------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -259,7 +314,7 @@ class ModelRunner:
         release("attn_groups", "attn_groups")
         release("model_state", "model_state")
         release("model", "model")
-        release("persistent_buffers", "input_buffers", "block_tables", "req_states", "sampler")
+        release("persistent_buffers", "input_buffers", "block_tables", "staging", "req_states", "sampler")
         self.observer = None
         gc.collect()
         if self.device.type == "cuda":

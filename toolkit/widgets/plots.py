@@ -149,8 +149,9 @@ def block_grid_png(rows: Sequence[Sequence[int]], row_labels: Sequence[str], tit
 
 
 def timeline_png(records) -> bytes:
-    """Three panels over a run: tokens per step (prefill vs decode rows), seconds per stage,
-    and each request's life from its first scheduled step to the step it finished."""
+    """Three panels over a run: tokens per step (prefill vs decode rows), seconds per stage (host
+    time, stacked; on CUDA the device time of the forward and of the sampler drawn over it as
+    black ticks), and each request's life from its first scheduled step to the step it finished."""
     records = [r for r in records if r.scheduled]
     fig = _figure(figsize=(9.5, 6.2), dpi=90)
     axes = fig.subplots(3, 1, sharex=True)
@@ -161,13 +162,17 @@ def timeline_png(records) -> bytes:
     axes[0].bar(xs, dec, bottom=pre, color="#dd8452", label="decode tokens")
     axes[0].set_ylabel("tokens", fontsize=8)
     axes[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    stages = ["schedule", "prepare_inputs", "build_metadata", "forward", "sample", "update"]
+    stages = ["schedule", "prepare_inputs", "build_metadata", "forward", "sample", "wait", "update"]
     bottom = np.zeros(len(records))
     for stage in stages:
         ms = np.array([r.timings.get(stage, 0.0) * 1e3 for r in records])
         axes[1].bar(xs, ms, bottom=bottom, label=stage)
         bottom += ms
-    axes[1].set_ylabel("ms", fontsize=8)
+    device = [getattr(r, "device_timings", {}) for r in records]
+    if any(device):
+        gpu = np.array([(d.get("forward", 0.0) + d.get("sample", 0.0)) * 1e3 for d in device])
+        axes[1].scatter(xs, gpu, marker="_", s=120, color="black", label="device: forward + sample")
+    axes[1].set_ylabel("ms (host)", fontsize=8)
     axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     first: dict[str, int] = {}
     last: dict[str, int] = {}

@@ -1,0 +1,213 @@
+"""What the GPU path needs, checked on the CPU where it can be: graphs verified at capture (through
+the emulated replay), a failed capture releasing what it captured, MoE models capping the capture
+sizes, the engine's device made current for its launches, and device stage times from events."""
+from __future__ import annotations
+
+import time
+import warnings
+
+import pytest
+import torch
+
+import toolkit.llm
+import toolkit.runner.model_runner as model_runner
+from toolkit import LLM, SamplingParams
+from toolkit.layers.moe import DENSE_MAX_TOKENS
+from toolkit.runner.cudagraph import CudaGraphManager, capture_sizes
+from toolkit.runner.device import StageClock, on_device
+
+F32 = dict(device="cpu", dtype="float32")
+GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+SMALL = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64)
+PROMPTS = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (2, 5, 3)]
+
+
+class ClosureGraphs(CudaGraphManager):
+    """CUDA-graph capture emulated on the CPU: the "graph" is the forward closure built at capture
+    (it keeps the capture's metadata alive, as the real manager keeps `forwards`), "replay" calls
+    it again. A replay then sees only what the step wrote into the persistent buffers."""
+
+    def _record(self, forward):
+        return forward, forward()
+
+    def replay(self, size):
+        return self.graphs[size]()
+
+
+@pytest.fixture
+def emulated_graphs(monkeypatch):
+    monkeypatch.setattr(toolkit.llm, "resolve_cudagraph_mode", lambda *a: "full_decode")
+    monkeypatch.setattr(model_runner, "CudaGraphManager", ClosureGraphs)
+
+
+def tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_graphs_are_checked_at_capture_and_pass(emulated_graphs):
+    with LLM("tiny-bamba", **F32, backend="triton", **SMALL) as llm:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)         # a failed check would warn
+            llm.warmup(progress=False)
+        report = llm.cudagraph_report
+        assert report.sizes == [1, 2, 4, 8] and report.failed == {} and report.check_seconds > 0
+        manager = llm.model_runner.cudagraph_manager
+        assert sorted(manager.forwards) == [1, 2, 4, 8]            # capture-time inputs kept alive
+        capture = llm.trace.by_stage("warmup/capture CUDA graphs")[0]
+        assert capture.violations == [] and capture.timings["check"] > 0
+        tokens(llm)
+        assert any(r.graph == "graph" for r in llm.trace.user_steps())
+
+
+def test_a_graph_reading_a_non_persistent_input_falls_back_to_eager(emulated_graphs, monkeypatch):
+    """Planted: the captured forward reads a copy of the input ids taken at capture, not the
+    persistent buffer the step rewrites. The check replays it on other token ids, sees the
+    difference, drops every size to eager with one warning, and the outputs stay right."""
+    original = model_runner.ModelRunner._prepare_dummy
+
+    def stale_ids(self, num_reqs, num_tokens, for_capture=False, vary_tokens=False):
+        batch, tables, md, forward = original(self, num_reqs, num_tokens, for_capture, vary_tokens)
+        frozen = batch.input_ids.clone()
+        return batch, tables, md, lambda: self.model(frozen, batch.positions, md.by_layer)
+    monkeypatch.setattr(model_runner.ModelRunner, "_prepare_dummy", stale_ids)
+    with LLM("tiny-bamba", **F32, backend="triton", **SMALL) as llm:
+        with pytest.warns(RuntimeWarning, match=r"CUDA graph check: 4 of 4 decode graph sizes .* size 8: row 0"):
+            llm.warmup(progress=False)
+        report = llm.cudagraph_report
+        assert report.sizes == [] and sorted(report.failed) == [1, 2, 4, 8]
+        assert "eager token" in report.failed[1] and "graph token" in report.failed[1]
+        capture = llm.trace.by_stage("warmup/capture CUDA graphs")[0]
+        assert [v.check for v in capture.violations] == ["graph_replays_as_eager"] * 4
+        graphs_dropped = tokens(llm)
+        steps = list(llm.trace.user_steps())
+        assert all(r.graph != "graph" for r in steps) and any(r.graph == "padded eager" for r in steps)
+    monkeypatch.undo()
+    with LLM("tiny-bamba", **F32, backend="triton", **SMALL, enforce_eager=True) as llm:
+        assert tokens(llm) == graphs_dropped
+
+
+def test_a_capture_that_raises_releases_what_it_captured(emulated_graphs, monkeypatch):
+    calls = []
+    original = model_runner.ModelRunner._prepare_dummy
+
+    def fails_on_the_third_size(self, num_reqs, num_tokens, for_capture=False, vary_tokens=False):
+        if for_capture and not vary_tokens:
+            calls.append(num_reqs)
+            if len(set(calls)) == 3:
+                raise RuntimeError("planted: capture failed")
+        return original(self, num_reqs, num_tokens, for_capture, vary_tokens)
+    monkeypatch.setattr(model_runner.ModelRunner, "_prepare_dummy", fails_on_the_third_size)
+    with LLM("tiny-bamba", **F32, backend="triton", **SMALL) as llm:
+        with pytest.raises(RuntimeError, match="planted"):
+            llm.warmup(progress=False)
+        manager = llm.model_runner.cudagraph_manager
+        assert not manager.captured and not manager.outputs and not manager.forwards
+        monkeypatch.setattr(model_runner.ModelRunner, "_prepare_dummy", original)
+        served = tokens(llm)                                      # it serves, eagerly
+        assert all(r.graph != "graph" for r in llm.trace.user_steps())
+    with LLM("tiny-bamba", **F32, backend="triton", **SMALL, enforce_eager=True) as llm:
+        assert tokens(llm) == served
+
+
+def test_moe_models_cap_the_capture_sizes():
+    assert capture_sizes(520, DENSE_MAX_TOKENS)[-1] == DENSE_MAX_TOKENS
+    assert capture_sizes(520)[-1] == 520
+    with LLM("tiny-jamba", **F32, max_num_seqs=520, max_num_batched_tokens=520, max_model_len=32,
+             num_kv_blocks=64, cudagraph_mode="padded_eager") as llm:
+        manager = llm.model_runner.cudagraph_manager
+        assert llm.model.max_graph_tokens() == DENSE_MAX_TOKENS
+        assert manager.sizes[-1] == DENSE_MAX_TOKENS
+        assert manager.padded_size(513, 513, True) is None               # runs eagerly, not captured
+    with LLM("tiny-mamba2", **F32, max_num_seqs=520, max_num_batched_tokens=520, max_model_len=32,
+             cudagraph_mode="padded_eager") as llm:
+        assert llm.model.max_graph_tokens() is None
+        assert llm.model_runner.cudagraph_manager.sizes[-1] == 520
+
+
+def test_runner_methods_run_on_the_engine_device(monkeypatch):
+    entered = []
+
+    class Recorder:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(self.device)
+
+        def __exit__(self, *exc):
+            return False
+    monkeypatch.setattr(torch.cuda, "device", Recorder)
+
+    class Runner:
+        def __init__(self, device):
+            self.device = torch.device(device)
+
+        @on_device
+        def launch(self):
+            return "ran"
+    assert Runner("cuda:1").launch() == "ran" and entered == [torch.device("cuda:1")]
+    assert Runner("cpu").launch() == "ran" and len(entered) == 1
+    for name in ("execute_model", "sample_tokens", "profile_run", "dummy_run", "capture_cudagraphs"):
+        assert getattr(model_runner.ModelRunner, name).__wrapped__, name
+
+
+def test_stage_clock_reads_device_times_from_events():
+    class FakeEvent:
+        def record(self):
+            self.t = time.perf_counter()
+
+        def elapsed_time(self, end):            # milliseconds, as torch.cuda.Event's
+            return (end.t - self.t) * 1e3 + 2.0   # the device ran 2 ms longer than the host saw
+
+    clock = StageClock(use_events=True, event_factory=FakeEvent)
+    clock.start()
+    clock.mark("prepare_inputs")
+    clock.skip()
+    clock.mark("forward")
+    clock.mark("wait", event=False)
+    device = clock.device_times()
+    assert set(clock.host) == {"prepare_inputs", "forward", "wait"}
+    assert set(device) == {"prepare_inputs", "forward"}
+    assert all(abs(device[k] - clock.host[k] - 0.002) < 1e-3 for k in device)
+    cpu = StageClock(use_events=False)
+    cpu.start()
+    cpu.mark("forward")
+    assert cpu.device_times() == {} and "forward" in cpu.host
+
+
+def test_steps_record_host_stages_and_no_device_times_on_a_cpu():
+    with LLM("tiny-bamba", **F32) as llm:
+        llm.generate(PROMPTS, GREEDY)
+        rec = llm.trace[-1]
+        assert {"schedule", "prepare_inputs", "build_metadata", "forward", "sample", "wait", "update"} <= set(rec.timings)
+        assert rec.device_timings == {}
+
+
+# ---- host-to-device copies of a decode step ----------------------------------------------------------
+def decode_step_transfers(preset: str, backend: str, cudagraph_mode: str) -> dict[str, int]:
+    from toolkit.host import TRANSFERS
+    with LLM(preset, **F32, backend=backend, cudagraph_mode=cudagraph_mode, inspect="off", **SMALL) as llm:
+        for prompt in PROMPTS:
+            llm.add_request(prompt, GREEDY)
+        llm.step()                      # the prefills
+        llm.step()
+        TRANSFERS.clear()
+        llm.step()                      # a decode step
+        return dict(TRANSFERS)
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-bamba", "tiny-mamba", "tiny-mamba2", "tiny-lfm2",
+                                    "tiny-qwen3-next", "tiny-jamba", "tiny-zamba2", "tiny-falcon-h1",
+                                    "tiny-nemotron-h", "tiny-granite-hybrid"])
+def test_a_decode_step_copies_its_host_data_in_two_transfers(preset):
+    """The staged inputs (runner/staging.py) go in one copy per dtype; the only other transfer is
+    the torch reference attention's batch of single-token rows, which the Triton kernel never
+    asks for (checked below on the Triton backend)."""
+    for mode in ("none", "padded_eager"):
+        transfers = decode_step_transfers(preset, "torch", mode)
+        assert transfers.pop("copy_pinned") == 2, (mode, transfers)
+        assert transfers in ({}, {"to_device": 1}), (mode, transfers)
+
+
+def test_a_decode_step_on_the_triton_backend_makes_two_transfers():
+    assert decode_step_transfers("tiny-bamba", "triton", "padded_eager") == {"copy_pinned": 2}
