@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,3 +138,13 @@ def test_an_unknown_check_is_a_one_line_error(capsys):
     assert cli.main(["doctor", "--check", "no_such_check"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --check 'no_such_check': no such check")
+
+
+def test_readme_shows_the_doctor_output_of_today():
+    """README's pasted CPU run has every check, in order, in the format the doctor prints."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("python -m toolkit doctor`, ", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    lines = block.splitlines()
+    assert lines[0].startswith("versions  ") and lines[1].startswith("device    ") and SUMMARY.match(lines[-1])
+    checks = [LINE.match(line) for line in lines[2:-1]]
+    assert all(checks) and [m["name"] for m in checks] == list(doctor.CHECKS)

@@ -101,6 +101,7 @@ class Context:
     timing_preset: str = TIMING_PRESET
     new_tokens: int = 16          # timing: tokens generated (N); 32 on a GPU
     repeats: int = 3
+    busy: str = ""                  # busy_note() at the start, appended to the timing lines
     cache: dict = field(default_factory=dict)
     closers: list = field(default_factory=list)
 
@@ -141,6 +142,17 @@ def device_info() -> dict:
                 "bf16": torch.cuda.is_bf16_supported()}
     return {"type": "cpu", "name": platform.machine() or "cpu", "capability": None,
             "cores": os.cpu_count(), "threads": torch.get_num_threads()}
+
+
+def busy_note() -> str:
+    """A warning for the timing lines when other work keeps the host's cores busy (the tiny models are
+    host-bound, on a GPU too), else ""."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):          # not on Windows
+        return ""
+    cores = os.cpu_count() or 1
+    return f"; load average {load:.1f} on {cores} cores: timings unreliable" if load > 0.75 * cores else ""
 
 
 def _version_line(v: dict) -> str:
@@ -461,11 +473,11 @@ def _timing_check(kind: str, batch: int):
         detail = (f"{ctx.timing_preset} {dtype} on {ctx.device}, batch {batch}, prompt 16, "
                   f"{ctx.new_tokens} new tokens: {batch / max(ms, 1e-9) * 1e3:,.0f} tok/s")
         if ms == 0:
-            return True, ms, "ms", detail.split(":")[0] + ": below the timer's noise here"
+            return True, ms, "ms", detail.split(":")[0] + ": below the timer's noise here" + ctx.busy
         hf = ctx.cache.get(("ms", "hf", batch))
         if kind != "hf" and hf:
             detail += f", {hf / ms:.1f}x HF"
-        return True, ms, "ms", detail
+        return True, ms, "ms", detail + ctx.busy
     return run
 
 
@@ -534,7 +546,7 @@ def run(args: argparse.Namespace) -> int:
     names = select(args.check)
     cuda = torch.cuda.is_available()
     ctx = Context(cuda=cuda, presets=args.presets or (GPU_PRESETS if cuda else CPU_PRESETS),
-                  timing_preset=args.timing_preset, new_tokens=32 if cuda else 16, repeats=3)
+                  timing_preset=args.timing_preset, new_tokens=32 if cuda else 16, repeats=3, busy=busy_note())
     info = {"versions": versions(), "device": device_info()}
     if not args.json:
         print(_version_line(info["versions"]))
