@@ -1,46 +1,211 @@
 #!/usr/bin/env bash
-# The prepared device check, for a session that is lent a GPU (run once, from the repo root):
-#   1. every Triton kernel against its torch reference, compiled (not interpreted), small shapes and
-#      the real-shape cases (mamba2-130m, mamba-130m, lfm2-350m) that only run on a GPU;
-#   2. backend="triton" vs backend="torch" on the GPU, every preset, fp32 (greedy tokens, logits 1e-4);
-#   3. the runner's HF-parity tests on CUDA in fp32 (backend "auto" = Triton on CUDA; TF32 off, see
-#      tests/harness.py);
-#   4. the kernel micro-benchmarks (bandwidth vs the measured copy bandwidth; SSD layer prefill vs HF);
-#   5. decode (batch 1, 32, 128) and prefill (128 x 64) on shape-true presets, bf16: runner eager, runner
-#      with CUDA graphs and HF generate in one process, with the fraction of the memory roofline;
-#   6. kernels per decode step on CUDA (benchmarks/launch_count.py: forward and the rest of the step);
-#   (tests/test_cudagraph.py's GPU cases: graphs equal eager for every preset, memory back to baseline.)
+# The prepared device check, for a session that is lent a GPU. It runs in parts; each part is meant to be
+# ONE device command (the device runs a command for at most 10 minutes), run from the repository root:
+#
+#   bash benchmarks/gpu_check.sh PART [PART ...]        e.g. `bash benchmarks/gpu_check.sh doctor kernels`
+#   bash benchmarks/gpu_check.sh --dry-run [PART ...]   (or DRY_RUN=1) on any machine, no GPU needed: checks
+#       the prerequisites it can, prints each part's exact commands and, for the test parts, how many tests
+#       the selection collects (pytest --collect-only), and runs nothing; tests/test_gpu_check_script.py
+#       runs it in CI.
+#   No PART: every part, in order (more than one device command's time: use it only with no time limit).
+#
+# part     estimate  what
+# doctor   ~3 min    python -m toolkit doctor, first: versions, device, kernels compiled on CUDA tensors, then
+#                    on 6 tiny presets Triton vs torch, CUDA vs CPU fp32, padded decode and CUDA graphs vs
+#                    eager, and the decode step at batch 1 and 16 (eager, graphs, HF)
+# kernels  ~4 min    tests/test_kernel_*.py on CUDA tensors (RUNNERSCOPE_TEST_DEVICE=cuda, tests/harness.py
+#                    KERNEL_DEVICE): every Triton kernel, compiled, against its torch reference, small shapes and
+#                    the real-shape cases (mamba2-130m, mamba-130m, lfm2-350m, Qwen3-Next GDN); 194 tests
+# backend  ~3 min    tests/test_backend_triton.py: backend="triton" vs "torch" on CUDA, every preset, fp32
+#                    (greedy tokens, logits 1e-4); 29 tests, ~55 engine builds
+# parity   ~5 min    tests/test_parity_*.py: the runner's HF-parity tests on CUDA in fp32 (backend "auto" =
+#                    Triton; TF32 off, see tests/harness.py); 215 tests, ~150 engine builds and HF models
+# graphs   ~3 min    tests/test_cudagraph.py (graphs equal eager for every preset, memory back to baseline),
+#                    tests/test_model_state_routing.py, tests/test_warmup.py; 82 tests
+# bench    ~6 min    kernels per decode step (benchmarks/launch_count.py), the kernel micro-benchmarks
+#                    (kernel_bench.py: bandwidth vs the measured copy bandwidth; SSD prefill vs HF), decode
+#                    (batch 1, 32, 128) and prefill (128 x 64) on shape-true presets, bf16: eager, CUDA graphs
+#                    and HF generate (gpu_decode.py), with the fraction of the memory roofline
+#
+# How the estimates were made (nothing has run on a GPU yet; each part prints its real time at the end, so
+# correct them here after the first run): a part may start on a fresh machine, so every part pays a cold
+# Triton cache: one compilation (~1 s) per kernel variant it meets (a kernel x dtypes x block sizes; the
+# kernel tests meet ~150, each engine part ~100-200); plus the host time of the same tests measured on a
+# CPU (one thread; the tiny models are host-bound on a GPU too): parity 130 s, graphs 60 s, backend and
+# kernels under a minute once compiled. Each part stops itself after PART_TIMEOUT seconds (default 540),
+# with pytest's summary of what ran, so that its report comes back inside the device's 10 minutes.
+# No part stops at the first failure (no -x): one run shows every result.
+#
+# Python and imports: the project is not installed here; a temporary folder on PYTHONPATH holds a `toolkit`
+# package made of links to toolkit/* plus `toolkit/kernels` -> kernels/ (the installed layout, see
+# pyproject.toml's package-dir), and PYTHONSAFEPATH=1 (Python >= 3.11) keeps `python -m` and `python -c`
+# from putting the current folder (the repository root) on sys.path: there kernels/ would import as a
+# top-level `kernels` package, a name transformers probes for (a PyPI package of that name exists).
+#
 # Needs torch with CUDA, triton, transformers >= 5.24, safetensors, tqdm and pytest (the GPU image has all,
 # but its transformers 5.17 lacks Mamba2's grouped gated norm: carry the 5.24 wheel in .whl/, which this
 # script installs into /tmp/site when present:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform any -d .whl transformers==5.24.0        # then run with carry [".whl"]
-# Runs from the source tree, no install of the project. `bash benchmarks/gpu_check.sh tests` runs steps 1-3,
-# `... bench` steps 4-6 (each should fit one 10-minute device command), no argument both.
-# Steps 1-2 run to the end even if one fails, so one run shows every result.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+REPO="$PWD"
+PY="${PYTHON:-python3}"
+PART_TIMEOUT="${PART_TIMEOUT:-540}"
+DRY="${DRY_RUN:-0}"
+ALL_PARTS=(doctor kernels backend parity graphs bench)
+
+usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; echo "parts: ${ALL_PARTS[*]}"; }
+
+parts=()
+for arg in "$@"; do
+    case "$arg" in
+        --dry-run) DRY=1 ;;
+        -h|--help) usage; exit 0 ;;
+        *) if [[ " ${ALL_PARTS[*]} " == *" $arg "* ]]; then parts+=("$arg")
+           else echo "gpu_check.sh: unknown part '$arg'"; usage; exit 2; fi ;;
+    esac
+done
+[ ${#parts[@]} -eq 0 ] && parts=("${ALL_PARTS[@]}")
+
+# ---- each part's estimate and commands (the test parts: one pytest selection of whole files) -----------
+estimate_of() {  # estimated device minutes on a cold Triton cache (see the header)
+    case "$1" in doctor) echo 3 ;; kernels) echo 4 ;; backend) echo 3 ;; parity) echo 5 ;; graphs) echo 3 ;;
+                 bench) echo 6 ;; esac
+}
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs --durations=10)
+tests_of() {    # the test files of a test part (empty for the others)
+    case "$1" in
+        kernels) echo tests/test_kernel_*.py ;;
+        backend) echo tests/test_backend_triton.py ;;
+        parity)  echo tests/test_parity_*.py ;;
+        graphs)  echo tests/test_cudagraph.py tests/test_model_state_routing.py tests/test_warmup.py ;;
+    esac
+}
+commands_of() { # one command per line
+    case "$1" in
+        doctor) echo "$PY -m toolkit doctor" ;;
+        kernels|backend|parity|graphs) echo "${PYTEST[*]} $(tests_of "$1")" ;;
+        bench)
+            echo "$PY benchmarks/launch_count.py --device cuda --presets mamba2-130m-shape lfm2-350m-shape bamba-300m-shape tiny-mamba2 tiny-qwen3-next"
+            echo "$PY benchmarks/kernel_bench.py --dtype bfloat16"
+            echo "$PY benchmarks/gpu_decode.py --dtype bfloat16 --repeats 2" ;;
+    esac
+}
+
+# ---- environment: the package from a temporary folder, never the repository root ----------------------
+SHADOW="$(mktemp -d "${TMPDIR:-/tmp}/runnerscope-path.XXXXXX")"
+trap 'rm -rf "$SHADOW"' EXIT
+mkdir "$SHADOW/toolkit"
+for entry in "$REPO"/toolkit/*; do
+    name="$(basename "$entry")"
+    [ "$name" = kernels ] || [ "$name" = __pycache__ ] || ln -s "$entry" "$SHADOW/toolkit/$name"
+done
+ln -s "$REPO/kernels" "$SHADOW/toolkit/kernels"
 if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+    if [ "$DRY" = 1 ]; then
+        echo "dry run: would install $(ls .whl/*.whl | tr '\n' ' ')into /tmp/site"
+    else
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+        export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+    fi
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" RUNNERSCOPE_TEST_DEVICE=cuda PYTHONUNBUFFERED=1
-unset TRITON_INTERPRET
-python3 -c "import torch, triton, transformers; assert torch.cuda.is_available(), 'no CUDA device'; \
-print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__, \
-'transformers', transformers.__version__)"
-part="${1:-all}"            # "tests", "bench" or "all": one command fits the device's 10-minute limit
+export PYTHONPATH="$SHADOW${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1 RUNNERSCOPE_TEST_DEVICE=cuda PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET      # compiled kernels (conftest sets the interpreter only where there is no GPU)
+
+# ---- prerequisites ------------------------------------------------------------------------------------
+# What can be checked without a GPU; CUDA itself only when not a dry run.
+PREREQ='
+import importlib.metadata as md, importlib.util, os, sys
+problems = []
+if sys.version_info < (3, 11):
+    problems.append(f"python {sys.version.split()[0]}: PYTHONSAFEPATH needs >= 3.11")
+import torch, toolkit, toolkit.kernels, toolkit.doctor
+shadow = os.environ["PYTHONPATH"].split(os.pathsep)[0]
+if not toolkit.__file__.startswith(shadow):
+    problems.append(f"toolkit imports from {toolkit.__file__}, not the temporary folder {shadow}")
+spec = importlib.util.find_spec("kernels")
+if spec is not None and spec.origin and spec.origin.startswith(os.getcwd() + os.sep):
+    problems.append(f"the repository root is on sys.path: kernels imports from {spec.origin}")
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        problems.append(f"{name} is not installed")
+        return None
+import transformers
+versions = {n: version(n) for n in ("triton", "safetensors", "tqdm", "pytest")}
+if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 24):
+    problems.append(f"transformers {transformers.__version__} < 5.24 (carry the 5.24 wheel in .whl/, see the header)")
+print("python", sys.version.split()[0], "| torch", torch.__version__, "| CUDA", torch.version.cuda,
+      "| transformers", transformers.__version__, "|", " | ".join(f"{n} {v}" for n, v in versions.items()))
+if os.environ.get("CHECK_CUDA") == "1":
+    if torch.cuda.is_available():
+        print("device", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
+    else:
+        problems.append("torch sees no CUDA device")
+for p in problems:
+    print("prerequisite:", p)
+sys.exit(1 if problems else 0)
+'
+CHECK_CUDA=$([ "$DRY" = 1 ] && echo 0 || echo 1) "$PY" -c "$PREREQ"
+prereq=$?
+
+# ---- dry run: the selections and their sizes, nothing run ---------------------------------------------
+if [ "$DRY" = 1 ]; then
+    status=$prereq
+    files=()
+    for part in "${parts[@]}"; do
+        for f in $(tests_of "$part"); do files+=("$f"); done
+    done
+    declare -A count=()
+    if [ ${#files[@]} -gt 0 ]; then
+        # one collection for every test part (each part selects whole files): "FILE: N" per file
+        collected="$("$PY" -m pytest --collect-only -qq -p no:cacheprovider "${files[@]}" 2>&1)"
+        collect_rc=$?
+        while read -r file n; do count["${file%:}"]=$n; done < <(echo "$collected" | grep -E '^tests/[^ ]+\.py: [0-9]+$')
+        if [ $collect_rc -ne 0 ]; then
+            echo "dry run: pytest --collect-only failed (rc $collect_rc):"; echo "$collected" | tail -20; status=1
+        fi
+    fi
+    for part in "${parts[@]}"; do
+        echo "part $part (~$(estimate_of "$part") min):"
+        commands_of "$part" | sed 's/^/  $ /'
+        sel=$(tests_of "$part")
+        if [ -n "$sel" ]; then
+            total=0
+            for f in $sel; do
+                if [ ! -f "$f" ]; then echo "  missing: $f"; status=1; continue; fi
+                total=$((total + ${count[$f]:-0}))
+            done
+            echo "  selects $total tests in $(echo "$sel" | wc -w) file(s)"
+            [ "$total" -gt 0 ] || { echo "  no tests selected"; status=1; }
+        else
+            for script in $(commands_of "$part" | awk '{print $2}' | grep '\.py$'); do
+                [ -f "$script" ] || { echo "  missing: $script"; status=1; }
+            done
+        fi
+    done
+    echo "dry run: $([ $status = 0 ] && echo ok || echo FAILED)"
+    exit $status
+fi
+
+# ---- the parts ----------------------------------------------------------------------------------------
+[ $prereq = 0 ] || { echo "gpu_check.sh: prerequisites missing (above)"; exit 1; }
 status=0
-if [ "$part" != "bench" ]; then
-python3 -m pytest tests/test_kernel_*.py -q -p no:cacheprovider -rs || status=1
-python3 -m pytest tests/test_backend_triton.py -q -p no:cacheprovider -x || status=1
-python3 -m pytest tests/test_cudagraph.py tests/test_parity_*.py tests/test_model_state_routing.py tests/test_warmup.py -q -p no:cacheprovider \
-    || status=1
-fi
-if [ "$part" != "tests" ]; then
-python3 benchmarks/launch_count.py --device cuda --presets mamba2-130m-shape lfm2-350m-shape bamba-300m-shape \
-    tiny-mamba2 tiny-qwen3-next || status=1
-python3 benchmarks/kernel_bench.py --dtype bfloat16 || status=1
-python3 benchmarks/gpu_decode.py --dtype bfloat16 --repeats 2 || status=1
-fi
+for part in "${parts[@]}"; do
+    echo "==== part $part (estimate ~$(estimate_of "$part") min; stops itself after ${PART_TIMEOUT} s)"
+    start=$SECONDS
+    part_rc=0
+    mapfile -t cmds < <(commands_of "$part")
+    for cmd in "${cmds[@]}"; do
+        left=$((PART_TIMEOUT - (SECONDS - start)))
+        if [ $left -le 10 ]; then echo "part $part: out of time before: $cmd"; part_rc=124; break; fi
+        echo "\$ $cmd"
+        # SIGINT first: pytest prints its summary of what ran; KILL 20 s later if it does not stop
+        timeout -s INT -k 20 "$left" $cmd </dev/null || part_rc=$?
+    done
+    echo "==== part $part: rc $part_rc in $((SECONDS - start)) s (estimate ~$(estimate_of "$part") min)"
+    [ $part_rc = 0 ] || status=1
+done
 exit $status

@@ -28,6 +28,19 @@ if DEVICE.startswith("cuda"):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
 F32 = dict(device=DEVICE, dtype="float32")
+
+
+def kernel_test_device(device: str = DEVICE, cuda: bool | None = None, interpret: str | None = None) -> str:
+    """The device the kernel tests (tests/test_kernel_*.py) build their tensors on: the test device,
+    except that where the kernels compile (a CUDA host without TRITON_INTERPRET=1, see conftest) it is
+    CUDA even when RUNNERSCOPE_TEST_DEVICE is unset: compiled Triton kernels take CUDA tensors only.
+    On a CPU-only host: the CPU, with the kernels under the interpreter."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    interpret = os.environ.get("TRITON_INTERPRET") if interpret is None else interpret
+    return "cuda" if cuda and interpret != "1" and not device.startswith("cuda") else device
+
+
+KERNEL_DEVICE = kernel_test_device()
 LOGIT_ATOL = 1e-4
 TIE_ATOL = 1e-5
 # The tiny preset of every architecture family (toolkit/models/<family>.py).

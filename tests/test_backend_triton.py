@@ -62,8 +62,18 @@ def test_sampled_rows_triton_equals_torch():
     assert outs["torch"] == outs["triton"]
 
 
-def test_auto_is_torch_on_cpu():
-    assert LLM("tiny-llama", backend="auto").backend == "torch"
+def test_auto_is_triton_on_cuda_and_torch_on_cpu(monkeypatch):
+    """backend="auto" on this host (device "auto"): the Triton kernels on a CUDA device (triton is
+    installed: importorskip above), the torch ops on the CPU; both rules checked without a GPU too."""
+    import torch
+
+    from toolkit import config
+    llm = LLM("tiny-llama", backend="auto")
+    assert llm.backend == ("triton" if llm.cfg.device.type == "cuda" else "torch")
+    assert config.resolve_backend("auto", torch.device("cuda")) == "triton"
+    assert config.resolve_backend("auto", torch.device("cpu")) == "torch"
+    monkeypatch.setattr(config, "triton_installed", lambda: False)          # macOS / Windows
+    assert config.resolve_backend("auto", torch.device("cuda")) == "torch"
 
 
 SET_INTERPRETER = """

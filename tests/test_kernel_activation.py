@@ -1,10 +1,11 @@
-"""kernels/activation.py: SwiGLU's silu(gate) * up kernel against its torch reference under
-TRITON_INTERPRET=1: fp32 / fp16 / bf16, widths past one block, the two halves of one projection as
-strided views, and bad input."""
+"""kernels/activation.py: SwiGLU's silu(gate) * up kernel against its torch reference under TRITON_INTERPRET=1 on
+the CPU or compiled on CUDA (harness.KERNEL_DEVICE): fp32 / fp16 / bf16, widths past one block, the two halves
+of one projection as strided views, and bad input."""
 from __future__ import annotations
 
 import pytest
 import torch
+from harness import KERNEL_DEVICE as DEV  # the test device: CPU (interpreter) or CUDA (compiled)
 
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
 from toolkit.kernels import activation as ka  # noqa: E402
@@ -19,7 +20,7 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3,
 @pytest.mark.parametrize("dim", [40, ka._BLOCK + 3])
 def test_silu_and_mul_equals_reference(dtype, dim):
     g = torch.Generator().manual_seed(0)
-    proj = (3 * torch.randn(5, 2 * dim, generator=g)).to(dtype)
+    proj = (3 * torch.randn(5, 2 * dim, generator=g)).to(DEV, dtype)
     gate, up = proj[:, :dim], proj[:, dim:]                      # halves of one projection
     ours, ref = ka.silu_and_mul(gate, up), activation_ref.silu_and_mul(gate, up)
     assert ours.dtype == ref.dtype and ours.shape == ref.shape
@@ -30,8 +31,8 @@ def test_silu_and_mul_equals_reference(dtype, dim):
 def test_silu_and_mul_mamba1_gating_bf16_gate_on_fp32_y(out_dtype):
     """Mamba1: y fp32 * silu(z) with z bf16 computes in fp32 (no rounding of silu), then the cast."""
     g = torch.Generator().manual_seed(2)
-    z = (3 * torch.randn(4, 40, generator=g)).to(torch.bfloat16)
-    y = 3 * torch.randn(4, 40, generator=g)
+    z = (3 * torch.randn(4, 40, generator=g)).to(DEV, torch.bfloat16)
+    y = (3 * torch.randn(4, 40, generator=g)).to(DEV)
     ours, ref = ka.silu_and_mul(z, y, out_dtype), activation_ref.silu_and_mul(z, y, out_dtype)
     assert ours.dtype == ref.dtype == (out_dtype or torch.float32)
     if ours.dtype == torch.float32:
@@ -43,7 +44,8 @@ def test_silu_and_mul_mamba1_gating_bf16_gate_on_fp32_y(out_dtype):
 def test_silu_and_mul_bf16_pair_to_fp32_rounds_like_torch():
     """Both bf16 with an fp32 output: the product is rounded to bf16 first, as torch's ops then .float()."""
     g = torch.Generator().manual_seed(3)
-    gate, up = (3 * torch.randn(2, 64, generator=g)).bfloat16(), (3 * torch.randn(2, 64, generator=g)).bfloat16()
+    gate = (3 * torch.randn(2, 64, generator=g)).to(DEV, torch.bfloat16)
+    up = (3 * torch.randn(2, 64, generator=g)).to(DEV, torch.bfloat16)
     ours = ka.silu_and_mul(gate, up, torch.float32)
     assert ours.dtype == torch.float32
     assert torch.equal(ours, ours.bfloat16().float())          # exactly representable in bf16
@@ -52,9 +54,9 @@ def test_silu_and_mul_bf16_pair_to_fp32_rounds_like_torch():
 
 def test_silu_and_mul_leading_dims_and_empty():
     g = torch.Generator().manual_seed(1)
-    gate, up = torch.randn(2, 3, 8, generator=g), torch.randn(2, 3, 8, generator=g)
+    gate, up = torch.randn(2, 3, 8, generator=g).to(DEV), torch.randn(2, 3, 8, generator=g).to(DEV)
     torch.testing.assert_close(ka.silu_and_mul(gate, up), activation_ref.silu_and_mul(gate, up), atol=1e-6, rtol=1e-6)
-    assert ka.silu_and_mul(torch.zeros(0, 8), torch.zeros(0, 8)).shape == (0, 8)
+    assert ka.silu_and_mul(torch.zeros(0, 8, device=DEV), torch.zeros(0, 8, device=DEV)).shape == (0, 8)
 
 
 def test_silu_and_mul_launcher_names_what_is_wrong():

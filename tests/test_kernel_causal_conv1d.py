@@ -1,13 +1,13 @@
-"""kernels/causal_conv1d.py: the causal conv1d kernels against their torch references, under
-TRITON_INTERPRET=1 on the CPU (set in conftest before any kernel is defined): small shapes, fp32 /
-fp16 / bf16. The decode update: padded rows, x a view of a wider projection. The varlen prefill:
-sequence lengths around the kernel's token block, with and without initial state, padded
-sequences, the views the mixers pass (x a column slice of the projection, weight =
-conv1d.weight[:, 0, :]); real shapes on a GPU."""
+"""kernels/causal_conv1d.py: the causal conv1d kernels against their torch references, under TRITON_INTERPRET=1 on
+the CPU (set in conftest before any kernel is defined) or compiled on CUDA (harness.KERNEL_DEVICE): small
+shapes, fp32 / fp16 / bf16. The decode update: padded rows, x a view of a wider projection. The varlen prefill:
+sequence lengths around the kernel's token block, with and without initial state, padded sequences, the views
+the mixers pass (x a column slice of the projection, weight = conv1d.weight[:, 0, :]); real shapes on a GPU."""
 from __future__ import annotations
 
 import pytest
 import torch
+from harness import KERNEL_DEVICE as DEV  # the test device: CPU (interpreter) or CUDA (compiled)
 
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
 from toolkit.kernels import causal_conv1d as conv  # noqa: E402
@@ -24,12 +24,12 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3,
 def test_causal_conv1d_update_equals_reference(dtype, k_width, with_bias, activation):
     g = torch.Generator().manual_seed(1)
     slots_total, dim = 6, 40                         # dim not a power of two: masked lanes
-    xz = torch.randn(5, 2 * dim, generator=g).to(dtype)
+    xz = torch.randn(5, 2 * dim, generator=g).to(DEV, dtype)
     x = xz[:, :dim]                                  # a view, as the mixers pass it
-    state = torch.randn(slots_total, k_width - 1, dim, generator=g).to(dtype)
-    weight = torch.randn(dim, k_width, generator=g).to(dtype)
-    bias = torch.randn(dim, generator=g).to(dtype) if with_bias else None
-    idx = torch.tensor([3, -1, 1, 5, -1], dtype=torch.int32)
+    state = torch.randn(slots_total, k_width - 1, dim, generator=g).to(DEV, dtype)
+    weight = torch.randn(dim, k_width, generator=g).to(DEV, dtype)
+    bias = torch.randn(dim, generator=g).to(DEV, dtype) if with_bias else None
+    idx = torch.tensor([3, -1, 1, 5, -1], dtype=torch.int32, device=DEV)
     ours_state, ref_state = state.clone(), state.clone()
     ours = conv.causal_conv1d_update(x, ours_state, idx, weight, bias, activation)
     ref = causal_conv1d_ref.conv_update_at_slots(x, ref_state, idx, weight, bias, activation)
@@ -49,7 +49,7 @@ def test_causal_conv1d_update_launcher_names_what_is_wrong():
         conv.causal_conv1d_update(x, state, torch.zeros(2, dtype=torch.long), w, None, "gelu")
 
 
-def _case(g, dtype, dim, k_width, with_bias, lens, slots_total, state_dtype=None, device="cpu"):
+def _case(g, dtype, dim, k_width, with_bias, lens, slots_total, state_dtype=None, device=DEV):
     """x: a column slice of a wider projection; weight: the [Dc, K] view of a [Dc, 1, K] conv weight."""
     t = sum(lens)
     proj = torch.randn(t, dim + 24, generator=g).to(dtype).to(device)
@@ -76,8 +76,8 @@ def test_causal_conv1d_prefill_equals_reference(dtype, k_width, with_bias, activ
     # lengths 1, 2 (shorter than K-1 = 3 for K=4: the final state keeps part of the initial state),
     # block-1, block, block+1, longer than two blocks; one padded sequence (-1) in the middle
     lens = [1, bt - 1, bt, 2, bt + 1, 2 * bt + 6, 3]
-    idx = torch.tensor([7, 2, 0, 5, -1, 3, 9], dtype=torch.int32)
-    has_init = torch.tensor([True, False, True, True, True, True, False])
+    idx = torch.tensor([7, 2, 0, 5, -1, 3, 9], dtype=torch.int32, device=DEV)
+    has_init = torch.tensor([True, False, True, True, True, True, False], device=DEV)
     x, state, weight, bias, cu = _case(g, dtype, 40, k_width, with_bias, lens, 11)   # Dc not a power of two
     ours, ours_state, ref, ref_state = _run_both(x, state, idx, has_init, cu, weight, bias, activation)
     torch.testing.assert_close(ours, ref, **TOL[dtype])
@@ -96,7 +96,7 @@ def test_causal_conv1d_prefill_state_dtype_differs(x_dtype, state_dtype):
     int64 indices and cu_seqlens, has_initial_state None (every real sequence reads its slot)."""
     g = torch.Generator().manual_seed(4)
     lens = [5, 1, 40]
-    idx = torch.tensor([1, 3, 0])
+    idx = torch.tensor([1, 3, 0], device=DEV)
     x, state, weight, bias, cu = _case(g, x_dtype, 24, 4, True, lens, 4, state_dtype)
     ours, ours_state, ref, ref_state = _run_both(x, state, idx, None, cu.long(), weight, bias, "silu")
     torch.testing.assert_close(ours, ref, **TOL[x_dtype])
@@ -108,11 +108,11 @@ def test_causal_conv1d_prefill_all_padded_and_empty():
     """The profile run's shape: one sequence at slot -1 (zero state, no write); and P = 0."""
     g = torch.Generator().manual_seed(5)
     x, state, weight, bias, cu = _case(g, torch.float32, 16, 3, False, [37], 2)
-    idx = torch.tensor([-1], dtype=torch.int32)
-    ours, ours_state, ref, _ = _run_both(x, state, idx, torch.tensor([True]), cu, weight, bias, None)
+    idx = torch.tensor([-1], dtype=torch.int32, device=DEV)
+    ours, ours_state, ref, _ = _run_both(x, state, idx, torch.tensor([True], device=DEV), cu, weight, bias, None)
     torch.testing.assert_close(ours, ref, **TOL[torch.float32])
     assert torch.equal(ours_state, state)
-    out = conv.causal_conv1d_prefill(x[:0], state, idx[:0], torch.zeros(0, dtype=torch.bool),
+    out = conv.causal_conv1d_prefill(x[:0], state, idx[:0], torch.zeros(0, dtype=torch.bool, device=DEV),
                                      cu[:1], weight, bias, None)
     assert out.shape == (0, 16)
 

@@ -1,13 +1,14 @@
 """kernels/gated_delta_rule.py: Gated DeltaNet (Qwen3-Next) gated delta rule kernels against their torch
-references, under TRITON_INTERPRET=1 on the CPU (set in conftest): the decode update and the sequential
-varlen prefill, tiny shapes, fp32 / fp16 / bf16 inputs (the state cache and all math fp32), padded rows,
-mixed initial states, q / k / v as views of one conv output and g / beta as strided views, as the mixer
-passes them."""
+references, under TRITON_INTERPRET=1 on the CPU (set in conftest) or compiled on CUDA (harness.KERNEL_DEVICE):
+the decode update and the sequential varlen prefill, tiny shapes, fp32 / fp16 / bf16 inputs (the state cache and
+all math fp32), padded rows, mixed initial states, q / k / v as views of one conv output and g / beta as strided
+views, as the mixer passes them."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from harness import KERNEL_DEVICE as DEV  # the test device: CPU (interpreter) or CUDA (compiled)
 
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
 from toolkit.attention.gdn import compute_gdn_chunk_metadata  # noqa: E402
@@ -22,7 +23,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
-def _inputs(g: torch.Generator, dtype, n, hk, hv, kd, vd, device="cpu"):
+def _inputs(g: torch.Generator, dtype, n, hk, hv, kd, vd, device=DEV):
     """q, k [n, Hk, K], v [n, Hv, V]: column slices of one conv output (model dtype); g fp32 and
     beta (model dtype) from `gdn_gating`, then as strided column views of wider tensors."""
     width = 3 + 2 * hk * kd + hv * vd + 5
@@ -52,8 +53,8 @@ def test_gdn_update_equals_reference(dtype, hk, hv, kd, vd):
     assert not q.is_contiguous() and not g.is_contiguous() and not beta.is_contiguous()
     q[2].mul_(1e-3)
     k[3].mul_(1e-3)                      # near-zero rows: the l2norm's eps matters
-    state = torch.randn(7, hv, vd, kd, generator=gen) * 0.5
-    idx = torch.tensor([3, -1, 0, 6, -1], dtype=torch.int32)
+    state = (torch.randn(7, hv, vd, kd, generator=gen) * 0.5).to(DEV)
+    idx = torch.tensor([3, -1, 0, 6, -1], dtype=torch.int32, device=DEV)
     ours_state, ref_state = state.clone(), state.clone()
     y = gdr.gdn_update(ours_state, q, k, v, g, beta, idx)
     y_ref = gated_delta_rule_ref.gdn_update_at_slots(ref_state, q, k, v, g, beta, idx)
@@ -68,8 +69,8 @@ def test_gdn_update_equals_reference(dtype, hk, hv, kd, vd):
 def test_gdn_update_without_l2norm_and_int64_indices():
     gen = torch.Generator().manual_seed(1)
     q, k, v, g, beta = _inputs(gen, torch.float32, 3, 2, 4, 16, 8)
-    state = torch.randn(4, 4, 8, 16, generator=gen) * 0.5
-    idx = torch.tensor([2, 0, -1])
+    state = (torch.randn(4, 4, 8, 16, generator=gen) * 0.5).to(DEV)
+    idx = torch.tensor([2, 0, -1], device=DEV)
     ours_state, ref_state = state.clone(), state.clone()
     y = gdr.gdn_update(ours_state, q * 0.2, k * 0.2, v, g, beta, idx, use_qk_l2norm=False)
     y_ref = gated_delta_rule_ref.gdn_update_at_slots(ref_state, q * 0.2, k * 0.2, v, g, beta, idx, use_qk_l2norm=False)
@@ -87,7 +88,7 @@ UNTOUCHED = [1, 3, 6]
 CHUNK = 16
 
 
-def _prefill_case(dtype, hk, hv, kd, vd, lens, has_init, slots, num_slots, seed, device="cpu", chunk=CHUNK):
+def _prefill_case(dtype, hk, hv, kd, vd, lens, has_init, slots, num_slots, seed, device=DEV, chunk=CHUNK):
     gen = torch.Generator().manual_seed(seed)
     q, k, v, g, beta = _inputs(gen, dtype, sum(lens), hk, hv, kd, vd, device)
     cu, sidx, last = (torch.from_numpy(a).to(device) for a in compute_gdn_chunk_metadata(np.array(lens), chunk))
@@ -123,7 +124,7 @@ def test_gdn_prefill_equals_sequential_recurrence():
             q, k = q * 0.2, k * 0.2
             args[:2] = q, k
         init = initial_states_at(state, idx, flags)
-        cu_seqlens = torch.tensor(np.cumsum([0] + LENS[:-1]))
+        cu_seqlens = torch.tensor(np.cumsum([0] + LENS[:-1]), device=DEV)
         y_seq, finals = gdn_recurrent_varlen(q, k, v, g, beta, cu_seqlens, init, use_qk_l2norm=use_l2)
         ours_state = state.clone()
         args[5:8] = [a.long() for a in args[5:8]]

@@ -1,11 +1,12 @@
-"""kernels/gumbel.py: the Gumbel-max sampling kernel against toolkit.sampling, under TRITON_INTERPRET=1 on
-the CPU: the integer hash bit for bit, the noise within an ulp or so (log rounding may differ by device
-and library), the sampled token ids equal to the reference's, and exact ties resolved to the first
-index."""
+"""kernels/gumbel.py: the Gumbel-max sampling kernel against toolkit.sampling, under TRITON_INTERPRET=1 on the CPU
+or compiled on CUDA (harness.KERNEL_DEVICE): the integer hash bit for bit, the noise within an ulp or so (log
+rounding may differ by device and library), the sampled token ids equal to the reference's, and exact ties
+resolved to the first index."""
 from __future__ import annotations
 
 import pytest
 import torch
+from harness import KERNEL_DEVICE as DEV  # the test device: CPU (interpreter) or CUDA (compiled)
 
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
 from toolkit.kernels import gumbel_ref  # noqa: E402
@@ -25,7 +26,7 @@ def _seeds_positions(b, pos_dtype, g):
     seeds[3] = torch.tensor([0, M32])
     positions = torch.randint(0, 2**31 - 1, (b,), generator=g).to(pos_dtype)
     positions[0], positions[1], positions[2], positions[3] = 0, 2**31 - 1, 1, 2**31 - 1
-    return seeds, positions
+    return seeds.to(DEV), positions.to(DEV)
 
 
 def _reference_hash(seeds, positions, vocab):
@@ -50,14 +51,14 @@ def test_hash_is_bit_identical_and_noise_matches(vocab, pos_dtype):
 
 def test_noise_matches_the_pinned_values():
     """The values pinned in tests/test_sampling.py::test_noise_function_is_pinned."""
-    seeds = torch.tensor([[7, 0], list(gumbel_ref.split_seed(2**64 - 1))])
-    positions = torch.tensor([3, 100_000])
+    seeds = torch.tensor([[7, 0], list(gumbel_ref.split_seed(2**64 - 1))], device=DEV)
+    positions = torch.tensor([3, 100_000], device=DEV)
     keys, _, noise = gumbel.gumbel_debug(seeds, positions, 6)
     assert keys.tolist() == [3280815260, 736141308]
     expected = torch.tensor([[-0.5307542085647583, 0.5065405368804932, 4.152034759521484, -0.5772920846939087,
                               2.116760015487671, 1.557175874710083],
                              [1.0151939392089844, 3.7878448963165283, -0.7357837557792664, 0.031313855201005936,
-                              -0.5239468216896057, -0.27157124876976013]])
+                              -0.5239468216896057, -0.27157124876976013]], device=DEV)
     torch.testing.assert_close(noise, expected, **NOISE_TOL)
 
 
@@ -73,8 +74,9 @@ def test_gumbel_argmax_equals_reference(vocab, pos_dtype):
     scaled[4, vocab - 1] = 0.3                                       # one finite token, the last
     scaled[5, : vocab // 2] = float("-inf")                          # only the second half alive
     scaled[6] = scaled[6] / 0.01                                     # a tiny temperature
+    scaled = wide.to(DEV)[:, 5:5 + vocab]                            # the same view, on the test device
     seeds_c, positions = _seeds_positions(b, pos_dtype, g)
-    seeds = torch.zeros(b, 3, dtype=torch.int64)
+    seeds = torch.zeros(b, 3, dtype=torch.int64, device=DEV)
     seeds[:, 1:] = seeds_c
     seeds = seeds[:, 1:]                                             # a non-contiguous view
     ours = gumbel.gumbel_argmax(scaled, seeds, positions)
@@ -91,7 +93,7 @@ def _tie_row(noise_ours, noise_ref, vocab, first, second):
     a = first + int(same[first:].nonzero()[0])
     b = second + int(same[second:].nonzero()[0])
     assert a < b
-    row = torch.full((vocab,), float("-inf"))
+    row = torch.full((vocab,), float("-inf"), device=noise_ours.device)
     row[a] = 0.0
     target = noise_ours[a]                                           # the sum at a: 0 + noise, exact
     s = target - noise_ours[b]
@@ -114,8 +116,8 @@ def test_exact_ties_take_the_first_index():
              (block + 5, 2 * block + 2),  # the later token sits in a lower lane
              (10, 11),                    # neighbours in one step
              (0, vocab - 60)]             # first and (near) last token
-    seeds = torch.tensor([[11, 22], [M32, M32], [5, 0], [0, 9]])
-    positions = torch.tensor([0, 2**31 - 1, 42, 7])
+    seeds = torch.tensor([[11, 22], [M32, M32], [5, 0], [0, 9]], device=DEV)
+    positions = torch.tensor([0, 2**31 - 1, 42, 7], device=DEV)
     noise = gumbel.gumbel_noise(seeds, positions, vocab)
     noise_ref = gumbel_ref.gumbel_noise(seeds, positions, vocab)
     rows, firsts = [], []
@@ -139,7 +141,8 @@ def test_rows_outside_the_contract_behave_as_torch_argmax():
     scaled[0, [40, 250]] = float("nan")
     scaled[1] = float("-inf")
     scaled[2, 7] = float("nan")
-    seeds, positions = torch.tensor([[1, 2], [3, 4], [5, 6]]), torch.tensor([9, 8, 7])
+    scaled = scaled.to(DEV)
+    seeds, positions = torch.tensor([[1, 2], [3, 4], [5, 6]], device=DEV), torch.tensor([9, 8, 7], device=DEV)
     ours = gumbel.gumbel_argmax(scaled, seeds, positions)
     assert ours.tolist() == [40, 0, 7]
     assert torch.equal(ours, gumbel_ref.gumbel_argmax_ref(scaled, seeds, positions))

@@ -1,14 +1,15 @@
-"""The Mamba2 kernels against their torch references, under TRITON_INTERPRET=1 on the CPU (set in
-conftest): kernels/selective_state_update.py (the decode update, with dt prepared in the kernel or
-before it by `mamba2_dt`) and kernels/ssd_scan.py (the SSD chunked scan of the varlen prefill).
-fp32 / fp16 / bf16 inputs, head_dim / widths not powers of two, padded rows, x / B / C / dt as
-views of one projection; for the scan, chunk_size 8, sequence lengths around it, mixed initial
-states and a padded sequence; real shapes on a GPU."""
+"""The Mamba2 kernels against their torch references, under TRITON_INTERPRET=1 on the CPU (set in conftest) or
+compiled on CUDA (harness.KERNEL_DEVICE): kernels/selective_state_update.py (the decode update, with dt prepared
+in the kernel or before it by `mamba2_dt`) and kernels/ssd_scan.py (the SSD chunked scan of the varlen prefill).
+fp32 / fp16 / bf16 inputs, head_dim / widths not powers of two, padded rows, x / B / C / dt as views of one
+projection; for the scan, chunk_size 8, sequence lengths around it, mixed initial states and a padded sequence;
+real shapes on a GPU."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from harness import KERNEL_DEVICE as DEV  # the test device: CPU (interpreter) or CUDA (compiled)
 
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
 from toolkit.attention.mamba2 import compute_chunk_metadata  # noqa: E402
@@ -27,15 +28,15 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 def test_selective_state_update_equals_reference(dtype, groups, with_d):
     g = torch.Generator().manual_seed(2)
     slots, heads, head_dim, d_state, b = 5, 4, 12, 16, 4         # head_dim not a power of two
-    state = torch.randn(slots, heads, head_dim, d_state, generator=g)   # the fp32 state cache
-    xbc = torch.randn(b, heads * head_dim + 2 * groups * d_state, generator=g).to(dtype)
+    state = torch.randn(slots, heads, head_dim, d_state, generator=g).to(DEV)   # the fp32 state cache
+    xbc = torch.randn(b, heads * head_dim + 2 * groups * d_state, generator=g).to(DEV, dtype)
     x = xbc[:, :heads * head_dim].view(b, heads, head_dim)        # views into one projection
     B = xbc[:, heads * head_dim:heads * head_dim + groups * d_state].view(b, groups, d_state)
     C = xbc[:, heads * head_dim + groups * d_state:].view(b, groups, d_state)
-    dt = torch.nn.functional.softplus(torch.randn(b, heads, generator=g))
-    A = -torch.rand(heads, generator=g) - 0.5
-    D = torch.randn(heads, generator=g) if with_d else None
-    idx = torch.tensor([2, -1, 4, 1])
+    dt = torch.nn.functional.softplus(torch.randn(b, heads, generator=g)).to(DEV)
+    A = (-torch.rand(heads, generator=g) - 0.5).to(DEV)
+    D = torch.randn(heads, generator=g).to(DEV) if with_d else None
+    idx = torch.tensor([2, -1, 4, 1], device=DEV)
     ours_state, ref_state = state.clone(), state.clone()
     y = ssu.selective_state_update(ours_state, x, dt, A, B, C, D, idx)
     y_ref = selective_state_update_ref.mamba2_update_at_slots(ref_state, x, dt, A, B, C, D, idx)
@@ -52,15 +53,15 @@ def test_selective_state_update_prepares_raw_dt_like_mamba2_dt(dtype, dt_limit):
     preparing it first with the torch reference of `mamba2_dt` and updating with that."""
     g = torch.Generator().manual_seed(5)
     slots, heads, head_dim, d_state, b = 6, 4, 8, 16, 5
-    state = torch.randn(slots, heads, head_dim, d_state, generator=g)
-    proj = (6 * torch.randn(b, heads * head_dim + 2 * d_state + heads, generator=g)).to(dtype)
+    state = torch.randn(slots, heads, head_dim, d_state, generator=g).to(DEV)
+    proj = (6 * torch.randn(b, heads * head_dim + 2 * d_state + heads, generator=g)).to(DEV, dtype)
     x = proj[:, :heads * head_dim].view(b, heads, head_dim)
     B = proj[:, heads * head_dim:heads * head_dim + d_state].view(b, 1, d_state)
     C = proj[:, heads * head_dim + d_state:heads * head_dim + 2 * d_state].view(b, 1, d_state)
     dt_raw = proj[:, -heads:]
-    dt_bias = torch.randn(heads, generator=g).to(dtype)
-    A, D = -torch.rand(heads, generator=g) - 0.5, torch.randn(heads, generator=g)
-    idx = torch.tensor([3, 0, -1, 5, 1])
+    dt_bias = torch.randn(heads, generator=g).to(DEV, dtype)
+    A, D = (-torch.rand(heads, generator=g) - 0.5).to(DEV), torch.randn(heads, generator=g).to(DEV)
+    idx = torch.tensor([3, 0, -1, 5, 1], device=DEV)
     ours_state, ref_state = state.clone(), state.clone()
     y = ssu.selective_state_update(ours_state, x, dt_raw, A, B, C, D, idx, dt_bias, dt_limit)
     y_ref = selective_state_update_ref.mamba2_update_at_slots(ref_state, x, selective_state_update_ref.mamba2_dt(dt_raw, dt_bias, dt_limit), A, B, C, D, idx)
@@ -103,8 +104,8 @@ def test_mamba2_dt_equals_reference(dtype, limit):
     heads = 6
     proj = torch.empty(40, heads + 10)
     proj[:, :] = torch.linspace(-40, 40, 40 * (heads + 10)).reshape(40, heads + 10)   # tiny, small and past threshold 20
-    dt_raw = proj.to(dtype)[:, 10:]                           # the dt columns of in_proj's output
-    bias = torch.randn(heads, generator=g).to(dtype)
+    dt_raw = proj.to(DEV, dtype)[:, 10:]                      # the dt columns of in_proj's output
+    bias = torch.randn(heads, generator=g).to(DEV, dtype)
     ours, ref = ssu.mamba2_dt(dt_raw, bias, limit), selective_state_update_ref.mamba2_dt(dt_raw, bias, limit)
     assert ours.dtype == ref.dtype == torch.float32
     torch.testing.assert_close(ours, ref, atol=0, rtol=2e-6)  # relative: softplus(-40) is 4e-18
@@ -119,17 +120,17 @@ def test_mamba2_dt_launcher_names_what_is_wrong():
 
 
 def _case(dtype, heads, head_dim, d_state, groups, lens, computed, slots, num_slots, with_d, chunk_size,
-          seed=0, device="cpu"):
+          seed=0, device=DEV):
     """Inputs as the Mamba2 mixer passes them: x, B, C column slices of one wider projection (model
     dtype), dt a non-contiguous fp32 view, the chunk layout from compute_chunk_metadata."""
     g = torch.Generator().manual_seed(seed)
     t = sum(lens)
     hp, gn = heads * head_dim, groups * d_state
-    proj = (torch.randn(t, 3 + hp + 2 * gn + 5, generator=g) * 0.5).to(dtype)
+    proj = (torch.randn(t, 3 + hp + 2 * gn + 5, generator=g) * 0.5).to(device, dtype)   # views of it, on the device
     x = proj[:, 3:3 + hp].reshape(t, heads, head_dim)
     B = proj[:, 3 + hp:3 + hp + gn].reshape(t, groups, d_state)
     C = proj[:, 3 + hp + gn:3 + hp + 2 * gn].reshape(t, groups, d_state)
-    dt = torch.nn.functional.softplus(torch.randn(t, heads + 2, generator=g) - 1.0)[:, 1:heads + 1]
+    dt = torch.nn.functional.softplus(torch.randn(t, heads + 2, generator=g) - 1.0).to(device)[:, 1:heads + 1]
     A = -(torch.rand(heads, generator=g) * 0.8 + 0.2)
     D = torch.randn(heads, generator=g) if with_d else None
     state = torch.randn(num_slots, heads, head_dim, d_state, generator=g)
@@ -173,7 +174,7 @@ def test_ssd_scan_equals_sequential_recurrence():
                                        True, chunk_size=8, seed=3)
     x, dt, A, B, C, D = args[:6]
     init = initial_states_at(state, idx, has_init)
-    cu_seqlens = torch.tensor(np.cumsum([0] + LENS[:-1]))
+    cu_seqlens = torch.tensor(np.cumsum([0] + LENS[:-1]), device=DEV)
     y_seq, finals = ssm_scan_sequential_ref(x, dt, A, B, C, D, cu_seqlens, init)
     ours_state = state.clone()
     y = ssd.ssd_scan(*args, ours_state, idx, has_init)

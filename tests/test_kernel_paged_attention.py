@@ -1,14 +1,15 @@
-"""kernels/kv_cache.py and kernels/paged_attention.py against their torch references, under
-TRITON_INTERPRET=1 on the CPU (set in conftest before any kernel is defined), fp32 / fp16 / bf16.
-The KV-cache write: k and v views of a fused tensor, padded tokens. Paged attention: a mixed batch
-of decode rows and prefill chunks with earlier context, scattered block ids, a NaN-filled cache
-outside the written slots, padded tokens, q a view of a fused projection."""
+"""kernels/kv_cache.py and kernels/paged_attention.py against their torch references, under TRITON_INTERPRET=1 on
+the CPU (set in conftest before any kernel is defined) or compiled on CUDA (harness.KERNEL_DEVICE), fp32 / fp16
+/ bf16. The KV-cache write: k and v views of a fused tensor, padded tokens. Paged attention: a mixed batch of
+decode rows and prefill chunks with earlier context, scattered block ids, a NaN-filled cache outside the written
+slots, padded tokens, q a view of a fused projection."""
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
+from harness import KERNEL_DEVICE as DEV  # the test device: CPU (interpreter) or CUDA (compiled)
 
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
 from toolkit.attention.paged_attn import PagedAttentionMetadata  # noqa: E402
@@ -31,10 +32,10 @@ MIXED = [(1, 7), (3, 3), (1, 1), (9, 14), (1, 12), (4, 8), (7, 16), (1, 4), (2, 
 def test_kv_cache_write_equals_reference(dtype):
     g = torch.Generator().manual_seed(0)
     blocks, bs, heads, d = 6, 4, 2, 16
-    qkv = torch.randn(9, 3, heads, d, generator=g).to(dtype)       # k, v are views of a fused tensor
+    qkv = torch.randn(9, 3, heads, d, generator=g).to(DEV, dtype)  # k, v are views of a fused tensor
     k, v = qkv[:, 1], qkv[:, 2]
-    slots = torch.tensor([5, -1, 0 + 4, 17, -1, 22, 8, 9, 23])       # two padded tokens
-    ours = torch.zeros(blocks, 2, bs, heads, d, dtype=dtype)
+    slots = torch.tensor([5, -1, 0 + 4, 17, -1, 22, 8, 9, 23], device=DEV)   # two padded tokens
+    ours = torch.zeros(blocks, 2, bs, heads, d, dtype=dtype, device=DEV)
     ref = ours.clone()
     kv_cache.write_kv_cache(ours, k, v, slots)
     kv_cache_ref.write_kv_cache(ref, k, v, slots)
@@ -50,7 +51,7 @@ def test_kv_cache_launcher_names_what_is_wrong():
         kv_cache.write_kv_cache(cache, torch.zeros(3, 2, 8), torch.zeros(3, 2, 8), torch.zeros(3))
 
 
-def make_batch(rows, hq, hkv, head_dim, block_size, dtype, *, pad=3, extra_cols=2, device="cpu", seed=0):
+def make_batch(rows, hq, hkv, head_dim, block_size, dtype, *, pad=3, extra_cols=2, device=DEV, seed=0):
     """q (a view of a fused qkv projection, NaN in padded tokens), a NaN-filled cache holding each
     row's K/V at positions 0 .. seq_len-1 in scattered blocks, and the metadata."""
     g = torch.Generator().manual_seed(seed)
@@ -76,7 +77,7 @@ def make_batch(rows, hq, hkv, head_dim, block_size, dtype, *, pad=3, extra_cols=
     t = total + pad
     qkv = torch.randn(t, (hq + 2 * hkv) * head_dim, generator=g).to(dtype)
     qkv[total:] = float("nan")                            # padded tokens: must not be read
-    q = qkv[:, :hq * head_dim].view(t, hq, head_dim)
+    q = qkv.to(device)[:, :hq * head_dim].view(t, hq, head_dim)   # a view on the device too
     qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
     seq = torch.tensor(seq_lens, dtype=torch.int32)
     slot_mapping = torch.full((t,), -1, dtype=torch.int64)
@@ -88,7 +89,7 @@ def make_batch(rows, hq, hkv, head_dim, block_size, dtype, *, pad=3, extra_cols=
         max_seq_len=max(seq_lens, default=0), block_size=block_size,
         query_start_loc=qsl.to(device), query_start_loc_cpu=qsl, seq_lens=seq.to(device), seq_lens_cpu=seq,
         block_table=table.to(device), slot_mapping=slot_mapping.to(device))
-    return q.to(device), cache.to(device), md
+    return q, cache.to(device), md
 
 
 def check(ours, q, cache, md, scale, dtype):
@@ -134,7 +135,7 @@ def test_paged_attention_launcher_names_what_is_wrong():
     with pytest.raises(ValueError, match=r"kv_cache must be \[num_blocks, 2, block_size, Hkv, D=16\]"):
         pa.paged_attention(q, cache[..., :8], md, 1.0)
     with pytest.raises(ValueError, match=r"kv_cache must have Hkv dividing Hq=4"):
-        pa.paged_attention(q, torch.zeros(4, 2, 4, 3, 16), md, 1.0)
+        pa.paged_attention(q, torch.zeros(4, 2, 4, 3, 16, device=DEV), md, 1.0)
     with pytest.raises(ValueError, match="kv_cache must have q's dtype torch.float32, got torch.float16"):
         pa.paged_attention(q, cache.half(), md, 1.0)
     with pytest.raises(ValueError, match="q must be float32/float16/bfloat16"):

@@ -1,10 +1,12 @@
-"""kernels/rotary.py: the one-launch RoPE kernel against its torch reference under TRITON_INTERPRET=1: fp32
-/ fp16 / bf16, full and partial rotary, GQA (different head counts for q and k), strided views of a
-fused qkv projection, large positions, attention scaling (yarn), and bad input."""
+"""kernels/rotary.py: the one-launch RoPE kernel against its torch reference under TRITON_INTERPRET=1 on the CPU or
+compiled on CUDA (harness.KERNEL_DEVICE): fp32 / fp16 / bf16, full and partial rotary, GQA (different head
+counts for q and k), strided views of a fused qkv projection, large positions, attention scaling (yarn), and bad
+input."""
 from __future__ import annotations
 
 import pytest
 import torch
+from harness import KERNEL_DEVICE as DEV  # the test device: CPU (interpreter) or CUDA (compiled)
 
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
 from toolkit.kernels import rotary as kr  # noqa: E402
@@ -21,11 +23,11 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3,
 def test_rotary_equals_reference(dtype, head_dim, rotary_dim):
     g = torch.Generator().manual_seed(0)
     t, hq, hkv = 7, 4, 2
-    qkv = torch.randn(t, (hq + 2 * hkv) * head_dim + 8, generator=g).to(dtype)
+    qkv = torch.randn(t, (hq + 2 * hkv) * head_dim + 8, generator=g).to(DEV, dtype)
     q = qkv[:, : hq * head_dim].view(t, hq, head_dim)                       # row stride > hq * head_dim
     k = qkv[:, hq * head_dim : (hq + hkv) * head_dim].view(t, hkv, head_dim)
-    positions = torch.tensor([0, 1, 2, 17, 300, 4095, 65000])
-    inv = default_inv_freq(rotary_dim, 10000.0)
+    positions = torch.tensor([0, 1, 2, 17, 300, 4095, 65000], device=DEV)
+    inv = default_inv_freq(rotary_dim, 10000.0).to(DEV)
     for scaling in (1.0, 1.2):
         ours, ref = kr.apply_rotary(positions, q, k, inv, scaling, rotary_dim), rotary_ref.apply_rotary(positions, q, k, inv,
                                                                                              scaling, rotary_dim)
@@ -36,11 +38,11 @@ def test_rotary_equals_reference(dtype, head_dim, rotary_dim):
 
 
 def test_rotary_position_zero_is_the_identity_and_empty_batch():
-    q, k = torch.randn(1, 2, 8), torch.randn(1, 1, 8)
-    inv = default_inv_freq(8, 10000.0)
-    oq, ok = kr.apply_rotary(torch.zeros(1, dtype=torch.int64), q, k, inv, 1.0, 8)
+    q, k = torch.randn(1, 2, 8).to(DEV), torch.randn(1, 1, 8).to(DEV)
+    inv = default_inv_freq(8, 10000.0).to(DEV)
+    oq, ok = kr.apply_rotary(torch.zeros(1, dtype=torch.int64, device=DEV), q, k, inv, 1.0, 8)
     assert torch.equal(oq, q) and torch.equal(ok, k)
-    eq, ek = kr.apply_rotary(torch.zeros(0, dtype=torch.int64), q[:0], k[:0], inv, 1.0, 8)
+    eq, ek = kr.apply_rotary(torch.zeros(0, dtype=torch.int64, device=DEV), q[:0], k[:0], inv, 1.0, 8)
     assert eq.shape == (0, 2, 8) and ek.shape == (0, 1, 8)
 
 

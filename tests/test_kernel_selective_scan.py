@@ -1,12 +1,14 @@
 """kernels/selective_scan.py: the Mamba1 Triton kernels (decode update and varlen scan) against their torch
-references, under TRITON_INTERPRET=1 on the CPU (set in conftest): small shapes, fp32 / fp16 / bf16
-inputs (the SSM state cache and the math stay fp32, so tolerances stay tight), padded rows, varlen
-batches mixing sequences with and without initial state, the strided views the runner passes."""
+references, under TRITON_INTERPRET=1 on the CPU (set in conftest) or compiled on CUDA (harness.KERNEL_DEVICE):
+small shapes, fp32 / fp16 / bf16 inputs (the SSM state cache and the math stay fp32, so tolerances stay tight),
+padded rows, varlen batches mixing sequences with and without initial state, the strided views the runner
+passes."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import KERNEL_DEVICE as DEV  # the test device: CPU (interpreter) or CUDA (compiled)
 
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
 from toolkit.kernels import selective_scan as ss  # noqa: E402
@@ -18,18 +20,17 @@ SCAN_BLOCK_D = 32                         # the scan launcher's channel block: D
 
 
 def _inputs(g: torch.Generator, rows: int, di: int, n: int, dtype: torch.dtype, with_d: bool,
-            device: str = "cpu", rank: int = 3):
+            device: str = DEV, rank: int = 3):
     """x a column slice of an in_proj-like [rows, 2 Di] output; B, C column slices of one x_proj output
     [rows, R + 2N] (torch.split views, as the mixer passes them); dt fp32 softplus'ed; A negative."""
-    xz = torch.randn(rows, 2 * di, generator=g).to(dtype)
-    proj = torch.randn(rows, rank + 2 * n, generator=g).to(dtype)
+    xz = torch.randn(rows, 2 * di, generator=g).to(device, dtype)     # on the device before the views
+    proj = torch.randn(rows, rank + 2 * n, generator=g).to(device, dtype)
     _, B, C = torch.split(proj, [rank, n, n], dim=-1)
-    dt = F.softplus(torch.randn(rows, di, generator=g) - 1.0)
-    A = -(torch.rand(di, n, generator=g) * 2 + 0.05)
-    D = torch.randn(di, generator=g).to(dtype) if with_d else None
+    dt = F.softplus(torch.randn(rows, di, generator=g) - 1.0).to(device)
+    A = (-(torch.rand(di, n, generator=g) * 2 + 0.05)).to(device)
+    D = torch.randn(di, generator=g).to(device, dtype) if with_d else None
     x = xz[:, :di]
-    to = lambda t: None if t is None else t.to(device)  # noqa: E731
-    return to(x), to(dt), to(A), to(B), to(C), to(D)
+    return x, dt, A, B, C, D
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -37,10 +38,10 @@ def _inputs(g: torch.Generator, rows: int, di: int, n: int, dtype: torch.dtype, 
 def test_selective_state_update_equals_reference(dtype, di, n, with_d):
     g = torch.Generator().manual_seed(10)
     slots, b = 7, 5
-    state = torch.randn(slots, di, n, generator=g)                    # the fp32 SSM state cache
+    state = torch.randn(slots, di, n, generator=g).to(DEV)            # the fp32 SSM state cache
     x, dt, A, B, C, D = _inputs(g, b, di, n, dtype, with_d)
     assert x.stride(0) == 2 * di and B.stride(0) == 3 + 2 * n          # the views the runner passes
-    idx = torch.tensor([3, -1, 0, 6, -1])
+    idx = torch.tensor([3, -1, 0, 6, -1], device=DEV)
     ours_state, ref_state = state.clone(), state.clone()
     y = ss.selective_state_update(ours_state, x, dt, A, B, C, D, idx)
     y_ref = selective_scan_ref.mamba1_update_at_slots(ref_state, x, dt, A, B, C, D, idx)
@@ -60,11 +61,11 @@ def test_selective_scan_equals_reference(dtype, di, n, with_d):
     # lengths 1, block-1, block, block+1 in the token sense (the kernel has no chunks: these cover the
     # prefetch-ahead edge and short runs), an empty sequence, longer ones
     lens = [1, 7, 8, 9, 0, 20, 3]
-    idx = torch.tensor([4, 0, -1, 6, 2, 8, 1])                         # sequence 2 is padded
-    has_init = torch.tensor([True, False, True, True, False, True, False])
-    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    idx = torch.tensor([4, 0, -1, 6, 2, 8, 1], device=DEV)             # sequence 2 is padded
+    has_init = torch.tensor([True, False, True, True, False, True, False], device=DEV)
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(DEV)
     t = int(cu[-1])
-    state = torch.randn(slots, di, n, generator=g)
+    state = torch.randn(slots, di, n, generator=g).to(DEV)
     x, dt, A, B, C, D = _inputs(g, t, di, n, dtype, with_d)
     ours_state, ref_state = state.clone(), state.clone()
     y = ss.selective_scan(x, dt, A, B, C, D, cu, ours_state, idx, has_init)
@@ -84,9 +85,9 @@ def test_selective_scan_without_flags_int64_and_contiguous_inputs():
     g = torch.Generator().manual_seed(12)
     di, n, slots = 2 * SCAN_BLOCK_D + 5, 16, 4
     lens = [5, 1, 11]
-    cu = torch.tensor([0] + lens).cumsum(0)
-    idx = torch.tensor([2, 0, 3])
-    state = torch.randn(slots, di, n, generator=g)
+    cu = torch.tensor([0] + lens).cumsum(0).to(DEV)
+    idx = torch.tensor([2, 0, 3], device=DEV)
+    state = torch.randn(slots, di, n, generator=g).to(DEV)
     x, dt, A, B, C, D = (None if v is None else v.contiguous()
                          for v in _inputs(g, int(cu[-1]), di, n, torch.float32, True))
     ours_state, ref_state = state.clone(), state.clone()
@@ -102,11 +103,11 @@ def test_scan_equals_repeated_decode_updates():
     g = torch.Generator().manual_seed(13)
     di, n, t = 20, 16, 6
     x, dt, A, B, C, D = _inputs(g, t, di, n, torch.bfloat16, True)
-    state = torch.randn(3, di, n, generator=g)
+    state = torch.randn(3, di, n, generator=g).to(DEV)
     by_scan, by_steps = state.clone(), state.clone()
-    y_scan = ss.selective_scan(x, dt, A, B, C, D, torch.tensor([0, t], dtype=torch.int32), by_scan,
-                               torch.tensor([1], dtype=torch.int32), torch.tensor([True]))
-    one = torch.tensor([1], dtype=torch.int32)
+    y_scan = ss.selective_scan(x, dt, A, B, C, D, torch.tensor([0, t], dtype=torch.int32, device=DEV), by_scan,
+                               torch.tensor([1], dtype=torch.int32, device=DEV), torch.tensor([True], device=DEV))
+    one = torch.tensor([1], dtype=torch.int32, device=DEV)
     y_steps = torch.cat([ss.selective_state_update(by_steps, x[i:i + 1], dt[i:i + 1], A, B[i:i + 1],
                                                    C[i:i + 1], D, one) for i in range(t)])
     torch.testing.assert_close(y_scan, y_steps, **FP32)

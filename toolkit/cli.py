@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from toolkit import demo
+from toolkit import demo, doctor
 from toolkit.errors import ToolkitError
 
 COMMANDS = {
     "demo": "serve four prompts on a model, printing each step's batch and metadata and the outputs",
+    "doctor": "check this machine: versions, the device, kernels, parity with the CPU, graphs vs eager and a "
+              "decode timing; one line per check, exit code 1 on any failure",
 }
 
 
@@ -24,6 +26,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo_parser = sub.add_parser("demo", help=COMMANDS["demo"], description=COMMANDS["demo"] + ".")
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(run=demo.run)
+    doctor_parser = sub.add_parser("doctor", help=COMMANDS["doctor"], description=COMMANDS["doctor"] + ". "
+                                   "Each line: NAME PASS|FAIL|SKIP VALUE DETAIL (VALUE: a max |logit difference| "
+                                   "or a decode step in ms). On a CPU the GPU checks are skipped.")
+    doctor.add_arguments(doctor_parser)
+    doctor_parser.set_defaults(run=doctor.run)
     return parser
 
 

@@ -1,0 +1,98 @@
+"""benchmarks/gpu_check.sh without a GPU: its bash syntax, and its dry run (checks what it can, prints each
+part's commands and how many tests each test part selects, runs nothing): every part selects tests or
+names scripts that exist, fits a 10-minute device command with margin, and no command stops at the first
+failure. Also the rule that puts the kernel tests on the GPU when there is one (harness.kernel_test_device)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from harness import kernel_test_device
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
+PARTS = ["doctor", "kernels", "backend", "parity", "graphs", "bench"]
+TEST_PARTS = {"kernels", "backend", "parity", "graphs"}
+STOP_EARLY = {"-x", "--exitfirst", "--maxfail", "--sw", "--stepwise"}
+
+
+def run_script(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = os.environ | {"PYTHON": sys.executable}         # the test environment's python, torch and pytest
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_bash_syntax():
+    proc = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def dry_run():
+    if sys.version_info < (3, 11):
+        pytest.skip("the script needs Python >= 3.11 (PYTHONSAFEPATH), its dry run says so")
+    proc = run_script("--dry-run")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def parse_parts(out: str) -> dict[str, dict]:
+    parts, current = {}, None
+    for line in out.splitlines():
+        if m := re.match(r"^part (\w+) \(~(\d+) min\):$", line):
+            current = parts[m[1]] = {"minutes": int(m[2]), "commands": [], "selects": None}
+        elif current is not None and line.startswith("  $ "):
+            current["commands"].append(line[4:].split())
+        elif current is not None and (m := re.match(r"^  selects (\d+) tests in (\d+) file\(s\)$", line)):
+            current["selects"] = int(m[1])
+    return parts
+
+
+def test_dry_run_checks_prerequisites_and_selects_tests_in_every_part(dry_run):
+    lines = dry_run.splitlines()
+    assert lines[0].startswith("python ") and "| torch " in lines[0] and "| transformers " in lines[0]
+    assert "prerequisite:" not in dry_run and lines[-1] == "dry run: ok"
+    parts = parse_parts(dry_run)
+    assert list(parts) == PARTS                            # the doctor first
+    assert parts["doctor"]["commands"][0][1:] == ["-m", "toolkit", "doctor"]
+    for name, part in parts.items():
+        assert part["commands"], name
+        assert 0 < part["minutes"] <= 7, f"{name}: ~{part['minutes']} min leaves no margin in 10"
+        for cmd in part["commands"]:
+            assert not STOP_EARLY & set(cmd), f"{name} stops early: {' '.join(cmd)}"
+            assert cmd[0] == sys.executable
+            for path in (a for a in cmd if a.endswith(".py")):
+                assert (REPO / path).is_file(), f"{name}: {path} does not exist"
+        if name in TEST_PARTS:
+            (cmd,) = part["commands"]
+            assert cmd[1:3] == ["-m", "pytest"] and part["selects"] > 0, name
+            files = [a for a in cmd if a.endswith(".py")]
+            assert files and all(f.startswith("tests/test_") for f in files)
+    selected = {f for name in TEST_PARTS for f in parts[name]["commands"][0] if f.endswith(".py")}
+    assert {f"tests/{p.name}" for p in REPO.glob("tests/test_kernel_*.py")} <= selected
+    assert {f"tests/{p.name}" for p in REPO.glob("tests/test_parity_*.py")} <= selected
+    assert parts["kernels"]["selects"] >= 150 and parts["parity"]["selects"] >= 150
+
+
+def test_the_script_never_stops_at_the_first_failure():
+    text = SCRIPT.read_text()
+    code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    assert not re.search(r"pytest[^\n]*\s(-x|--exitfirst|--maxfail)\b", code)
+    assert "PYTHONPATH=\"$PWD" not in code                # never the repository root on sys.path
+
+
+def test_an_unknown_part_is_refused():
+    proc = run_script("everything", timeout=30)
+    assert proc.returncode == 2 and "unknown part 'everything'" in proc.stdout
+
+
+def test_kernel_tests_run_on_the_gpu_where_the_kernels_compile():
+    assert kernel_test_device("cpu", cuda=False, interpret="1") == "cpu"        # CI: the interpreter
+    assert kernel_test_device("cpu", cuda=False, interpret="") == "cpu"
+    assert kernel_test_device("cuda", cuda=True, interpret="") == "cuda"        # gpu_check.sh
+    assert kernel_test_device("cpu", cuda=True, interpret="") == "cuda"         # compiled: CUDA tensors only
+    assert kernel_test_device("cpu", cuda=True, interpret="1") == "cpu"         # `make test` on a GPU host
