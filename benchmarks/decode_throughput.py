@@ -18,9 +18,10 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from table import print_markdown_table
 from toolkit import LLM, SamplingParams
 from toolkit.models import save_hf_folder
+
+from table import print_markdown_table
 
 
 def best_time(fn, repeats: int) -> float:

@@ -27,9 +27,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(__file__))
-from table import print_markdown_table  # noqa: E402
-from toolkit import LLM, SamplingParams  # noqa: E402
-from toolkit.models import save_hf_folder  # noqa: E402
+from toolkit import LLM, SamplingParams
+from toolkit.models import save_hf_folder
+
+from table import print_markdown_table
 
 
 def sync() -> None:
@@ -139,17 +140,17 @@ def main() -> None:
             return lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
         @torch.inference_mode()
-        def hf_gen(prompts, k):
+        def hf_gen(prompts, k, model=hf):
             ids = torch.tensor(prompts, device=device)
-            return lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=k,
-                                       min_new_tokens=k, do_sample=False, pad_token_id=0)
+            return lambda: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=k,
+                                          min_new_tokens=k, do_sample=False, pad_token_id=0)
 
         for batch in args.batches:
             prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
             floor = min_step_bytes(engines["runner eager"], batch, args.prompt_len + args.new_tokens // 2) / bw
             steps = {}
-            for name, make in [*[(n, lambda k, e=e: runner_gen(e, prompts, k)) for n, e in engines.items()],
-                               ("hf generate", lambda k: hf_gen(prompts, k))]:
+            for name, make in [*[(n, lambda k, e=e, p=prompts: runner_gen(e, p, k)) for n, e in engines.items()],
+                               ("hf generate", lambda k, p=prompts: hf_gen(p, k))]:
                 try:
                     t1 = best_time(make(1), args.repeats)
                     tn = best_time(make(args.new_tokens), args.repeats)
@@ -159,7 +160,8 @@ def main() -> None:
                     torch.cuda.empty_cache()
             graph_ms, replays = graph_gpu_time(graphs, runner_gen(graphs, prompts, args.new_tokens))
             for name, step in steps.items():
-                in_graph = f"{graph_ms:.3f}" if name.startswith("runner") and replays and engines[name] is graphs else ""
+                replayed = name.startswith("runner") and replays and engines[name] is graphs
+                in_graph = f"{graph_ms:.3f}" if replayed else ""
                 decode_rows.append([preset, str(batch), name, f"{step * 1e3:.3f}", in_graph,
                                     f"{steps['hf generate'] / step:.1f}x", f"{100 * floor / step:.0f}%"])
                 print("  ".join(decode_rows[-1]), flush=True)

@@ -16,9 +16,10 @@ import time
 
 import torch
 
-from table import print_markdown_table
 from toolkit import LLM, SamplingParams
 from toolkit.request import request_output
+
+from table import print_markdown_table
 
 
 class BareLLM(LLM):
@@ -72,7 +73,7 @@ def main() -> None:
         prompts = [[rng.randrange(3, llms["off"].vocab_size) for _ in range(args.prompt_len)]
                    for _ in range(args.batch)]
         best = {name: [float("inf"), float("inf")] for name in llms}
-        for name, llm in llms.items():                       # warm-up
+        for llm in llms.values():                            # warm-up
             run(llm, prompts, 2)
         for _ in range(args.repeats):
             for name, llm in llms.items():

@@ -17,21 +17,23 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
+import numpy as np
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")      # before toolkit.kernels defines the kernels
 
-import triton  # noqa: E402
+import triton
 
 sys.path.insert(0, os.path.dirname(__file__))
-from table import print_markdown_table  # noqa: E402
-from toolkit.attention.mamba2 import compute_chunk_metadata  # noqa: E402
-from toolkit.attention.paged_attn import PagedAttentionMetadata  # noqa: E402
-from toolkit.layers import ops as ops_mod  # noqa: E402
+from toolkit.attention.mamba2 import compute_chunk_metadata
+from toolkit.attention.paged_attn import PagedAttentionMetadata
+from toolkit.layers import ops as ops_mod
+
+from table import print_markdown_table
 
 
 @dataclass
@@ -86,8 +88,10 @@ def cases(device: torch.device, dtype: torch.dtype, small: bool) -> list[Case]:
         idx = torch.arange(1, b + 1, device=device, dtype=torch.int32)
         nbytes = 2 * b * H * P * N * 4 + b * H * P * (e + 4) + 2 * b * G * N * e + b * H * 4
         out.append(Case("mamba2 state update", f"B={b} H={H} P={P} N={N}", nbytes,
-                        lambda s=state, x=x, d=dt_, A=A, B=B, C=C, D=D, i=idx: tri.mamba2_update(s, x, d, A, B, C, D, i),
-                        lambda s=state, x=x, d=dt_, A=A, B=B, C=C, D=D, i=idx: ref.mamba2_update(s, x, d, A, B, C, D, i)))
+                        lambda s=state, x=x, d=dt_, A=A, B=B, C=C, D=D, i=idx:
+                            tri.mamba2_update(s, x, d, A, B, C, D, i),
+                        lambda s=state, x=x, d=dt_, A=A, B=B, C=C, D=D, i=idx:
+                            ref.mamba2_update(s, x, d, A, B, C, D, i)))
 
     # the same update as the model calls it: raw dt (a column of in_proj's output) prepared in the kernel
     b = 2 if small else 256
@@ -111,8 +115,8 @@ def cases(device: torch.device, dtype: torch.dtype, small: bool) -> list[Case]:
         inter = 48 if small else 1536
         y, z, wn = rnd(tokens, inter, dt=f32), rnd(tokens, inter), rnd(inter)
         out.append(Case("gated rms norm", f"T={tokens} D={inter}", tokens * inter * (4 + 2 * e) + inter * e,
-                        lambda y=y, z=z, w=wn: tri.rms_norm_gated(y, z, w, inter, 1e-5, False, False, dtype),
-                        lambda y=y, z=z, w=wn: ref.rms_norm_gated(y, z, w, inter, 1e-5, False, False, dtype)))
+                        lambda y=y, z=z, w=wn, g=inter: tri.rms_norm_gated(y, z, w, g, 1e-5, False, False, dtype),
+                        lambda y=y, z=z, w=wn, g=inter: ref.rms_norm_gated(y, z, w, g, 1e-5, False, False, dtype)))
 
     # RoPE on q and k: lfm2-350m attention (16 / 8 heads, head_dim 64)
     from toolkit.layers.rotary import default_inv_freq
@@ -121,7 +125,8 @@ def cases(device: torch.device, dtype: torch.dtype, small: bool) -> list[Case]:
         q, k = rnd(tokens, rq, rd), rnd(tokens, rk, rd)
         pos = torch.arange(tokens, device=device) + 1000
         inv = default_inv_freq(rd, 1e6).to(device)
-        out.append(Case("rotary q+k", f"T={tokens} Hq={rq} Hkv={rk} D={rd}", 2 * tokens * (rq + rk) * rd * e + tokens * 8,
+        out.append(Case("rotary q+k", f"T={tokens} Hq={rq} Hkv={rk} D={rd}",
+                        2 * tokens * (rq + rk) * rd * e + tokens * 8,
                         lambda q=q, k=k, p=pos, i=inv: tri.rotary(p, q, k, i, 1.0, rd),
                         lambda q=q, k=k, p=pos, i=inv: ref.rotary(p, q, k, i, 1.0, rd)))
 
@@ -134,8 +139,10 @@ def cases(device: torch.device, dtype: torch.dtype, small: bool) -> list[Case]:
         idx = torch.arange(1, b + 1, device=device, dtype=torch.int32)
         nbytes = 2 * b * Di * N1 * 4 + b * Di * (e + 8) + Di * N1 * 4
         out.append(Case("mamba1 state update", f"B={b} Di={Di} N={N1}", nbytes,
-                        lambda s=state, x=x, d=dt_, A=A, B=B, C=C, D=D, i=idx: tri.mamba1_update(s, x, d, A, B, C, D, i),
-                        lambda s=state, x=x, d=dt_, A=A, B=B, C=C, D=D, i=idx: ref.mamba1_update(s, x, d, A, B, C, D, i)))
+                        lambda s=state, x=x, d=dt_, A=A, B=B, C=C, D=D, i=idx:
+                            tri.mamba1_update(s, x, d, A, B, C, D, i),
+                        lambda s=state, x=x, d=dt_, A=A, B=B, C=C, D=D, i=idx:
+                            ref.mamba1_update(s, x, d, A, B, C, D, i)))
 
     # Gated DeltaNet decode update: Qwen3-Next layer (Hk 16, Hv 32, K = V = 128)
     hk, hv, dk = (2, 4, 16) if small else (16, 32, 128)
@@ -179,7 +186,7 @@ def cases(device: torch.device, dtype: torch.dtype, small: bool) -> list[Case]:
 
     chunk = 8 if small else 256
     cu_chunk, seq_idx, last_chunk = (torch.from_numpy(a).to(device) for a in
-                                     compute_chunk_metadata(lens.numpy(), torch.zeros(nseq, dtype=torch.int64).numpy(), chunk))
+                                     compute_chunk_metadata(lens.numpy(), np.zeros(nseq, dtype=np.int64), chunk))
     state = rnd(nseq + 1, H, P, N, dt=f32)
     x, dt_, A = rnd(t, H, P), rnd(t, H, dt=f32).abs() * 0.1, -rnd(H, dt=f32).abs()
     B, C, D = rnd(t, G, N), rnd(t, G, N), rnd(H, dt=f32)
@@ -212,8 +219,8 @@ def cases(device: torch.device, dtype: torch.dtype, small: bool) -> list[Case]:
         nbytes = rows * ctx * hkv * hd * 2 * e + 2 * rows * hq * hd * e
         scale = hd ** -0.5
         out.append(Case("paged attention decode", f"B={rows} ctx={ctx} Hq={hq} Hkv={hkv} D={hd}", nbytes,
-                        lambda q=q, c=cache, m=md: tri.paged_attention(q, c, m, scale),
-                        lambda q=q, c=cache, m=md: ref.paged_attention(q, c, m, scale)))
+                        lambda q=q, c=cache, m=md, s=scale: tri.paged_attention(q, c, m, s),
+                        lambda q=q, c=cache, m=md, s=scale: ref.paged_attention(q, c, m, s)))
 
     # Gumbel-max sampling over a large vocabulary
     for b, v in ([(2, 37)] if small else [(1, 151936), (256, 151936)]):

@@ -18,9 +18,10 @@ import sys
 if "--device" not in sys.argv or sys.argv[sys.argv.index("--device") + 1] == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")    # before anything imports triton (a dispatch mode does)
 sys.path.insert(0, os.path.dirname(__file__))
-from table import print_markdown_table  # noqa: E402
-from toolkit import LLM  # noqa: E402
-from toolkit.inspect.launches import LaunchCounter, count_decode_step  # noqa: E402
+from toolkit import LLM
+from toolkit.inspect.launches import LaunchCounter, count_decode_step
+
+from table import print_markdown_table
 
 
 def decode_step_launches(preset: str, backend: str, device: str = "cpu") -> tuple[LaunchCounter, LaunchCounter, int]:

@@ -21,11 +21,12 @@ import os
 import time
 import warnings
 
-from table import print_markdown_table
 from toolkit import LLM, SamplingParams, TraceBudgetWarning
 from toolkit.inspect.memory import fmt_bytes, resolve_trace_budget
 from toolkit.inspect.record_views import step_record_html
 from toolkit.widgets.panes import why_no_states
+
+from table import print_markdown_table
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

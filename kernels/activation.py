@@ -14,7 +14,6 @@ import triton.language as tl
 
 from .launcher_checks import rows_view
 
-
 _BLOCK = 1024
 
 

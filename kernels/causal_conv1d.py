@@ -32,7 +32,6 @@ import triton
 import triton.language as tl
 
 
-
 @triton.jit
 def _conv_update_kernel(x_ptr, state_ptr, idx_ptr, w_ptr, b_ptr, out_ptr, dim,
                         stride_xb, stride_ss, stride_sk, stride_wd, stride_ob,

@@ -37,9 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launcher_checks import check_chunk_layout, check_index
-
 from .gated_delta_rule_ref import L2NORM_EPS
+from .launcher_checks import check_chunk_layout, check_index
 
 
 @triton.jit

@@ -13,7 +13,6 @@ import torch
 
 from .state_slots_ref import initial_states_at, write_states_at
 
-
 L2NORM_EPS = 1e-6
 
 

@@ -24,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-
 BLOCK_V = 2048          # vocabulary tokens a program handles per loop step (tails masked)
 _SEED0 = tl.constexpr(0x85EBCA6B)    # the chain's initial value (gumbel_ref.row_keys)
 _GOLDEN = tl.constexpr(0x9E3779B9)    # literals above 2**31 - 1 are uint32 in Triton

@@ -12,7 +12,6 @@ import triton
 import triton.language as tl
 
 
-
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr,
                      stride_kn, stride_kh, stride_vn, stride_vh,

@@ -24,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LOG2E = 1.4426950408889634
 

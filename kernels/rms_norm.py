@@ -22,7 +22,6 @@ import triton.language as tl
 
 from .launcher_checks import rows_view
 
-
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 

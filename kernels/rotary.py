@@ -17,7 +17,6 @@ import triton
 import triton.language as tl
 
 
-
 @triton.jit
 def _rotary_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, inv_ptr, q_heads, k_heads, head_dim,
                    stride_qt, stride_qh, stride_kt, stride_kh, scaling,

@@ -34,6 +34,7 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_
     """The op (`Ops.rotary`; the Triton kernel has this signature): positions [T] int, q [T, Hq, D],
     k [T, Hkv, D], inv_freq fp32 [rotary_dim / 2] -> (q, k) rotated, new tensors."""
     if 2 * inv_freq.shape[0] != rotary_dim:
-        raise ValueError(f"inv_freq has {inv_freq.shape[0]} frequencies, rotary_dim {rotary_dim} needs {rotary_dim // 2}")
+        raise ValueError(f"inv_freq has {inv_freq.shape[0]} frequencies, rotary_dim {rotary_dim} "
+                         f"needs {rotary_dim // 2}")
     cos, sin = cos_sin(positions, inv_freq, scaling, q.dtype)
     return rotate(q, cos, sin), rotate(k, cos, sin)

@@ -31,7 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INTS = (torch.int32, torch.int64)
 

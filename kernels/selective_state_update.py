@@ -19,7 +19,6 @@ import triton
 import triton.language as tl
 
 
-
 @triton.jit
 def _prepared_dt(v, lo, hi, HAS_CLAMP: tl.constexpr):
     """clamp(softplus(v), lo, hi) for fp32 v, softplus as torch computes it (threshold 20); log1p(e)
@@ -100,7 +99,8 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
         raise ValueError(f"state_indices must be int32/int64 [B={b}], got {state_indices.dtype} "
                          f"{tuple(state_indices.shape)}")
     vectors = (("dt", dt), ("A", A), ("D", D), ("dt_bias", dt_bias))
-    for name, t in (("state", state), ("x", x), ("B", B), ("C", C)) + tuple((n, v) for n, v in vectors if v is not None):
+    present = tuple((n, v) for n, v in vectors if v is not None)
+    for name, t in (("state", state), ("x", x), ("B", B), ("C", C)) + present:
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension, strides {t.stride()}")
     if B.stride() != C.stride():

@@ -38,7 +38,6 @@ import triton.language as tl
 from .launcher_checks import check_chunk_layout
 
 
-
 @triton.jit
 def _chunk_state_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, cu_ptr, cum_ptr, end_ptr, st_ptr,
                         heads, heads_per_group, head_dim, d_state,
@@ -135,11 +134,11 @@ def _chunk_scan_kernel(x_ptr, dt_ptr, b_ptr, c_ptr, d_ptr, cu_ptr, cum_ptr, st_p
     if m0 >= length:
         return
     g = h // heads_per_group
-    l = m0 + tl.arange(0, BLOCK_M)
+    row = m0 + tl.arange(0, BLOCK_M)            # the chunk's output positions l
     p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
-    ml, mp, mn = l < length, p < head_dim, n < d_state
-    tok_l = start + l
+    ml, mp, mn = row < length, p < head_dim, n < d_state
+    tok_l = start + row
     cum_l = tl.load(cum_ptr + h * cum_h + tok_l, mask=ml, other=0.0)
     cl = tl.load(c_ptr + tok_l[:, None] * c_t + g * c_g + n[None, :], mask=ml[:, None] & mn[None, :],
                  other=0.0).to(tl.float32)
@@ -158,7 +157,7 @@ def _chunk_scan_kernel(x_ptr, dt_ptr, b_ptr, c_ptr, d_ptr, cu_ptr, cum_ptr, st_p
                      other=0.0).to(tl.float32)
         cum_s = tl.load(cum_ptr + h * cum_h + tok_s, mask=ms, other=0.0)
         dt_s = tl.load(dt_ptr + tok_s * dt_t + h * dt_h, mask=ms, other=0.0).to(tl.float32)
-        keep = (l[:, None] >= s[None, :]) & ml[:, None] & ms[None, :]
+        keep = (row[:, None] >= s[None, :]) & ml[:, None] & ms[None, :]
         decay = tl.exp(tl.where(keep, cum_l[:, None] - cum_s[None, :], float("-inf")))
         cb = tl.dot(cl, tl.trans(bs), input_precision=DOT_PRECISION) * decay * dt_s[None, :]
         xs = tl.load(x_ptr + tok_s[:, None] * x_t + h * x_h + p[None, :], mask=ms[:, None] & mp[None, :],

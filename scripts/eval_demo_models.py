@@ -19,10 +19,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from demo_corpus import build_corpus  # noqa: E402
+from demo_corpus import build_corpus
 
-from toolkit import LLM, SamplingParams  # noqa: E402
-from toolkit.models import model_folder  # noqa: E402
+from toolkit import LLM, SamplingParams
+from toolkit.models import model_folder
 
 PROMPTS = ["The ", "A class ", "def "]
 

@@ -29,10 +29,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from toolkit import LLM, InvalidRequestError, InvariantError, SamplingParams  # noqa: E402
-from toolkit.inspect import checks  # noqa: E402
+from toolkit import LLM, InvalidRequestError, InvariantError, SamplingParams
+from toolkit.inspect import checks
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -93,7 +93,7 @@ def ledger_violations(llm: LLM) -> list[str]:
             out.append(f"{pool.name}: {len(free)} free + {len(pool.owner)} owned != {pool.num_total}")
         if not set(pool.owner.values()) <= set(running):
             out.append(f"{pool.name}: owners {sorted(set(pool.owner.values()) - set(running))} are not running")
-    for g, group in enumerate(kv.groups):
+    for g in range(len(kv.groups)):
         seen: dict[int, str] = {}
         for rid, held in holdings.items():
             for i in held[g]:
@@ -260,12 +260,14 @@ def main(argv: list[str] | None = None) -> int:
         k = (last["step"] - first["step"]) / 1000
         growth = last["rss"] - first["rss"]
         print(f"RSS: {first['rss'] / 2**20:.1f} MiB at step {first['step']} -> {last['rss'] / 2**20:.1f} MiB "
-              f"at step {last['step']}: {growth / 2**20:+.2f} MiB ({growth / 1024 / max(k, 1e-9):+.1f} KiB per 1000 steps)")
+              f"at step {last['step']}: {growth / 2**20:+.2f} MiB "
+              f"({growth / 1024 / max(k, 1e-9):+.1f} KiB per 1000 steps)")
         print(f"torch tensors alive: {first['tensors']} -> {last['tensors']}; llm.trace: {first['trace']} -> "
               f"{last['trace']} records (capacity {args.trace_capacity})")
         print(f"finished request ids (by design: one id per finished or aborted request, never pruned): "
               f"{first['fin_ids']} -> {last['fin_ids']} ids, {first['fin_bytes'] / 1024:.1f} -> "
-              f"{last['fin_bytes'] / 1024:.1f} KiB ({(last['fin_bytes'] - first['fin_bytes']) / max(k, 1e-9) / 1024:+.1f} "
+              f"{last['fin_bytes'] / 1024:.1f} KiB "
+              f"({(last['fin_bytes'] - first['fin_bytes']) / max(k, 1e-9) / 1024:+.1f} "
               f"KiB per 1000 steps, about {last['fin_bytes'] / max(last['fin_ids'], 1):.0f} bytes per id)")
         if args.tracemalloc:
             print(f"traced Python heap: {first['heap'] / 2**20:.2f} -> {last['heap'] / 2**20:.2f} MiB")

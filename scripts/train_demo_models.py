@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from demo_corpus import build_corpus, describe  # noqa: E402
+from demo_corpus import build_corpus, describe
 
 REPO = Path(__file__).resolve().parents[1]
 OUT_ROOT = REPO / "toolkit" / "models" / "demo"
@@ -96,7 +96,7 @@ def train(name: str, args: argparse.Namespace) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     work = Path(args.work_dir) / name
     work.mkdir(parents=True, exist_ok=True)
-    ckpt_path, log_path = work / "resume.pt", work / "loss.csv"
+    ckpt_path = work / "resume.pt"
     step, log = 0, []
     gen = torch.Generator().manual_seed(args.seed)
     if ckpt_path.exists():                     # resume: model, optimiser, data order, log

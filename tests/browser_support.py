@@ -93,7 +93,7 @@ class JupyterLab:
         self.log_path = self.work_dir / "jupyterlab.log"
 
     # -- lifecycle --------------------------------------------------------------------------------
-    def start(self) -> "JupyterLab":
+    def start(self) -> JupyterLab:
         dirs = {k: self.work_dir / k for k in ("config", "data", "runtime", "settings", "workspaces", "ipython")}
         for d in dirs.values():
             d.mkdir(parents=True, exist_ok=True)
@@ -164,7 +164,7 @@ class JupyterLab:
         self._log.close()
         self.proc = None
 
-    def __enter__(self) -> "JupyterLab":
+    def __enter__(self) -> JupyterLab:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -207,7 +207,7 @@ class LabNotebook:
         self.timeout = timeout_ms
         page.set_default_timeout(timeout_ms)
 
-    def open(self) -> "LabNotebook":
+    def open(self) -> LabNotebook:
         self.page.goto(self.lab.notebook_url(self.name))
         self.page.locator(".jp-NotebookPanel:visible .jp-Cell").first.wait_for()
         self.wait_kernel_idle()

@@ -3,7 +3,7 @@ test, assert rewriting in the helper modules, and the shared fixtures of the run
 checks (`hf_folders`, `model_pair`, `hf_model`)."""
 import os
 
-import torch  # noqa: E402  (defines no Triton kernel)
+import torch
 
 # Triton reads TRITON_INTERPRET when a kernel is decorated, so set it before anything imports one.
 # Without a GPU the kernels run under the interpreter; on a GPU they compile.
@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import pytest  # noqa: E402
+import pytest
 
 # model_helpers and harness hold test checks (ModelParitySuite, check_*_matches_hf): rewrite their
 # asserts as pytest does a test's

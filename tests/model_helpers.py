@@ -20,17 +20,17 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from harness import (BATCH_LIMITS, F32, check_chunked_mixed_queued_batch_matches_hf,
-                     check_single_request_matches_hf)
 from toolkit import LLM
 from toolkit.attention.mamba1 import Mamba1AttentionMetadata
 from toolkit.attention.mamba2 import Mamba2AttentionMetadata, compute_chunk_metadata
 from toolkit.attention.paged_attn import PagedAttentionMetadata
 from toolkit.attention.short_conv import ShortConvAttentionMetadata
 from toolkit.config import RunnerConfig
+from toolkit.kv_cache_spec import AttentionSpec, MambaSpec
 from toolkit.models import PRESETS, get_model_class, load_model, save_hf_folder
 from toolkit.runner.kv_cache import make_kv_cache_groups
-from toolkit.kv_cache_spec import AttentionSpec, MambaSpec
+
+from harness import BATCH_LIMITS, F32, check_chunked_mixed_queued_batch_matches_hf, check_single_request_matches_hf
 
 # metadata class of each Mamba-family layer that reads only the base Mamba fields
 BASE_MAMBA_METADATA = {"mamba1": Mamba1AttentionMetadata, "short_conv": ShortConvAttentionMetadata}

@@ -14,9 +14,9 @@ import pytest
 
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
 
-from harness import (BATCH_LIMITS, BATCH_PROMPT_LENS, F32, MAX_TOKENS, TINY_PRESETS, prompts_of,  # noqa: E402
-                     run_by_hand)
-from toolkit import LLM, SamplingParams  # noqa: E402
+from toolkit import LLM, SamplingParams
+
+from harness import BATCH_LIMITS, BATCH_PROMPT_LENS, F32, MAX_TOKENS, TINY_PRESETS, prompts_of, run_by_hand
 
 LOGITS_ATOL = 1e-4
 

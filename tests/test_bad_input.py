@@ -9,8 +9,15 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from toolkit import (LLM, CheckpointError, EngineClosedError, InvalidRequestError,
-                     SamplingParams, UnknownModelError, UnsupportedArchitectureError)
+from toolkit import (
+    LLM,
+    CheckpointError,
+    EngineClosedError,
+    InvalidRequestError,
+    SamplingParams,
+    UnknownModelError,
+    UnsupportedArchitectureError,
+)
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 GOOD_PROMPT = {"prompt_token_ids": [5, 6, 7, 8]}
@@ -133,7 +140,8 @@ def test_max_model_len_reached_mid_generation_finishes_with_length():
     with LLM("tiny-mamba2", **ARGS | dict(max_model_len=12)) as llm:
         out = llm.generate({"prompt_token_ids": [5] * 8}, SamplingParams(max_tokens=50, temperature=0.0,
                                                                           ignore_eos=True))[0]
-        assert out.outputs[0].finish_reason == "length" and len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 12
+        assert out.outputs[0].finish_reason == "length"
+        assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 12
 
 
 def test_abort_returns_whether_it_aborted_and_unknown_ids_change_nothing():

@@ -20,8 +20,9 @@ import re
 import shutil
 from pathlib import Path
 
-import browser_support as B
 import pytest
+
+import browser_support as B
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
 

@@ -24,7 +24,7 @@ def make_llm(preset: str, budget: int = 8, **kw) -> LLM:
 
 def mixer_of(llm: LLM, layer: int) -> torch.nn.Module:
     block = llm.model.body.layers[layer]
-    return getattr(block, "mamba", None) or getattr(block, "mixer")
+    return getattr(block, "mamba", None) or block.mixer
 
 
 def hook_counts(llm: LLM) -> list[int]:

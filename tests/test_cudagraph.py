@@ -11,9 +11,10 @@ import gc
 import pytest
 import torch
 
-from harness import F32, TINY_PRESETS
 from toolkit import LLM, SamplingParams
 from toolkit.runner.cudagraph import CudaGraphManager, capture_sizes, resolve_mode
+
+from harness import F32, TINY_PRESETS
 
 PROMPT_LENS = [5, 9, 3, 7, 4]              # 5 requests: decode batches of 5, padded to 8
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -92,7 +93,7 @@ def test_padded_rows_touch_no_real_slot_or_block(model):
     with LLM(model, **F32, max_num_seqs=8, cudagraph_mode="padded_eager", num_kv_blocks=64) as llm:
         for i in range(3):                             # three requests that finish first...
             llm.add_request({"prompt_token_ids": [5 + i, 6, 7]}, SamplingParams(max_tokens=1))
-        for i, n in enumerate(PROMPT_LENS[:3]):        # ...and three that keep decoding
+        for n in PROMPT_LENS[:3]:                      # ...and three that keep decoding
             llm.add_request({"prompt_token_ids": list(range(3, 3 + n))}, GREEDY)
         while True:
             rec = llm.step()

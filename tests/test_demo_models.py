@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import assert_matches_hf, load_hf, run_by_hand
 from toolkit import LLM
 from toolkit.models import DEMO_MODELS, model_folder
+
+from harness import assert_matches_hf, load_hf, run_by_hand
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))

@@ -12,10 +12,12 @@ from transformers.models.qwen3_next import modeling_qwen3_next as hf_q3n
 
 from toolkit.attention.gdn import compute_gdn_chunk_metadata
 from toolkit.attention.mamba2 import compute_chunk_metadata
-from toolkit.kernels.gated_delta_rule_ref import (gdn_chunk_varlen,
-                                                  gdn_prefill_at_slots,
-                                                  gdn_recurrent_varlen,
-                                                  gdn_update_at_slots)
+from toolkit.kernels.gated_delta_rule_ref import (
+    gdn_chunk_varlen,
+    gdn_prefill_at_slots,
+    gdn_recurrent_varlen,
+    gdn_update_at_slots,
+)
 
 # the geometry of tiny-qwen3-next's GDN: 2 key heads x 8, 4 value heads x 16 (GVA, key dim != value dim)
 HK, HV, KD, VD = 2, 4, 8, 16

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from harness import kernel_test_device
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_inspect_states import Workload, check_against_hf, check_continuity, run_workload
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from harness import F32
-from test_inspect_states import Workload, check_against_hf, check_continuity, run_workload
 from toolkit import LLM, SamplingParams
 from toolkit.layers.mamba2_mixer import Mamba2Mixer
 from toolkit.models import PRESETS, get_model_class, save_hf_folder
+
+from harness import F32
 
 STATE_ATOL = 1e-5
 
@@ -138,7 +139,7 @@ def test_inspect_full_records_gdn_states_matching_hf(tmp_path):
             n = len(st.request_ids)
             for t, shape in zip(st.after, ((3, CONV_DIM), (HV, VD, KD))):
                 assert tuple(t.shape) == (n, *shape) and t.dtype == torch.float32
-        for row, s in enumerate(rec.scheduled):
+        for s in rec.scheduled:
             rid = s.request_id
             n_tokens = s.num_computed_before + s.num_tokens
             ref = hf_gdn_states(hf, tokens[rid][:n_tokens])

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from harness import NO_ATTENTION
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
@@ -37,6 +36,8 @@ from toolkit.inspect.step_record import StepRecord
 from toolkit.layers.state_mixer import StateSlotMixer
 from toolkit.models import PRESETS as PRESET_CONFIGS
 from toolkit.models import save_hf_folder
+
+from harness import NO_ATTENTION
 
 # ids that say which presets are run: the four asked for, then the two cheap extras, then the
 # hybrids built without any attention layer (HF-initialised folders, see harness.NO_ATTENTION)

@@ -130,7 +130,8 @@ def test_readme_use_example_runs_as_written(tmp_path):
 
 def test_nothing_points_outside_the_repository():
     hits = []
-    for path in ["README.md", "pyproject.toml", "Makefile", "environment.yml", *map(str, (REPO / "benchmarks").rglob("*")),
+    for path in ["README.md", "pyproject.toml", "Makefile", "environment.yml",
+                 *map(str, (REPO / "benchmarks").rglob("*")),
                  *map(str, (REPO / "toolkit").rglob("*.py")), *map(str, (REPO / "tests").glob("*.py")),
                  *map(str, (REPO / "scripts").glob("*")), *map(str, (REPO / "docs").glob("*.md"))]:
         p = REPO / path

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from harness import KERNEL_DEVICE as DEV  # the test device: CPU (interpreter) or CUDA (compiled)
 
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
-from toolkit.kernels import activation as ka  # noqa: E402
-from toolkit.kernels import activation_ref  # noqa: E402
+from toolkit.kernels import activation as ka
+from toolkit.kernels import activation_ref
 
 # the project's per-dtype tolerances (one to two ulps of the output dtype: silu rounds once, the product again)
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from harness import KERNEL_DEVICE as DEV  # the test device: CPU (interpreter) or CUDA (compiled)
 
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
-from toolkit.kernels import causal_conv1d as conv  # noqa: E402
-from toolkit.kernels import causal_conv1d_ref  # noqa: E402
+from toolkit.kernels import causal_conv1d as conv
+from toolkit.kernels import causal_conv1d_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # both sides compute in fp32 and round once to the output dtype: allow about one ulp of it

@@ -8,15 +8,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from harness import KERNEL_DEVICE as DEV  # the test device: CPU (interpreter) or CUDA (compiled)
 
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
-from toolkit.attention.gdn import compute_gdn_chunk_metadata  # noqa: E402
-from toolkit.kernels import gated_delta_rule as gdr  # noqa: E402
-from toolkit.kernels import gated_delta_rule_ref  # noqa: E402
-from toolkit.kernels.state_slots_ref import initial_states_at  # noqa: E402
-from toolkit.layers.gdn import gdn_gating  # noqa: E402
+from toolkit.attention.gdn import compute_gdn_chunk_metadata
+from toolkit.kernels import gated_delta_rule as gdr
+from toolkit.kernels import gated_delta_rule_ref
 from toolkit.kernels.gated_delta_rule_ref import gdn_recurrent_varlen
+from toolkit.kernels.state_slots_ref import initial_states_at
+from toolkit.layers.gdn import gdn_gating
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # fp32 math on both sides from the same rounded inputs and y / state fp32: tight for every input dtype
@@ -104,7 +105,7 @@ def test_gdn_prefill_equals_reference(dtype, hk, hv, kd, vd):
     args, state, idx, flags = _prefill_case(dtype, hk, hv, kd, vd, LENS, HAS_INIT, SLOTS, 9, seed=2)
     ours_state, ref_state = state.clone(), state.clone()
     y = gdr.gdn_prefill(*args, ours_state, idx, flags)
-    y_ref = gated_delta_rule_ref.gdn_prefill_at_slots(*args, ref_state, idx, flags)       # the chunked (UT transform) form
+    y_ref = gated_delta_rule_ref.gdn_prefill_at_slots(*args, ref_state, idx, flags)    # chunked (UT transform)
     assert y.dtype == torch.float32 and y.shape == y_ref.shape
     # fp32 on both sides; they differ in the order of operations only (per token vs per chunk)
     torch.testing.assert_close(y, y_ref, **TOL)
@@ -162,7 +163,8 @@ def test_gdn_launchers_name_what_is_wrong():
     with pytest.raises(ValueError, match=r"has_initial_state must be bool/int32/int64 \[R=1\], got torch.float32"):
         gdr.gdn_prefill(q, q, v, g, g, cu, sidx, last, 16, state, idx[:1], torch.zeros(1))
     with pytest.raises(ValueError, match=r"g must be \[T=2, Hv=4\], got \(2, 3\)"):
-        gdr.gdn_prefill(q, q, v, torch.zeros(2, 3), g, cu, sidx, last, 16, state, idx[:1], torch.ones(1, dtype=torch.bool))
+        gdr.gdn_prefill(q, q, v, torch.zeros(2, 3), g, cu, sidx, last, 16, state, idx[:1],
+                        torch.ones(1, dtype=torch.bool))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: real shapes")

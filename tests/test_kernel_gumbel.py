@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from harness import KERNEL_DEVICE as DEV  # the test device: CPU (interpreter) or CUDA (compiled)
 
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
-from toolkit.kernels import gumbel_ref  # noqa: E402
-from toolkit.kernels import gumbel  # noqa: E402
+from toolkit.kernels import (
+    gumbel,
+    gumbel_ref,
+)
 
 M32 = 2**32 - 1
 # the noise is -log(-log(u)) with u exact on both sides: only the two logs' rounding may differ, so

@@ -9,16 +9,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from harness import KERNEL_DEVICE as DEV  # the test device: CPU (interpreter) or CUDA (compiled)
 
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
-from toolkit.attention.mamba2 import compute_chunk_metadata  # noqa: E402
-from toolkit.kernels import selective_state_update as ssu  # noqa: E402
-from toolkit.kernels import ssd_scan as ssd  # noqa: E402
-from toolkit.kernels import ssd_scan_ref  # noqa: E402
-from toolkit.kernels import selective_state_update_ref  # noqa: E402
-from toolkit.kernels.state_slots_ref import initial_states_at  # noqa: E402
-from toolkit.kernels.ssd_scan_ref import ssm_scan_sequential_ref  # noqa: E402
+from toolkit.attention.mamba2 import compute_chunk_metadata
+from toolkit.kernels import selective_state_update as ssu
+from toolkit.kernels import (
+    selective_state_update_ref,
+    ssd_scan_ref,
+)
+from toolkit.kernels import ssd_scan as ssd
+from toolkit.kernels.ssd_scan_ref import ssm_scan_sequential_ref
+from toolkit.kernels.state_slots_ref import initial_states_at
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -64,10 +67,12 @@ def test_selective_state_update_prepares_raw_dt_like_mamba2_dt(dtype, dt_limit):
     idx = torch.tensor([3, 0, -1, 5, 1], device=DEV)
     ours_state, ref_state = state.clone(), state.clone()
     y = ssu.selective_state_update(ours_state, x, dt_raw, A, B, C, D, idx, dt_bias, dt_limit)
-    y_ref = selective_state_update_ref.mamba2_update_at_slots(ref_state, x, selective_state_update_ref.mamba2_dt(dt_raw, dt_bias, dt_limit), A, B, C, D, idx)
+    dt = selective_state_update_ref.mamba2_dt(dt_raw, dt_bias, dt_limit)
+    y_ref = selective_state_update_ref.mamba2_update_at_slots(ref_state, x, dt, A, B, C, D, idx)
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours_state, ref_state, atol=1e-5, rtol=1e-5)
-    y_ref_raw = selective_state_update_ref.mamba2_update_at_slots(state.clone(), x, dt_raw, A, B, C, D, idx, dt_bias, dt_limit)  # the op's own form
+    y_ref_raw = selective_state_update_ref.mamba2_update_at_slots(    # the op's own form: raw dt and its bias
+        state.clone(), x, dt_raw, A, B, C, D, idx, dt_bias, dt_limit)
     torch.testing.assert_close(y_ref_raw, y_ref, atol=0, rtol=0)
 
 
@@ -103,7 +108,7 @@ def test_mamba2_dt_equals_reference(dtype, limit):
     g = torch.Generator().manual_seed(4)
     heads = 6
     proj = torch.empty(40, heads + 10)
-    proj[:, :] = torch.linspace(-40, 40, 40 * (heads + 10)).reshape(40, heads + 10)   # tiny, small and past threshold 20
+    proj[:, :] = torch.linspace(-40, 40, 40 * (heads + 10)).reshape(40, heads + 10)   # small, and past threshold 20
     dt_raw = proj.to(DEV, dtype)[:, 10:]                      # the dt columns of in_proj's output
     bias = torch.randn(heads, generator=g).to(DEV, dtype)
     ours, ref = ssu.mamba2_dt(dt_raw, bias, limit), selective_state_update_ref.mamba2_dt(dt_raw, bias, limit)

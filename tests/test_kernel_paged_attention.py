@@ -9,15 +9,18 @@ import math
 
 import pytest
 import torch
+
 from harness import KERNEL_DEVICE as DEV  # the test device: CPU (interpreter) or CUDA (compiled)
 
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
-from toolkit.attention.paged_attn import PagedAttentionMetadata  # noqa: E402
-from toolkit.kernels import kv_cache  # noqa: E402
-from toolkit.kernels import paged_attention as pa  # noqa: E402
-from toolkit.kernels import paged_attention_ref  # noqa: E402
-from toolkit.kernels import kv_cache_ref  # noqa: E402
-from toolkit.kernels.kv_cache_ref import write_kv_cache  # noqa: E402
+from toolkit.attention.paged_attn import PagedAttentionMetadata
+from toolkit.kernels import (
+    kv_cache,
+    kv_cache_ref,
+    paged_attention_ref,
+)
+from toolkit.kernels import paged_attention as pa
+from toolkit.kernels.kv_cache_ref import write_kv_cache
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # both sides compute in fp32 and round once to the output dtype: about one ulp of it

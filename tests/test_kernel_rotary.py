@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from harness import KERNEL_DEVICE as DEV  # the test device: CPU (interpreter) or CUDA (compiled)
 
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
-from toolkit.kernels import rotary as kr  # noqa: E402
-from toolkit.kernels import rotary_ref  # noqa: E402
-from toolkit.layers.rotary import default_inv_freq  # noqa: E402
+from toolkit.kernels import rotary as kr
+from toolkit.kernels import rotary_ref
+from toolkit.layers.rotary import default_inv_freq
 
 # the kernel rounds where the reference's dtype ops do; cos/sin may differ by an fp32 ulp before rounding
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
@@ -29,8 +30,8 @@ def test_rotary_equals_reference(dtype, head_dim, rotary_dim):
     positions = torch.tensor([0, 1, 2, 17, 300, 4095, 65000], device=DEV)
     inv = default_inv_freq(rotary_dim, 10000.0).to(DEV)
     for scaling in (1.0, 1.2):
-        ours, ref = kr.apply_rotary(positions, q, k, inv, scaling, rotary_dim), rotary_ref.apply_rotary(positions, q, k, inv,
-                                                                                             scaling, rotary_dim)
+        ours = kr.apply_rotary(positions, q, k, inv, scaling, rotary_dim)
+        ref = rotary_ref.apply_rotary(positions, q, k, inv, scaling, rotary_dim)
         for o, r in zip(ours, ref):
             assert o.dtype == r.dtype and o.shape == r.shape
             torch.testing.assert_close(o, r, **TOL[dtype])

@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from harness import KERNEL_DEVICE as DEV  # the test device: CPU (interpreter) or CUDA (compiled)
 
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
-from toolkit.kernels import selective_scan as ss  # noqa: E402
-from toolkit.kernels import selective_scan_ref  # noqa: E402
+from toolkit.kernels import selective_scan as ss
+from toolkit.kernels import selective_scan_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 FP32 = dict(atol=1e-5, rtol=1e-5)         # fp32 math on both sides, only the summation order differs

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
-from toolkit import LLM  # noqa: E402
-from toolkit.inspect.launches import LaunchCounter, count_decode_step  # noqa: E402
+from toolkit import LLM
+from toolkit.inspect.launches import LaunchCounter, count_decode_step
 
 
 def _decode_step_launches(preset: str, backend: str) -> tuple[LaunchCounter, LaunchCounter, int]:

@@ -10,8 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from toolkit import (LLM, CheckpointError, InvalidRequestError, SamplingParams, UnknownModelError,
-                     UnsupportedArchitectureError)
+from toolkit import (
+    LLM,
+    CheckpointError,
+    InvalidRequestError,
+    SamplingParams,
+    UnknownModelError,
+    UnsupportedArchitectureError,
+)
 from toolkit.models import save_hf_folder
 from toolkit.runner.model_states import MambaHybridModelState
 

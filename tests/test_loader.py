@@ -12,9 +12,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from toolkit.errors import CheckpointError, UnknownModelError, UnsupportedArchitectureError
-from toolkit.models import MODEL_REGISTRY, PRESETS, get_model_class, load_model, save_hf_folder
 from toolkit.kv_cache_spec import AttentionSpec, MambaSpec
-
+from toolkit.models import MODEL_REGISTRY, PRESETS, get_model_class, load_model, save_hf_folder
 
 # shape-true presets ("*-shape": real model dimensions, hundreds of MB) are for benchmarks
 ARCHS = [p for p in PRESETS if not p.endswith("-shape")]
@@ -233,7 +232,8 @@ def test_unexpected_tensor(tmp_path):
 
 def test_misshapen_tensor(tmp_path):
     _rewrite(_saved(tmp_path), lambda t: t.__setitem__("model.norm.weight", torch.ones(65)))
-    with pytest.raises(CheckpointError, match=r"misshapen tensors: model\.norm\.weight \(checkpoint \(65,\), model \(64,\)\)"):
+    misshapen = r"misshapen tensors: model\.norm\.weight \(checkpoint \(65,\), model \(64,\)\)"
+    with pytest.raises(CheckpointError, match=misshapen):
         load_model(str(tmp_path), **F32)
 
 

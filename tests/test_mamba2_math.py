@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from toolkit.kernels.causal_conv1d_ref import causal_conv1d_step, causal_conv1d_varlen
 from toolkit.kernels.selective_state_update_ref import mamba2_dt, ssm_step
 from toolkit.kernels.ssd_scan_ref import ssd_chunk_scan_varlen, ssm_scan_sequential_ref
+
 from model_helpers import mamba2_chunk_layout
 
 TOL = dict(atol=1e-5, rtol=1e-5)

@@ -7,13 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import ENGINE_PRESETS, F32
 from toolkit import LLM, ModelStateError
 from toolkit.config import RunnerConfig
 from toolkit.errors import NotSupportedYetError
 from toolkit.models import PRESETS as PRESET_CONFIGS
 from toolkit.models import get_model_class
 from toolkit.runner.model_states import DefaultModelState, MambaHybridModelState, init_model_state
+
+from harness import ENGINE_PRESETS, F32
 
 SMALL = dict(device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=32)
 EXPECTED_STATE = {"tiny-llama": DefaultModelState}

@@ -5,8 +5,9 @@ cache), a config variant (biases, no conv bias, two Mamba groups, attention on l
 the engine against HF's generate (`RunnerParityChecks`)."""
 from __future__ import annotations
 
-from model_helpers import ConfigVariantChecks, ModelParitySuite, RunnerParityChecks
 from toolkit.models import PRESETS
+
+from model_helpers import ConfigVariantChecks, ModelParitySuite, RunnerParityChecks
 
 
 def _variant():

@@ -14,16 +14,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import F32
-from model_helpers import (ConfigVariantChecks, ModelParitySuite, RunnerParityChecks, check_bf16_load_runs,
-                           meta_model_specs_and_groups, rebuilt_config, save_bf16_checkpoint)
 from toolkit import LLM
+from toolkit.kv_cache_spec import AttentionSpec
 from toolkit.layers.mamba2_mixer import Mamba2Mixer, RMSNormThenGate
 from toolkit.layers.norms import RMSNormGated
 from toolkit.models import PRESETS, get_model_class, load_model
 from toolkit.models.falcon_h1 import FalconH1ForCausalLM
-from toolkit.kv_cache_spec import AttentionSpec
 from toolkit.runner.model_states import MambaHybridModelState, init_model_state
+
+from harness import F32
+from model_helpers import (
+    ConfigVariantChecks,
+    ModelParitySuite,
+    RunnerParityChecks,
+    check_bf16_load_runs,
+    meta_model_specs_and_groups,
+    rebuilt_config,
+    save_bf16_checkpoint,
+)
 
 ARCH = "tiny-falcon-h1"
 VARIANTS = {

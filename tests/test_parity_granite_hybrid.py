@@ -12,11 +12,18 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GraniteMoeHybridConfig
 
-from model_helpers import (ConfigVariantChecks, ModelParitySuite, RunnerParityChecks, check_bf16_load_runs,
-                           rebuilt_config, save_bf16_checkpoint)
 from toolkit.models import PRESETS, get_model_class, load_model, save_hf_folder
 from toolkit.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from toolkit.runner.model_states import MambaHybridModelState
+
+from model_helpers import (
+    ConfigVariantChecks,
+    ModelParitySuite,
+    RunnerParityChecks,
+    check_bf16_load_runs,
+    rebuilt_config,
+    save_bf16_checkpoint,
+)
 
 ARCH = "tiny-granite-hybrid"
 

@@ -12,13 +12,19 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from harness import check_no_attention_llm_matches_hf_uncached
-from model_helpers import (ConfigVariantChecks, ModelParitySuite, RunnerParityChecks, check_bf16_load_runs,
-                           save_bf16_checkpoint)
+from toolkit.kv_cache_spec import AttentionSpec, MambaSpec
 from toolkit.layers.moe import merge_expert_checkpoint_tensors, split_expert_state_tensors
 from toolkit.models import PRESETS, get_model_class, load_model, save_hf_folder
 from toolkit.models.jamba import JambaForCausalLM
-from toolkit.kv_cache_spec import AttentionSpec, MambaSpec
+
+from harness import check_no_attention_llm_matches_hf_uncached
+from model_helpers import (
+    ConfigVariantChecks,
+    ModelParitySuite,
+    RunnerParityChecks,
+    check_bf16_load_runs,
+    save_bf16_checkpoint,
+)
 
 
 def _variant():

@@ -12,16 +12,28 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Lfm2Config
 
-from harness import check_no_attention_llm_matches_hf_uncached
-from model_helpers import (
-    CHUNKS, DECODE_STEPS, MixedRequest, ModelParitySuite, RunnerParityChecks, SeqChunk, assert_close,
-    base_mamba_metadata, hf_greedy, hf_logits, hf_random, random_prompt, run_steps,
-)
 from toolkit.attention.short_conv import ShortConvAttentionMetadata
+from toolkit.kv_cache_spec import AttentionSpec, MambaSpec
 from toolkit.layers.short_conv import ShortConv
 from toolkit.models import PRESETS, get_model_class
 from toolkit.models.lfm2 import Lfm2ForCausalLM, lfm2_ffn_dim
-from toolkit.kv_cache_spec import AttentionSpec, MambaSpec
+
+from harness import check_no_attention_llm_matches_hf_uncached
+from model_helpers import (
+    CHUNKS,
+    DECODE_STEPS,
+    MixedRequest,
+    ModelParitySuite,
+    RunnerParityChecks,
+    SeqChunk,
+    assert_close,
+    base_mamba_metadata,
+    hf_greedy,
+    hf_logits,
+    hf_random,
+    random_prompt,
+    run_steps,
+)
 
 
 @torch.no_grad()
@@ -79,7 +91,8 @@ def test_routing_facts_and_cache_specs():
     specs = m.kv_cache_specs()
     assert list(specs) == ["model.layers.0.conv", "model.layers.1.self_attn",
                            "model.layers.2.conv", "model.layers.3.self_attn"]
-    assert specs["model.layers.0.conv"] == MambaSpec(shapes=((2, 64),), dtypes=(torch.float32,), mamba_type="short_conv")
+    assert specs["model.layers.0.conv"] == MambaSpec(shapes=((2, 64),), dtypes=(torch.float32,),
+                                                     mamba_type="short_conv")
     assert specs["model.layers.1.self_attn"] == AttentionSpec(num_kv_heads=2, head_dim=16, dtype=torch.float32)
 
 

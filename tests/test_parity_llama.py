@@ -5,8 +5,9 @@ variant (biases, head_dim != hidden / heads, linearly scaled RoPE), and the engi
 generate (`RunnerParityChecks`)."""
 from __future__ import annotations
 
-from model_helpers import ConfigVariantChecks, ModelParitySuite, RunnerParityChecks
 from toolkit.models import PRESETS
+
+from model_helpers import ConfigVariantChecks, ModelParitySuite, RunnerParityChecks
 
 
 def _variant():

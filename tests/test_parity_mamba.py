@@ -12,12 +12,18 @@ from functools import partial
 import pytest
 import torch
 
-from model_helpers import (ConfigVariantChecks, ModelParitySuite, RunnerParityChecks, check_bf16_load_runs,
-                           save_bf16_checkpoint)
+from toolkit.kv_cache_spec import MambaSpec
 from toolkit.models import PRESETS, get_model_class, load_model
 from toolkit.models.falcon_mamba import FalconMambaForCausalLM
 from toolkit.models.mamba import MambaForCausalLM
-from toolkit.kv_cache_spec import MambaSpec
+
+from model_helpers import (
+    ConfigVariantChecks,
+    ModelParitySuite,
+    RunnerParityChecks,
+    check_bf16_load_runs,
+    save_bf16_checkpoint,
+)
 
 ARCHS = ("tiny-mamba", "tiny-falcon-mamba")
 

@@ -6,8 +6,9 @@ clamp that bites), and the engine against HF's generate (`RunnerParityChecks`), 
 demo-mamba too."""
 from __future__ import annotations
 
-from model_helpers import ConfigVariantChecks, ModelParitySuite, RunnerParityChecks
 from toolkit.models import PRESETS
+
+from model_helpers import ConfigVariantChecks, ModelParitySuite, RunnerParityChecks
 
 
 def _variant():

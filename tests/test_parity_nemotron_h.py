@@ -14,13 +14,27 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, NemotronHConfig
 
-from model_helpers import (ConfigVariantChecks, ModelParitySuite, RunnerParityChecks, assert_close,
-                           check_bf16_load_runs, random_prompt, rebuilt_config, run_steps, save_bf16_checkpoint)
-from toolkit.models import PRESETS, get_model_class, load_model, save_hf_folder
-from toolkit.models.nemotron_h import (NemotronHForCausalLM, NemotronHTopkRouter, merge_nemotron_h_experts,
-                                       split_nemotron_h_experts)
 from toolkit.kv_cache_spec import AttentionSpec, MambaSpec
+from toolkit.models import PRESETS, get_model_class, load_model, save_hf_folder
+from toolkit.models.nemotron_h import (
+    NemotronHForCausalLM,
+    NemotronHTopkRouter,
+    merge_nemotron_h_experts,
+    split_nemotron_h_experts,
+)
 from toolkit.runner.model_states import MambaHybridModelState
+
+from model_helpers import (
+    ConfigVariantChecks,
+    ModelParitySuite,
+    RunnerParityChecks,
+    assert_close,
+    check_bf16_load_runs,
+    random_prompt,
+    rebuilt_config,
+    run_steps,
+    save_bf16_checkpoint,
+)
 
 ARCH = "tiny-nemotron-h"
 

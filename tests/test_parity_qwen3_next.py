@@ -20,18 +20,26 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_q3n
 
-from harness import F32, check_no_attention_llm_matches_hf_uncached
-from model_helpers import (ConfigVariantChecks, ModelParitySuite, RunnerParityChecks, assert_close, random_prompt,
-                           run_steps, save_bf16_checkpoint)
 from toolkit import LLM
 from toolkit.attention.gdn import GDN_CHUNK_SIZE
+from toolkit.kv_cache_spec import AttentionSpec, MambaSpec
 from toolkit.layers.gdn import GatedDeltaNet
 from toolkit.layers.moe import merge_expert_checkpoint_tensors
 from toolkit.layers.norms import RMSNormThenGate
 from toolkit.models import PRESETS, get_model_class, load_model, save_hf_folder
 from toolkit.models.qwen3_next import OffsetRMSNorm, Qwen3NextForCausalLM
-from toolkit.kv_cache_spec import AttentionSpec, MambaSpec
 from toolkit.runner.model_states import MambaHybridModelState
+
+from harness import F32, check_no_attention_llm_matches_hf_uncached
+from model_helpers import (
+    ConfigVariantChecks,
+    ModelParitySuite,
+    RunnerParityChecks,
+    assert_close,
+    random_prompt,
+    run_steps,
+    save_bf16_checkpoint,
+)
 
 ARCH = "tiny-qwen3-next"
 GDN_LAYERS = ["model.layers.0.linear_attn", "model.layers.2.linear_attn"]

@@ -24,15 +24,25 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from harness import F32, hf_logits as hf_logits_uncached, load_hf, prompts_of, run_by_hand
-from model_helpers import (ConfigVariantChecks, ModelParitySuite, RunnerParityChecks, check_bf16_load_runs,
-                           meta_model_specs_and_groups, random_prompt, rebuilt_config, run_steps,
-                           save_bf16_checkpoint)
 from toolkit import LLM
+from toolkit.kv_cache_spec import AttentionSpec, MambaSpec
 from toolkit.models import PRESETS, get_model_class, load_model, save_hf_folder
 from toolkit.models.zamba2 import Zamba2ForCausalLM, zamba2_shared_block_ties
-from toolkit.kv_cache_spec import AttentionSpec, MambaSpec
 from toolkit.runner.model_states import MambaHybridModelState, init_model_state
+
+from harness import F32, load_hf, prompts_of, run_by_hand
+from harness import hf_logits as hf_logits_uncached
+from model_helpers import (
+    ConfigVariantChecks,
+    ModelParitySuite,
+    RunnerParityChecks,
+    check_bf16_load_runs,
+    meta_model_specs_and_groups,
+    random_prompt,
+    rebuilt_config,
+    run_steps,
+    save_bf16_checkpoint,
+)
 
 ARCH = "tiny-zamba2"
 # Zamba2Config fields derived in __post_init__; passed back as kwargs they would override the
@@ -192,7 +202,7 @@ def test_hf_cached_decode_skips_the_dt_clamp(hf_folders):
                           pad_token_id=0, output_logits=True, return_dict_in_generate=True)
         tokens = out.sequences[0].tolist()
         ref = hf_logits_uncached(hf, tokens)[len(prompt) - 1:-1]
-        return max((l[0] - r).abs().max().item() for l, r in zip(out.logits, ref)), tokens[len(prompt):]
+        return max((got[0] - r).abs().max().item() for got, r in zip(out.logits, ref)), tokens[len(prompt):]
 
     drift, hf_tokens = cached_vs_uncached()
     assert drift > 1e-3

@@ -52,11 +52,12 @@ from hypothesis import HealthCheck, Phase, event, example, given, settings, targ
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 
-from harness import ENGINE_PRESETS
 from toolkit import LLM, InvalidRequestError, SamplingParams
 from toolkit.kv_cache_spec import PAD_SLOT_ID
 from toolkit.runner.sampler import Sampler
 from toolkit.sampling import derive_seed
+
+from harness import ENGINE_PRESETS
 
 
 # ---- profiles ---------------------------------------------------------------------------------

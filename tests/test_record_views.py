@@ -128,7 +128,7 @@ def test_batch_table_phases_samples_and_ledger(records):
     phases = {s.request_id: record_views.request_phase(s, n) for s, n in
               zip(second.scheduled, second.input_batch.prefill_len_np)}
     assert phases == {"0": "prefill chunk", "1": "prefill"}
-    for rid, tok in second.sampled_token_ids.items():
+    for tok in second.sampled_token_ids.values():
         assert f"<td style=\"{html.TD}\">{tok}</td>" in h1
     if second.ledger is not None:
         assert ">state slot<" in h1

@@ -11,11 +11,12 @@ import json
 
 import pytest
 
-from harness import run_to_completion, small_llm, token_ids
 from toolkit import LLM, InvalidRequestError, SamplingParams
 from toolkit.models import save_hf_folder
 from toolkit.runner.model_runner import ModelRunner
 from toolkit.runner.sampler import Sampler
+
+from harness import run_to_completion, small_llm, token_ids
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 PROMPT = {"prompt_token_ids": list(range(3, 40))}

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from toolkit.errors import InvalidRequestError
-from toolkit.sampling import MIN_TEMPERATURE, SamplingParams, derive_seed
-from toolkit.runner.sampler import Sampler, apply_top_k_top_p
 from toolkit.kernels.gumbel_ref import gumbel_noise, row_keys, split_seed
+from toolkit.runner.sampler import Sampler, apply_top_k_top_p
+from toolkit.sampling import MIN_TEMPERATURE, SamplingParams, derive_seed
 
 CPU = torch.device("cpu")
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness import (ENGINE_PRESETS, F32, MAX_TOKENS, prompts_of, run_by_hand, run_to_completion, small_llm,
-                     token_ids)
 from toolkit import LLM, SamplingParams
+
+from harness import ENGINE_PRESETS, F32, MAX_TOKENS, prompts_of, run_by_hand, run_to_completion, small_llm, token_ids
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 PROMPT = {"prompt_token_ids": list(range(3, 40))}

@@ -120,7 +120,8 @@ def test_abort_frees_everything_and_reports_to_runner():
 
 def test_stop_conditions():
     s = make_sched()
-    r = Request("a", [3, 4], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[9]), eos_token_ids=frozenset({2}))
+    r = Request("a", [3, 4], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[9]),
+                eos_token_ids=frozenset({2}))
     s.add_request(r)
     run_step(s, token=5)
     run_step(s, token=9)

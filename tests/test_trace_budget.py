@@ -214,10 +214,12 @@ def test_chosen_requests_get_their_own_rows(unbounded):
 def test_set_inspect_filter_changes_the_next_steps_and_refuses_bad_values():
     llm = full()
     llm.add_request(PROMPTS[0], GREEDY, request_id="a")
-    assert llm.set_inspect_filter(layers=r"layers\.0\.") == "1 of 2 recurrent layers (model.layers.0.mamba); every request"
+    described = llm.set_inspect_filter(layers=r"layers\.0\.")
+    assert described == "1 of 2 recurrent layers (model.layers.0.mamba); every request"
     assert [s.layer_name for s in llm.step().states] == [MAMBA_LAYERS[0]]
     before = llm.inspect_filter
-    with pytest.raises(ValueError, match="matches no recurrent layer; they are: model.layers.0.mamba, model.layers.2.mamba"):
+    listing = "matches no recurrent layer; they are: model.layers.0.mamba, model.layers.2.mamba"
+    with pytest.raises(ValueError, match=listing):
         llm.set_inspect_filter(layers="mixer")
     with pytest.raises(ValueError, match="'model.layers.1.self_attn' is not a recurrent layer .an attention layer"):
         llm.set_inspect_filter(layers=["model.layers.1.self_attn"])

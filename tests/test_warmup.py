@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from harness import F32, no_attention_folder
 from toolkit import LLM, MetadataContractError, SamplingParams
 from toolkit.runner.model_states import MambaHybridModelState
+
+from harness import F32, no_attention_folder
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 SMALL = dict(device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=32)

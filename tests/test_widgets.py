@@ -115,7 +115,7 @@ def test_blocks_timeline_and_warmup_views():
     rec = ins.record
     html = ins.blocks.html.value
     assert html.count("<img") >= 3                        # attention table, slot mapping, state slots
-    for rid, held in rec.ledger.holdings.items():
+    for rid in rec.ledger.holdings:
         assert rid in html
     show(ins, "Warmup")
     wm = ins.warmup.html.value

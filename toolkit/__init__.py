@@ -25,9 +25,19 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "StepRe
            "ModelStateError", "TraceBudgetWarning"]
 
 if TYPE_CHECKING:
-    from toolkit.errors import (CheckpointError, EngineClosedError, InvalidRequestError, InvariantError,
-                                MetadataContractError, ModelStateError, NotSupportedYetError, ToolkitError,
-                                TraceBudgetWarning, UnknownModelError, UnsupportedArchitectureError)
+    from toolkit.errors import (
+        CheckpointError,
+        EngineClosedError,
+        InvalidRequestError,
+        InvariantError,
+        MetadataContractError,
+        ModelStateError,
+        NotSupportedYetError,
+        ToolkitError,
+        TraceBudgetWarning,
+        UnknownModelError,
+        UnsupportedArchitectureError,
+    )
     from toolkit.inspect.step_record import StepRecord
     from toolkit.llm import LLM
     from toolkit.request import CompletionOutput, RequestOutput

@@ -4,7 +4,8 @@ inspection or checks are on, a Recorder (what happened), and delegates to them."
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -19,8 +20,16 @@ from toolkit.inspect.step_record import StepRecord
 from toolkit.inspect.trace import Trace
 from toolkit.kv_cache_manager import CacheGroupKind
 from toolkit.models import load_model
-from toolkit.request import (Prompt, Request, RequestIds, RequestLimits, RequestOutput, own_params,
-                             prompt_token_ids, request_output)
+from toolkit.request import (
+    Prompt,
+    Request,
+    RequestIds,
+    RequestLimits,
+    RequestOutput,
+    own_params,
+    prompt_token_ids,
+    request_output,
+)
 from toolkit.runner.cudagraph import CaptureReport
 from toolkit.runner.cudagraph import resolve_mode as resolve_cudagraph_mode
 from toolkit.runner.model_runner import ModelRunner
@@ -352,7 +361,7 @@ class LLM:
             raise EngineClosedError("this LLM has been shut down: build a new one, e.g. "
                                     "LLM(**llm.init_args)")
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: Iterable) -> None:

@@ -76,7 +76,7 @@ def collect_eos_token_ids(hf_config: Any, folder: str | None, tokenizer: Any) ->
         try:
             add(json.loads((Path(folder) / "generation_config.json").read_text()).get("eos_token_id"))
         except (json.JSONDecodeError, AttributeError) as err:
-            raise CheckpointError(f"{folder}/generation_config.json is not a JSON object: {err}")
+            raise CheckpointError(f"{folder}/generation_config.json is not a JSON object: {err}") from err
     if isinstance(tokenizer, HFTokenizer):
         add(tokenizer.eos_token_id)
     return tuple(ids)

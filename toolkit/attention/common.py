@@ -36,7 +36,7 @@ class CommonAttentionMetadata:
     def batch_size(self) -> int:
         return self.num_reqs
 
-    def replace(self, **kwargs) -> "CommonAttentionMetadata":
+    def replace(self, **kwargs) -> CommonAttentionMetadata:
         return replace(self, **kwargs)
 
     def field_names(self) -> list[str]:

@@ -112,7 +112,7 @@ class GroupView:
     slot_mapping: torch.Tensor
 
     @property
-    def common(self) -> "GroupView":
+    def common(self) -> GroupView:
         return self
 
 
@@ -130,7 +130,8 @@ def check_dummy_metadata(groups, where: str) -> list[Violation]:
         slots = gm.common.slot_mapping
         if slots.numel() and bool((slots != PAD_SLOT_ID).any()):
             out.append(Violation("padded_rows_on_null", label, "slot_mapping",
-                                 f"padded tokens would write to slots {sorted(set(slots[slots != PAD_SLOT_ID].tolist()))[:8]}"))
+                                 "padded tokens would write to slots "
+                                 f"{sorted(set(slots[slots != PAD_SLOT_ID].tolist()))[:8]}"))
     return out
 
 

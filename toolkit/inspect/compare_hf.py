@@ -9,8 +9,9 @@ than `atol + rtol * |hf|`.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -104,7 +105,7 @@ class _Sites:
     logits: _Site
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> "_Sites":
+    def of(cls, model: torch.nn.Module) -> _Sites:
         body = model.body
         blocks = list(body.layers)
         final_norm = getattr(body, body.final_norm_name)
@@ -130,7 +131,7 @@ class _Step:
     num_tokens: int                             # T
 
     @classmethod
-    def of(cls, rec: Any, outputs: dict[int | str, torch.Tensor]) -> "_Step":
+    def of(cls, rec: Any, outputs: dict[int | str, torch.Tensor]) -> _Step:
         b = rec.input_batch
         qsl = np.asarray(b.query_start_loc_np)
         spans = [(rid, int(qsl[r]), int(qsl[r + 1])) for r, rid in enumerate(b.req_ids)]

@@ -15,8 +15,8 @@ by replacing one method or function for the duration of the `with` block, never 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 import base64
 import html
 import traceback
-from typing import Any, Collection, Sequence
+from collections.abc import Collection, Sequence
+from typing import Any
 
 # ---- palette -------------------------------------------------------------------------------------
 FG, BG, LINE, HEAD_BG = "#1f2328", "#ffffff", "#d0d7de", "#f6f8fa"

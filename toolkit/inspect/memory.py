@@ -35,7 +35,7 @@ class TensorWatch:
         self.entries.append((category, name, weakref.ref(tensor)))
 
     @classmethod
-    def of_runner(cls, runner) -> "TensorWatch":
+    def of_runner(cls, runner) -> TensorWatch:
         watch = cls()
         for name, p in list(runner.model.named_parameters()) + list(runner.model.named_buffers()):
             watch.add("weights", name, p)
@@ -179,7 +179,7 @@ class MemoryMarks:
     def mark(self, name: str) -> None:
         self.marks[name] = self.measure()
 
-    def report(self) -> "MemoryReport":
+    def report(self) -> MemoryReport:
         return MemoryReport({**self.marks, "now": self.measure()}, str(self.device), self.trace.max_bytes)
 
 

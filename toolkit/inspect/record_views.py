@@ -9,7 +9,8 @@ arrange the generic field tables of `summaries` and add a few derived facts.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from toolkit.inspect import html as H
 from toolkit.inspect.step_record import DROPPED

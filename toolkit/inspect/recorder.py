@@ -18,18 +18,24 @@ budget (inspect/trace.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from collections.abc import Collection
+from dataclasses import dataclass
 
 import torch
 
 from toolkit.host import to_host
 from toolkit.inspect import checks
-from toolkit.inspect.capture import (CaptureFilter, Captured, LayerSpec, RequestSpec, capture_rows, gather_states,
-                                     resolve_layers, resolve_requests)
-from toolkit.inspect.step_record import (TOP_K_LOGITS, LayerState, StepRecord, Violation, scheduled_rows,
-                                         snapshot)
+from toolkit.inspect.capture import (
+    Captured,
+    CaptureFilter,
+    LayerSpec,
+    RequestSpec,
+    capture_rows,
+    gather_states,
+    resolve_layers,
+    resolve_requests,
+)
+from toolkit.inspect.step_record import TOP_K_LOGITS, LayerState, StepRecord, Violation, scheduled_rows, snapshot
 from toolkit.inspect.trace import Trace
 from toolkit.layers.state_mixer import StateSlotMixer
 from toolkit.request import Request, RequestOutput

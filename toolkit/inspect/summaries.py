@@ -11,7 +11,8 @@ Pure functions, object -> str, shared by the record views, the reprs and the wid
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, NamedTuple, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import warnings
 from collections import deque
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator, overload
+from typing import overload
 
 from toolkit.errors import TraceBudgetWarning
 from toolkit.inspect import serialize
@@ -149,7 +150,7 @@ class Trace:
     @overload
     def __getitem__(self, i: int) -> StepRecord: ...
     @overload
-    def __getitem__(self, i: slice) -> "Trace": ...
+    def __getitem__(self, i: slice) -> Trace: ...
 
     def __getitem__(self, i):
         if isinstance(i, slice):
@@ -157,18 +158,18 @@ class Trace:
         return self._records[i]
 
     # ---- filters -------------------------------------------------------------------------------
-    def for_request(self, request_id: str) -> "Trace":
+    def for_request(self, request_id: str) -> Trace:
         """Steps that scheduled the request or finished it."""
         return Trace(None, [r for r in self._records if request_id in r.request_ids
                             or request_id in r.finished_request_ids])
 
-    def by_stage(self, stage: str) -> "Trace":
+    def by_stage(self, stage: str) -> Trace:
         """Steps whose stage is `stage` or starts with `stage + "/"` ("warmup" takes every warmup
         stage; "generate", "step", "warmup/requests" one each)."""
         return Trace(None, [r for r in self._records if r.stage == stage
                             or r.stage.startswith(stage + "/")])
 
-    def user_steps(self) -> "Trace":
+    def user_steps(self) -> Trace:
         """Every record that is not a warmup stage."""
         return Trace(None, [r for r in self._records if not r.is_warmup])
 
@@ -180,7 +181,7 @@ class Trace:
                               list(self._records))
 
     @classmethod
-    def load(cls, path: str | Path) -> "Trace":
+    def load(cls, path: str | Path) -> Trace:
         """Read a folder written by `save`; tensors come back on the CPU, bit-exact."""
         header, records = serialize.load(path)
         trace = cls(header.get("capacity"), records, header.get("max_bytes"))
@@ -188,7 +189,7 @@ class Trace:
         trace.num_trimmed = header.get("num_trimmed", 0)
         return trace
 
-    def equals(self, other: "Trace") -> bool:
+    def equals(self, other: Trace) -> bool:
         """Field by field, tensors bit-exact (devices ignored)."""
         return (self.capacity == other.capacity and len(self) == len(other)
                 and all(serialize.equal(a, b) for a, b in zip(self, other)))

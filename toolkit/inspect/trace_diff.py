@@ -5,8 +5,8 @@ compared in that order.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import torch
 
@@ -102,7 +102,7 @@ def _collect(trace: Iterable) -> tuple[dict[str, dict[int, _Point]], dict[str, i
             continue
         states = list(getattr(rec, "states", None) or [])
         row_ids = rec.request_ids
-        for row, s in enumerate(rec.scheduled):
+        for s in rec.scheduled:
             rid = s.request_id
             first_step.setdefault(rid, rec.step_index)
             p = int(s.num_computed_before) + int(s.num_tokens)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from toolkit.layers.norms import RMSNorm
-from toolkit.layers.rotary import RotaryEmbedding
 from toolkit.kv_cache_spec import AttentionSpec
+from toolkit.layers.norms import RMSNorm
 from toolkit.layers.ops import TORCH_OPS
+from toolkit.layers.rotary import RotaryEmbedding
 
 
 class PagedAttention(nn.Module):

@@ -37,15 +37,14 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from toolkit.attention.gdn import GDN_CHUNK_SIZE, compute_gdn_chunk_metadata
+from toolkit.kv_cache_spec import MambaSpec
 from toolkit.layers.mlp import get_activation
 from toolkit.layers.norms import RMSNormThenGate
 from toolkit.layers.state_mixer import States, StateSlotMixer
-from toolkit.kv_cache_spec import MambaSpec
-
 
 # --------------------------------------------------------------------------------------------
 # pure math

@@ -24,13 +24,13 @@ in fp32 the two agree, in bf16 ours is the more precise, as vLLM's kernels are.)
 from __future__ import annotations
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
+from toolkit.kv_cache_spec import MambaSpec
 from toolkit.layers.mlp import get_activation
 from toolkit.layers.norms import RMSNorm
 from toolkit.layers.state_mixer import States, StateSlotMixer
-from toolkit.kv_cache_spec import MambaSpec
 
 BCDT_NORMS = (None, "weightless", "weighted")
 

@@ -18,15 +18,14 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from toolkit.attention.mamba2 import compute_chunk_metadata
+from toolkit.kv_cache_spec import MambaSpec
 from toolkit.layers.mlp import get_activation
 from toolkit.layers.norms import RMSNormGated, RMSNormThenGate
 from toolkit.layers.state_mixer import States, StateSlotMixer
-from toolkit.kv_cache_spec import MambaSpec
-
 
 # --------------------------------------------------------------------------------------------
 # pure math

@@ -1,11 +1,11 @@
 """SwiGLU MLP (Llama / Bamba): down_proj(act(gate_proj(x)) * up_proj(x))."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from toolkit.errors import UnsupportedArchitectureError
 from toolkit.layers.ops import TORCH_OPS

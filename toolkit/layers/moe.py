@@ -17,8 +17,8 @@ import re
 from collections import defaultdict
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from toolkit.layers.mlp import get_activation
 from toolkit.layers.ops import TORCH_OPS

@@ -50,16 +50,26 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
 
 from toolkit.config import triton_installed
-from toolkit.kernels import activation_ref, causal_conv1d_ref, gated_delta_rule_ref, gumbel_ref, kv_cache_ref
-from toolkit.kernels import paged_attention_ref, rms_norm_ref, rotary_ref, selective_scan_ref
-from toolkit.kernels import selective_state_update_ref, ssd_scan_ref
+from toolkit.kernels import (
+    activation_ref,
+    causal_conv1d_ref,
+    gated_delta_rule_ref,
+    gumbel_ref,
+    kv_cache_ref,
+    paged_attention_ref,
+    rms_norm_ref,
+    rotary_ref,
+    selective_scan_ref,
+    selective_state_update_ref,
+    ssd_scan_ref,
+)
 
 
 @dataclass(frozen=True)
@@ -119,8 +129,19 @@ def triton_ops(device: torch.device) -> Ops:
         os.environ["TRITON_INTERPRET"] = "1"
     # imported here, not at the top: triton may be missing (macOS, Windows), and on a CPU it must
     # be imported after TRITON_INTERPRET is set above
-    from toolkit.kernels import (activation, causal_conv1d, gated_delta_rule, gumbel, kv_cache, paged_attention,
-                                 rms_norm, rotary, selective_scan, selective_state_update, ssd_scan)
+    from toolkit.kernels import (
+        activation,
+        causal_conv1d,
+        gated_delta_rule,
+        gumbel,
+        kv_cache,
+        paged_attention,
+        rms_norm,
+        rotary,
+        selective_scan,
+        selective_state_update,
+        ssd_scan,
+    )
     return Ops(
         name="triton",
         conv_update=causal_conv1d.causal_conv1d_update,

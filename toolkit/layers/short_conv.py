@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from toolkit.layers.state_mixer import States, StateSlotMixer
 from toolkit.kv_cache_spec import MambaSpec
+from toolkit.layers.state_mixer import States, StateSlotMixer
 
 
 class ShortConv(StateSlotMixer):

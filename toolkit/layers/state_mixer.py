@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import nn
+
 from toolkit.layers.ops import TORCH_OPS
 
 States = tuple[torch.Tensor, ...]

@@ -21,9 +21,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from toolkit.kv_cache_spec import AttentionSpec, MambaSpec
 from toolkit.layers.attention import PagedAttention
 from toolkit.layers.norms import RMSNorm, RMSNormGated
-from toolkit.kv_cache_spec import AttentionSpec, MambaSpec
 
 
 class PreNormBlock(nn.Module):

@@ -17,8 +17,8 @@ from transformers import PretrainedConfig
 
 from toolkit.errors import UnsupportedArchitectureError
 from toolkit.layers.attention import PagedAttention
-from toolkit.layers.ops import TORCH_OPS
 from toolkit.layers.norms import RMSNorm
+from toolkit.layers.ops import TORCH_OPS
 from toolkit.layers.short_conv import ShortConv
 from toolkit.models.base import CausalLM, DecoderBody, PreNormBlock
 from toolkit.models.llama import attention_head_dim, build_rotary

@@ -118,7 +118,7 @@ def _read_config(folder: Path) -> PretrainedConfig:
             )
     try:
         return AutoConfig.from_pretrained(str(folder), local_files_only=True)
-    except Exception as e:  # noqa: BLE001 - any parse/validation failure is a bad checkpoint
+    except Exception as e:
         raise CheckpointError(f"{cfg_path}: transformers could not read the config ({e})") from e
 
 
@@ -161,7 +161,7 @@ def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> Load
     for f in files:
         try:
             tensors = load_file(str(f))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from e
         for k, t in tensors.items():
             if k.endswith(IGNORED_SUFFIXES):

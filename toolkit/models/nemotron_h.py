@@ -35,8 +35,8 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 from transformers import PretrainedConfig
 
 from toolkit.errors import UnsupportedArchitectureError

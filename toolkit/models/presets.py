@@ -34,12 +34,20 @@ chunk 256, FFN 2816, vocab 32000.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
-from transformers import BambaConfig, LlamaConfig, Mamba2Config, PretrainedConfig
-from transformers import FalconMambaConfig, JambaConfig, MambaConfig
-from transformers import Lfm2Config
-from transformers import GraniteMoeHybridConfig, NemotronHConfig
+from transformers import (
+    BambaConfig,
+    FalconMambaConfig,
+    GraniteMoeHybridConfig,
+    JambaConfig,
+    Lfm2Config,
+    LlamaConfig,
+    Mamba2Config,
+    MambaConfig,
+    NemotronHConfig,
+    PretrainedConfig,
+)
 
 PRESET_SEED = 0
 

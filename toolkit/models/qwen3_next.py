@@ -34,8 +34,13 @@ from toolkit.errors import UnsupportedArchitectureError
 from toolkit.layers.attention import PagedAttention
 from toolkit.layers.gdn import GatedDeltaNet
 from toolkit.layers.mlp import SwiGLUMLP
-from toolkit.layers.moe import (FusedExperts, TopKRouter, merge_expert_checkpoint_tensors,
-                                split_expert_state_tensors, topk_routing)
+from toolkit.layers.moe import (
+    FusedExperts,
+    TopKRouter,
+    merge_expert_checkpoint_tensors,
+    split_expert_state_tensors,
+    topk_routing,
+)
 from toolkit.models.base import CausalLM, DecoderBody, PreNormBlock
 from toolkit.models.llama import attention_head_dim, build_rotary
 

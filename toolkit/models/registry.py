@@ -6,17 +6,17 @@ from transformers import PretrainedConfig
 from toolkit.errors import UnsupportedArchitectureError
 from toolkit.models.bamba import BambaForCausalLM
 from toolkit.models.base import CausalLM
+from toolkit.models.falcon_h1 import FalconH1ForCausalLM
 from toolkit.models.falcon_mamba import FalconMambaForCausalLM
+from toolkit.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from toolkit.models.jamba import JambaForCausalLM
 from toolkit.models.lfm2 import Lfm2ForCausalLM
 from toolkit.models.llama import LlamaForCausalLM
 from toolkit.models.mamba import MambaForCausalLM
 from toolkit.models.mamba2 import Mamba2ForCausalLM
-from toolkit.models.qwen3_next import Qwen3NextForCausalLM
 from toolkit.models.nemotron_h import NemotronHForCausalLM
-from toolkit.models.granite_hybrid import GraniteMoeHybridForCausalLM
+from toolkit.models.qwen3_next import Qwen3NextForCausalLM
 from toolkit.models.zamba2 import Zamba2ForCausalLM
-from toolkit.models.falcon_h1 import FalconH1ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     cls.hf_architecture: cls for cls in (LlamaForCausalLM, Mamba2ForCausalLM, BambaForCausalLM,

@@ -18,8 +18,8 @@ from toolkit.attention.mamba1 import Mamba1MetadataBuilder
 from toolkit.attention.mamba2 import Mamba2MetadataBuilder
 from toolkit.attention.paged_attn import PagedAttentionMetadataBuilder
 from toolkit.attention.short_conv import ShortConvMetadataBuilder
-from toolkit.runner.kv_cache import KVCacheGroup
 from toolkit.kv_cache_spec import AttentionSpec, MambaSpec
+from toolkit.runner.kv_cache import KVCacheGroup
 
 
 @dataclass

@@ -98,7 +98,8 @@ class BlockTables:
         host = self.staging.host("slot_mappings")
         for g, table in enumerate(self.tables):
             bs = self.block_sizes[g]
-            host[g, :num_tokens] = table[idx_mapping_np[token_rows], positions // bs].astype(np.int64) * bs + positions % bs
+            blocks = table[idx_mapping_np[token_rows], positions // bs].astype(np.int64)
+            host[g, :num_tokens] = blocks * bs + positions % bs
             host[g, num_tokens:width] = PAD_SLOT_ID
         self.staging.written("slot_mappings", elements=(self.num_groups - 1) * host.shape[1] + width)
         return self.slot_mappings[:, :width]

@@ -19,8 +19,15 @@ from toolkit.runner.block_table import BlockTables
 from toolkit.runner.block_table import staging_regions as table_regions
 from toolkit.runner.cudagraph import CHECK_TOLERANCE, CudaGraphManager
 from toolkit.runner.device import StageClock, on_device
-from toolkit.runner.input_batch import (InputBatch, InputBuffers, gather_sampled_input_ids, make_dummy,
-                                        pad_decode_batch, prepare_inputs, sort_batch)
+from toolkit.runner.input_batch import (
+    InputBatch,
+    InputBuffers,
+    gather_sampled_input_ids,
+    make_dummy,
+    pad_decode_batch,
+    prepare_inputs,
+    sort_batch,
+)
 from toolkit.runner.input_batch import staging_regions as input_regions
 from toolkit.runner.kv_cache import allocate_kv_caches, make_kv_cache_groups
 from toolkit.runner.model_states import init_model_state
@@ -50,11 +57,11 @@ class StepObserver(Protocol):
     """What the inspection layer hooks into a step (`ModelRunner.observer`; None = nothing runs).
     It may read the caches; it must not change them."""
 
-    def before_forward(self, runner: "ModelRunner", state: ExecuteModelState) -> None: ...
+    def before_forward(self, runner: ModelRunner, state: ExecuteModelState) -> None: ...
 
-    def after_forward(self, runner: "ModelRunner", state: ExecuteModelState) -> None: ...
+    def after_forward(self, runner: ModelRunner, state: ExecuteModelState) -> None: ...
 
-    def after_logits(self, runner: "ModelRunner", state: ExecuteModelState) -> None:
+    def after_logits(self, runner: ModelRunner, state: ExecuteModelState) -> None:
         """`state.logits` is set and the step's one sync (the sampled ids' copy) is still ahead:
         a non_blocking device-to-host copy issued here is complete when the step returns."""
 

@@ -8,9 +8,10 @@
 Controls: Step, Run N, Run to end, Reset (a new LLM from the same arguments), add a request from
 a text box (text, or token ids as "5, 6, 7"); with inspect="full", Capture: which recurrent layers
 and requests the next steps record (`llm.set_inspect_filter`); a line with the trace's records and
-bytes against its budget; a history slider over `llm.trace` (warmup stages included and labelled). Tabs: Batch, Metadata, Blocks (KV blocks and state slots), State, Timeline, Warmup (and
-memory). The widget tree is built once; moving the slider or stepping sets values, and only the
-visible tab is redrawn (the others when they are opened).
+bytes against its budget; a history slider over `llm.trace` (warmup stages included and labelled).
+Tabs: Batch, Metadata, Blocks (KV blocks and state slots), State, Timeline, Warmup (and memory).
+The widget tree is built once; moving the slider or stepping sets values, and only the visible tab
+is redrawn (the others when they are opened).
 
 Nothing a control does fails silently: whatever an action raises (or a view raises while drawing)
 is shown in the status line, type, message and a toggle opening the traceback, instead of going to
@@ -21,7 +22,8 @@ last completed step, the engine still serving.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import ipywidgets as W
 

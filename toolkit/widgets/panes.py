@@ -6,7 +6,8 @@ sentence (the `why_*` functions) and never draws an empty picture.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -16,9 +17,9 @@ from toolkit.attention.mamba2 import Mamba2MetadataBuilder
 from toolkit.attention.paged_attn import PagedAttentionMetadataBuilder
 from toolkit.attention.short_conv import ShortConvMetadataBuilder
 from toolkit.inspect import html as H
-from toolkit.inspect.step_record import DROPPED
 from toolkit.inspect.record_views import batch_table_html, step_record_repr, violation_html, why_no_metadata
 from toolkit.inspect.serialize import equal
+from toolkit.inspect.step_record import DROPPED
 from toolkit.inspect.summaries import (
     device_of,
     format_ms,

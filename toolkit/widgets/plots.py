@@ -9,7 +9,7 @@ and `PAD_SLOT_ID` masked. Explicit white backgrounds: VS Code paints outputs on 
 from __future__ import annotations
 
 import io
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

@@ -11,7 +11,8 @@ where no widget can render. A view with nothing to show says why, and shows no i
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import ipywidgets as W
 
