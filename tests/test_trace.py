@@ -44,7 +44,8 @@ def test_every_step_is_recorded_with_its_stage():
             assert kept == out.outputs[0].token_ids
             assert mine[-1].finished_request_ids == [out.request_id] or out.request_id in mine[-1].finished_request_ids
         rec = llm.trace.for_request(rid)[0]
-        assert set(rec.timings) == {"schedule", "prepare_inputs", "build_metadata", "forward", "sample", "update"}
+        assert set(rec.timings) == {"schedule", "prepare_inputs", "build_metadata", "forward", "sample", "wait",
+                                    "update"}
         assert rec.ledger.state_slot(rid) == int(rec.metadata("mamba").common.block_table_tensor[0, 0])
         assert rec.ledger.kv_blocks(rid) == rec.metadata("attention").common.block_table_tensor[0, :1].tolist()
 

@@ -153,8 +153,8 @@ def prepare_inputs(buffers: InputBuffers, req_states: RequestStates, req_ids: li
 
 def gather_sampled_input_ids(buffers: InputBuffers, req_states: RequestStates, num_rows: int) -> None:
     """A decode-only step's input ids: each row's last sampled token, gathered on the device by
-    idx_mapping (staged, so call it after the flush). `num_rows` covers the padded rows too (their
-    idx_mapping is 0: a real token id, and their outputs are dropped), so no separate fill runs."""
+    idx_mapping (staged, so call it after the flush); `num_rows`: the real rows (padded rows read
+    token 0, written by pad_decode_batch)."""
     d = buffers
     d.input_ids[:num_rows] = req_states.last_sampled_tokens[d.idx_mapping[:num_rows]]
 
@@ -202,8 +202,7 @@ def pad_decode_batch(buffers: InputBuffers, batch: InputBatch, size: int) -> Inp
         raise ValueError(f"pad_decode_batch: {n} rows / {batch.num_tokens} tokens is not a decode "
                          f"batch that fits {size} rows")
     d, stage = buffers, buffers.staging
-    if not batch.input_ids_sampled:                 # else gather_sampled_input_ids covers the padding
-        d.input_ids[n:size] = 0
+    d.input_ids[n:size] = 0
     qsl = np.arange(size + 1, dtype=np.int32)
     for name, values in (("positions", 0), ("seq_lens", 1), ("idx_mapping", 0)):
         stage.host(name)[n:size] = values

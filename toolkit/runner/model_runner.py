@@ -145,7 +145,7 @@ class ModelRunner:
             input_batch.idx_mapping_np, input_batch.query_start_loc_np, input_batch.num_computed_tokens_np, padded)
         self.staging.flush()                    # the step's host data, one copy per dtype (staging.py)
         if input_batch.input_ids_sampled:
-            gather_sampled_input_ids(self.input_buffers, self.req_states, padded or n)
+            gather_sampled_input_ids(self.input_buffers, self.req_states, n)
         clock.mark("prepare_inputs")
         self.model_state.preprocess_state(forward_batch)
         attn_metadata = self.model_state.prepare_attn(forward_batch, block_tables, slot_mappings,
