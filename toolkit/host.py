@@ -39,10 +39,10 @@ def copy_to(dst: torch.Tensor, host: np.ndarray | torch.Tensor) -> None:
 
 def copy_pinned(dst: torch.Tensor, pinned: torch.Tensor) -> None:
     """dst[...] = pinned (a host tensor already in pinned memory: a persistent staging buffer),
-    without blocking the host; nothing to copy when dst is that same memory (a CPU runner)."""
+    without blocking the host. On a CPU runner dst is that same memory: the copy is then a no-op,
+    kept so that a step's ops (and their count, toolkit/inspect/launches.py) match a GPU's."""
     TRANSFERS["copy_pinned"] += 1
-    if dst.data_ptr() != pinned.data_ptr():
-        dst.copy_(pinned, non_blocking=True)
+    dst.copy_(pinned, non_blocking=True)
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
