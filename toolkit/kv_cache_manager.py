@@ -67,6 +67,12 @@ class KVCacheManager:
     def block_ids(self, req_id: str) -> tuple[list[int], ...]:
         return self._ids.get(req_id, tuple([] for _ in self.groups))
 
+    def ids_covering(self, req_id: str, num_tokens: int) -> tuple[list[int], ...]:
+        """Per group, the request's ids that hold its first `num_tokens` tokens: the KV blocks
+        covering them, and the state slot (what an n > 1 child copies from its parent)."""
+        return tuple(list(ids[:-(-num_tokens // g.block_size)]) if g.kind == "attention" else list(ids)
+                     for g, ids in zip(self.groups, self.block_ids(req_id)))
+
     def _needed(self, req_id: str, num_tokens_after: int) -> list[int]:
         held = self.block_ids(req_id)
         needed = []
