@@ -8,12 +8,13 @@ freed and it goes back to the front of the queue, to be recomputed from its prom
 
 `n` > 1 (a fork, not n independent requests): the parent is scheduled up to its last prompt token
 only, then (`_fork`) leaves the running set, keeping its KV blocks and state slot, and its n
-children join the front of the queue with that many tokens computed. A child admitted gets fresh
-blocks and a fresh slot and, in its NewRequestData, `fork_src`: the parent's ids that the runner
-copies into its own before the forward (KV blocks and the recurrent state: a copy, no sharing).
-Each child then runs the last prompt token and samples with its own seed. The parent's ids go
-back to the pools at the end of the schedule() that admitted its last child (the runner copies
-in that step, before any later step can reuse them). If the queue stalls behind parents that hold
+children join the front of the queue with that many tokens computed. Each child admitted but the
+last gets fresh blocks and a fresh slot and, in its NewRequestData, `fork_src`: the parent's ids
+that the runner copies into its own before the forward (KV blocks and the recurrent state: a
+copy, no sharing). The last child takes the parent's ids over (`inherits_state`: nothing copied,
+its slot not zeroed), so a fork needs one slot more than its children only while two or more
+wait; the runner's copies of the same step run before any forward writes. Each child then runs
+the last prompt token and samples with its own seed. If the queue stalls behind parents that hold
 ids (nothing running, nothing admissible), the parents let go and their waiting children prefill
 from scratch instead.
 
@@ -46,6 +47,8 @@ class NewRequestData:
     num_prompt_logprobs: int | None = None      # top-k of prompt logprobs to compute (None: none)
     fork_src: tuple[list[int], ...] | None = None   # an n > 1 child: per group, the parent's ids
                                                     # that the runner copies into the first of its own
+    inherits_state: bool = False        # an n > 1 child that took its parent's ids over: its state slot
+                                        # holds its computed tokens' state (not zeroed)
 
 
 @dataclass
@@ -223,19 +226,14 @@ class Scheduler:
             cached.num_computed_tokens.append(req.num_computed_tokens)
             i += 1
 
-        forked_from: set[str] = set()
-        budget = self._admit_waiting(budget, num_scheduled, new_reqs, forked_from, preempted)
+        budget = self._admit_waiting(budget, num_scheduled, new_reqs, preempted)
         if not num_scheduled and not self.running and self.waiting:
             # stalled: only parents waiting for their children hold ids, and the queue's head needs them
             stalled = self._holding_parents()
             for parent in stalled:
                 self._release_parent(parent)
             if stalled:
-                budget = self._admit_waiting(budget, num_scheduled, new_reqs, forked_from, preempted)
-        for parent_id in forked_from:
-            parent = self.requests.get(parent_id)
-            if parent is not None and not any(c.fork_from for c in parent.children):
-                self.kv.free(parent_id)             # every child has its copy (made in this step)
+                budget = self._admit_waiting(budget, num_scheduled, new_reqs, preempted)
 
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
         for req_id, n in num_scheduled.items():
@@ -244,13 +242,20 @@ class Scheduler:
                                finished, preempted)
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int], new_reqs: list[NewRequestData],
-                       forked_from: set[str], preempted: list[str]) -> int:
+                       preempted: list[str]) -> int:
         """Admit waiting requests in order while the budget, the rows and the pools allow; returns
-        the budget left. A forked child gets its parent's ids to copy (`fork_src`)."""
+        the budget left. A forked child gets its parent's ids to copy (`fork_src`), or takes them
+        over when it is the parent's last child waiting (`inherits_state`)."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
             n = min(req.num_tokens_to_compute - req.num_computed_tokens, budget)
+            parent = self.requests.get(req.fork_from) if req.fork_from is not None else None
+            inherits = parent is not None and not any(c.fork_from for c in parent.children if c is not req)
+            if inherits:
+                self.kv.transfer(parent.request_id, req.request_id)
             if self.kv.allocate(req.request_id, req.num_computed_tokens + n) is None:
+                if inherits:
+                    self.kv.transfer(req.request_id, parent.request_id)
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -258,10 +263,9 @@ class Scheduler:
             num_scheduled[req.request_id] = n
             budget -= n
             fork_src = None
-            if req.fork_from is not None:
-                fork_src = self.kv.ids_covering(req.fork_from, req.num_computed_tokens)
-                forked_from.add(req.fork_from)
-                req.fork_from = None
+            if parent is not None and not inherits:
+                fork_src = self.kv.ids_covering(parent.request_id, req.num_computed_tokens)
+            req.fork_from = None
             params = req.sampling_params
             stop_ids = ()
             if params.min_tokens:
@@ -275,7 +279,7 @@ class Scheduler:
                 sampling_seed=req.sampling_seed, num_prompt_tokens=len(req.prompt_token_ids),
                 min_tokens_stop_ids=stop_ids,
                 num_prompt_logprobs=params.prompt_logprobs if want_prompt_logprobs else None,
-                fork_src=fork_src))
+                fork_src=fork_src, inherits_state=inherits))
             self._known_to_runner.add(req.request_id)
         return budget
 

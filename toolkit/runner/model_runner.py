@@ -127,10 +127,11 @@ class ModelRunner:
             self.block_tables.append_block_ids(idx, new_ids, overwrite=False)
 
     def _copy_forked(self, new_reqs: list[NewRequestData]) -> None:
-        """n > 1 children admitted this step: copy the parent's KV blocks and state slot into the
-        child's own (its slot was just zeroed by model_state.add_request), for every layer, before
-        anything reads them. One index copy per group and step; the parent's ids are still its own
-        until the end of this step's schedule (scheduler.py), so nothing else wrote them."""
+        """n > 1 children admitted this step (all but a parent's last): copy the parent's KV blocks
+        and state slot into the child's own (its slot was just zeroed by model_state.add_request),
+        for every layer, before the forward. One index copy per group and step. The parent's ids are
+        its own until its last child takes them over (scheduler.py), and that child writes them
+        only in its forward, after these copies."""
         forks = [new for new in new_reqs if new.fork_src is not None]
         if not forks:
             return
@@ -274,10 +275,11 @@ class ModelRunner:
         if sampled_part is not None:
             ids, lps, ranks = (t.numpy() for t in sampled_part)
             want = sampler.num_logprobs[batch.idx_mapping_np]
+            every_row = self.observer is not None        # recording: every row shows its sampled token's
             state.sampled_logprobs = {
                 rid: TokenLogprobs(int(positions[row]), ids[row:row + 1, :1 + max(int(want[row]), 0)].copy(),
                                    lps[row:row + 1, :1 + max(int(want[row]), 0)].copy(), ranks[row:row + 1].copy())
-                for row, rid in enumerate(batch.req_ids)}
+                for row, rid in enumerate(batch.req_ids) if every_row or want[row] >= 0}
         if prompt_part is not None:
             rows, starts, counts, tensors = prompt_part
             ids, lps, ranks = (t.numpy() for t in tensors)
