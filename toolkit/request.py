@@ -63,12 +63,8 @@ class TokenLogprobs:
 
     @property
     def rank(self) -> int:
+        """The column-0 token's rank (of row 0)."""
         return int(self.ranks[0])
-
-    def topk(self, k: int) -> "TokenLogprobs":
-        """The same rows with only the first k of the top tokens."""
-        return TokenLogprobs(self.first_position, self.token_ids[:, :1 + k], self.logprobs[:, :1 + k],
-                             self.ranks)
 
 
 @dataclass
@@ -111,8 +107,8 @@ class Request:
     # n > 1: the parent prefills all but the last prompt token, then forks into n children
     # (`children`), which copy its KV blocks and state slot and each compute that last token
     index: int = 0                            # a child's index among the n (CompletionOutput.index)
-    parent: "Request | None" = field(default=None, repr=False)
-    children: list["Request"] = field(default_factory=list, repr=False)
+    parent: "Request | None" = field(default=None, repr=False, compare=False)
+    children: list["Request"] = field(default_factory=list, repr=False, compare=False)
     fork_from: str | None = None              # a child not yet admitted: the parent it copies
 
     @property
