@@ -64,7 +64,10 @@ class Sampler:
         pairs = np.array([(row, t) for row in masked for t in self.min_tokens_stop_ids[idx_mapping_np[row]]],
                          dtype=np.int64).reshape(-1, 2).T
         index = to_device(np.ascontiguousarray(pairs), logits.device)
-        return logits.index_put((index[0], index[1]), torch.tensor(float("-inf"), device=logits.device))
+        # the fill value made on the device (torch.tensor(-inf, device=...) would copy it from pageable
+        # host memory: a synchronising copy on a GPU)
+        return logits.index_put((index[0], index[1]), torch.full((), float("-inf"), device=logits.device,
+                                                                 dtype=logits.dtype))
 
     def __call__(self, logits: torch.Tensor, idx_mapping_np: np.ndarray, positions: torch.Tensor,
                  draws_np: np.ndarray, positions_np: np.ndarray | None = None) -> torch.Tensor:
