@@ -111,6 +111,12 @@ PARAMS = {
     "mixed": [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=8, temperature=1.0, top_k=5, top_p=0.8, seed=3, ignore_eos=True),
               SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)],
+    # logprobs of the sampled tokens (top 5), prompt logprobs, the min_tokens mask (EOS and a stop
+    # id, while the first 6 tokens come) and stop strings, beside a row that asks for none of them
+    "logprobs": [SamplingParams(max_tokens=8, temperature=0.0, logprobs=5, prompt_logprobs=3, ignore_eos=True),
+                 SamplingParams(max_tokens=8, temperature=0.9, seed=4, logprobs=0, min_tokens=6,
+                                stop_token_ids=[7], stop=["\n\n", "zz"]),
+                 SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)],
 }
 
 
@@ -162,6 +168,38 @@ def test_a_decode_step_syncs_once(engines, monkeypatch, preset, params, mode):
         assert op == "Tensor.cpu" and where.startswith("toolkit/runner/model_runner.py"), report
     while llm.has_unfinished_requests():
         llm.step()
+
+
+# n=3 forks after the parent's prefill: the children copy its KV blocks and state slot and each runs
+# the last prompt token (all rows run as decodes: padded in "padded_eager"), then they decode
+@pytest.mark.parametrize("mode", ["none", "padded_eager"])
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+def test_logprobs_prompt_logprobs_and_the_fork_add_no_sync(engines, monkeypatch, preset, mode):
+    """Every step of an n=3 request with logprobs and prompt logprobs syncs once in the engine's
+    own code (toolkit/: the copy of the sampled ids). A prefill step also runs torch reference
+    kernels (kernels/*_ref.py), some of which read the host on their own (they are the CPU op set;
+    on a GPU the Triton kernels run instead), so a step whose rows all run as decodes -- the fork
+    step and the decode steps -- must sync exactly once in all."""
+    llm = engines(preset, mode)
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=5, n=3, logprobs=2, prompt_logprobs=2,
+                            ignore_eos=True)
+    llm.add_request({"prompt_token_ids": list(range(3, 20))}, params)
+    seen_fork = False
+    while llm.has_unfinished_requests():
+        recorder = HostSyncRecorder()
+        with monkeypatch.context() as m:
+            recorder.count_host_reads(m)
+            with recorder:
+                record = llm.step()
+        report = "\n".join(f"  {op:40s} at {where}" for op, where in recorder.events)
+        engine = [(op, where) for op, where in recorder.events if not where.startswith("kernels/")]
+        assert len(engine) == 1 and engine[0][0] == "Tensor.cpu" and \
+            engine[0][1].startswith("toolkit/runner/model_runner.py"), \
+            f"{preset} ({mode}) step {record.step_index}: want one sync in toolkit/:\n{report}"
+        if record.scheduled and all(r.runs_as_decode for r in record.scheduled):
+            assert len(recorder.events) == 1, f"{preset} ({mode}) step {record.step_index}:\n{report}"
+            seen_fork |= all(r.num_computed_before == 16 for r in record.scheduled) and len(record.scheduled) == 3
+    assert seen_fork, "the children's first step (16 tokens computed by the parent) was not seen"
 
 
 # ---- the sync-free replacements equal what they replace -------------------------------------------

@@ -67,6 +67,29 @@ class KVCacheManager:
     def block_ids(self, req_id: str) -> tuple[list[int], ...]:
         return self._ids.get(req_id, tuple([] for _ in self.groups))
 
+    def ids_covering(self, req_id: str, num_tokens: int) -> tuple[list[int], ...]:
+        """Per group, the request's ids that hold its first `num_tokens` tokens: the KV blocks
+        covering them, and the state slot (what an n > 1 child copies from its parent)."""
+        return tuple(list(ids[:-(-num_tokens // g.block_size)]) if g.kind == "attention" else list(ids)
+                     for g, ids in zip(self.groups, self.block_ids(req_id)))
+
+    def transfer(self, from_id: str, to_id: str) -> None:
+        """Hand every id `from_id` holds to `to_id` (which holds none): an n > 1 parent's ids to
+        its last child, which then needs no copy."""
+        held = self._ids.pop(from_id, None)
+        if held is None:
+            return
+        if to_id in self._ids:
+            raise RuntimeError(f"cannot hand {from_id!r}'s ids to {to_id!r}, which holds ids already")
+        for g, ids in zip(self.groups, held, strict=True):
+            pool = self.kv_pool if g.kind == "attention" else self.state_pool
+            for i in ids:
+                if pool.owner.get(i) != from_id:
+                    raise RuntimeError(f"{pool.name}: id {i} handed on by {from_id!r} but owned by "
+                                       f"{pool.owner.get(i)!r}")
+                pool.owner[i] = to_id
+        self._ids[to_id] = held
+
     def _needed(self, req_id: str, num_tokens_after: int) -> list[int]:
         held = self.block_ids(req_id)
         needed = []

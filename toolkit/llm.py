@@ -26,9 +26,10 @@ from toolkit.request import (
     RequestIds,
     RequestLimits,
     RequestOutput,
+    child_id,
+    finished_outputs,
     own_params,
     prompt_token_ids,
-    request_output,
 )
 from toolkit.runner.cudagraph import CaptureReport
 from toolkit.runner.cudagraph import resolve_mode as resolve_cudagraph_mode
@@ -86,7 +87,7 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=self.cfg.max_model_len,
             groups=[CacheGroupKind(g.kind, g.block_size) for g in groups],
-            num_kv_blocks=attn[0].num_blocks if attn else 0)
+            num_kv_blocks=attn[0].num_blocks if attn else 0, decode=self.tokenizer.decode)
         self.limits = RequestLimits(self.vocab_size, self.cfg.max_model_len, block_size,
                                     self.scheduler.kv.kv_pool.num_total if attn else None)
         self._request_ids = RequestIds()
@@ -121,6 +122,11 @@ class LLM:
         text, ids = prompt_token_ids(prompt, self.tokenizer.encode)
         self.limits.check(ids, params)
         request_id = self._request_ids.claim(request_id, self.scheduler.requests, taken)
+        for i in range(params.n if params.n > 1 else 0):    # the ids its children will take
+            cid = child_id(request_id, i)
+            if cid in self.scheduler.requests or cid in taken or cid in self._request_ids.finished:
+                raise InvalidRequestError(f"request {request_id!r} asks for n={params.n} samples, whose ids "
+                                          f"'<i>_{request_id}' include {cid!r}, already used: choose another id")
         return Request(request_id, ids, params, frozenset(self.eos_token_ids), prompt=text)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -143,10 +149,16 @@ class LLM:
         """Stop a request; its blocks and state slot are freed. Returns whether a running or
         waiting request was aborted (an unknown or finished id changes nothing)."""
         self._check_open()
-        if self.scheduler.abort_request(request_id) is None:
+        request = self.scheduler.abort_request(request_id)
+        if request is None:
             return False
-        self.model_runner.remove_requests([request_id])
-        self._request_ids.finished.add(request_id)
+        children = [c.request_id for c in request.children]
+        self.model_runner.remove_requests([request_id, *children])
+        self._request_ids.finished.update([request_id, *children])
+        parent = request.parent
+        if parent is not None and all(c.status.is_finished for c in parent.children):
+            self._request_ids.finished.add(parent.request_id)    # its other samples finished before
+            self._carried_outputs += finished_outputs([request], self.tokenizer.decode)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -180,15 +192,18 @@ class LLM:
             state = self.model_runner.execute_model(sched_out)
             sampled = self.model_runner.sample_tokens()
             update_start = time.perf_counter()
-            finished, kept = self.scheduler.update_from_output(sched_out, sampled)
+            finished, kept = self.scheduler.update_from_output(
+                sched_out, sampled, state.sampled_logprobs if state else None,
+                state.prompt_logprobs if state else None)
         except BaseException:
             self.scheduler.recover_from_failed_step(sched_out)
             raise
         done = time.perf_counter()
         self.model_runner.remove_requests([r.request_id for r in finished])
+        outputs = finished_outputs(finished, self.tokenizer.decode)
         if not warm:                    # warmup's own ids ("warmup-<i>") may be used again
             self._request_ids.finished.update(r.request_id for r in finished)
-        outputs = [request_output(r, self.tokenizer.decode) for r in finished]
+            self._request_ids.finished.update(o.request_id for o in outputs)   # n > 1: the parent
         step_index = None if warm else self._step_index
         if not warm:
             self._step_index += 1

@@ -1,5 +1,10 @@
 """Requests as the scheduler sees them, the outputs the user gets back (vLLM names), and the
-checks a request passes before it is queued (so that no step can fail on it)."""
+checks a request passes before it is queued (so that no step can fail on it).
+
+Also here, because the scheduler applies them: stop strings (`stop_strings_hit`, vLLM's
+`check_stop_strings`), the logprobs the runner hands back (`TokenLogprobs`, host arrays) and how
+they become the user's `Logprob` dicts, and the parent/children of an `n` > 1 request.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -7,8 +12,10 @@ import enum
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from toolkit.errors import InvalidRequestError
-from toolkit.sampling import SamplingParams
+from toolkit.sampling import SamplingParams, child_seed
 
 Prompt = str | dict     # a text, or {"prompt_token_ids": [...]}
 
@@ -20,6 +27,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"   # EOS or a stop token
     FINISHED_LENGTH = "finished_length"     # max_tokens or max_model_len
     FINISHED_ABORTED = "finished_aborted"
+    FORKED = "forked"                       # an n > 1 parent whose prefill its children now share
 
     @property
     def is_finished(self) -> bool:
@@ -34,6 +42,51 @@ _FINISH_REASON = {
 
 
 @dataclass
+class TokenLogprobs:
+    """Logprobs of the tokens at consecutive positions of one request, as the runner computed them
+    on the device (log_softmax of the fp32 logits, before min_tokens / temperature / top-k / top-p)
+    and brought to the host with the step's sampled ids. Column 0 is the token itself (the sampled
+    token, or the prompt token), columns 1..k the k most likely tokens, most likely first.
+    N = 1 for a sampled token; a prefill chunk's prompt tokens for prompt logprobs."""
+    first_position: int        # the position of row 0's token in the request's sequence
+    token_ids: np.ndarray      # int64 [N, 1 + k]
+    logprobs: np.ndarray       # float32 [N, 1 + k]
+    ranks: np.ndarray          # int64 [N]: rank of the column-0 token (1: the most likely)
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def logprob(self) -> float:
+        """The column-0 token's logprob (of row 0)."""
+        return float(self.logprobs[0, 0])
+
+    @property
+    def rank(self) -> int:
+        """The column-0 token's rank (of row 0)."""
+        return int(self.ranks[0])
+
+
+@dataclass
+class Logprob:
+    """vLLM's Logprob: a token's log probability, its rank (1: the most likely) and its text."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def logprob_dicts(rows: TokenLogprobs, decode: Callable[[list[int]], str]) -> list[dict[int, Logprob]]:
+    """One dict per row, as vLLM builds them: the chosen token first (its true rank), then the top
+    k with ranks 1..k (a chosen token among them keeps its place and takes the top-k entry)."""
+    out = []
+    for ids, lps, rank in zip(rows.token_ids.tolist(), rows.logprobs.tolist(), rows.ranks.tolist(),
+                              strict=True):
+        ranks = [rank] + list(range(1, len(ids)))
+        out.append({t: Logprob(lp, r, decode([t])) for t, lp, r in zip(ids, lps, ranks, strict=True)})
+    return out
+
+
+@dataclass
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -45,6 +98,18 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_preemptions: int = 0
+    # per kept token when params.logprobs is set; per prompt chunk when params.prompt_logprobs is
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    stop_reason: int | str | None = None      # the stop id or stop string that finished it (vLLM)
+    output_text: str | None = None            # the text cut at a stop string (else decoded at the end)
+    stop_checked_chars: int = 0               # characters of the output text already searched
+    # n > 1: the parent prefills all but the last prompt token, then forks into n children
+    # (`children`), which copy its KV blocks and state slot and each compute that last token
+    index: int = 0                            # a child's index among the n (CompletionOutput.index)
+    parent: Request | None = field(default=None, repr=False, compare=False)
+    children: list[Request] = field(default_factory=list, repr=False, compare=False)
+    fork_from: str | None = None              # a child not yet admitted: the parent it copies
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -54,8 +119,85 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    @property
+    def forks(self) -> bool:
+        """An n > 1 request that has not forked yet: it computes all but its last prompt token."""
+        return self.sampling_params.n > 1 and not self.children
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """The tokens the scheduler runs the request to: all of them, or a parent's fork point."""
+        return self.num_tokens - 1 if self.forks else self.num_tokens
+
+    @property
+    def has_all_prompt_logprobs(self) -> bool:
+        got = sum(len(c) for c in self.prompt_logprobs)
+        return got >= len(self.prompt_token_ids) - 1
+
     def finish_reason(self) -> str | None:
         return _FINISH_REASON.get(self.status)
+
+    def add_prompt_logprobs(self, chunk: TokenLogprobs) -> None:
+        """Keep a prefill chunk's prompt logprobs; a chunk computed again (recompute after a
+        preemption) replaces what it covers."""
+        kept = [c for c in self.prompt_logprobs if c.first_position < chunk.first_position]
+        if kept and kept[-1].first_position + len(kept[-1]) > chunk.first_position:
+            last = kept[-1]
+            n = chunk.first_position - last.first_position
+            kept[-1] = TokenLogprobs(last.first_position, last.token_ids[:n], last.logprobs[:n], last.ranks[:n])
+        self.prompt_logprobs = kept + [chunk]
+
+
+def stop_strings_hit(text: str, new_chars: int, stop: list[str], include_in_output: bool
+                     ) -> tuple[str, int] | None:
+    """vLLM's `StopChecker.check_stop_strings`: the first stop string (in list order) that ends in
+    the last `new_chars` characters of `text`, and where to cut the text (-1: no cut): before the
+    stop string, or after it with `include_in_output`."""
+    if not new_chars or not stop:
+        return None
+    for stop_str in stop:
+        index = text.find(stop_str, max(len(text) - new_chars - len(stop_str) + 1, 0))
+        if index == -1:
+            continue
+        if include_in_output:
+            index += len(stop_str)
+            if index >= len(text):
+                return stop_str, -1
+        return stop_str, index
+    return None
+
+
+def check_stop_strings(req: Request, decode: Callable[[list[int]], str], drop_last: bool) -> str | None:
+    """After a token was appended: whether the request's output text now contains one of its stop
+    strings, ending in text that the tokens since the last check added (so a stop string spread
+    over several tokens is found once its last character arrives). On a hit, `req.output_text`
+    is the text cut as vLLM cuts it and the stop string is returned. `drop_last`: the last token is
+    a stop token whose text is left out. Text made by the first `min_tokens` tokens is not
+    searched (vLLM)."""
+    params = req.sampling_params
+    ids = req.output_token_ids[:-1] if drop_last else req.output_token_ids
+    text = decode(ids)
+    # characters that may have changed (a multi-byte character completed) count as new
+    checked = min(req.stop_checked_chars, _common_prefix(req.output_text or "", text))
+    req.output_text = text
+    req.stop_checked_chars = len(text)
+    if len(req.output_token_ids) <= params.min_tokens:
+        return None
+    hit = stop_strings_hit(text, len(text) - checked, params.stop, params.include_stop_str_in_output)
+    if hit is None:
+        return None
+    stop_str, cut = hit
+    if cut != -1:
+        req.output_text = text[:cut]
+    return stop_str
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 @dataclass
@@ -64,6 +206,9 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort" or None while running
+    logprobs: list[dict[int, Logprob]] | None = None   # per token, when SamplingParams.logprobs is set
+    cumulative_logprob: float | None = None            # the sum of the tokens' logprobs (same)
+    stop_reason: int | str | None = None               # the stop id or stop string (None: EOS or length)
 
 
 @dataclass
@@ -73,17 +218,73 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # None for the first prompt token
+
+
+def completion_output(req: Request, decode: Callable[[list[int]], str]) -> CompletionOutput:
+    """A finished request's CompletionOutput. As in vLLM, a stop token stays in `token_ids` but its
+    text is left out of `text` (unless `include_stop_str_in_output`); a stop string cuts `text`."""
+    params = req.sampling_params
+    if isinstance(req.stop_reason, str):
+        text = req.output_text
+    else:
+        shown = req.output_token_ids
+        if req.finish_reason() == "stop" and not params.include_stop_str_in_output:
+            shown = shown[:-1]
+        text = decode(shown)
+    logprobs = cumulative = None
+    if params.logprobs is not None:
+        logprobs = [d for rows in req.logprobs for d in logprob_dicts(rows, decode)]
+        cumulative = float(sum(float(rows.logprobs[:, 0].astype(np.float64).sum()) for rows in req.logprobs))
+    return CompletionOutput(req.index, text, list(req.output_token_ids), req.finish_reason(), logprobs,
+                            cumulative, req.stop_reason)
 
 
 def request_output(req: Request, decode: Callable[[list[int]], str]) -> RequestOutput:
-    """The RequestOutput of a finished request. As in vLLM, a stop token stays in `token_ids` but
-    its text is left out of `text` (unless `include_stop_str_in_output`)."""
-    shown = req.output_token_ids
-    if req.finish_reason() == "stop" and not req.sampling_params.include_stop_str_in_output:
-        shown = shown[:-1]
-    return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids),
-                         [CompletionOutput(0, decode(shown), list(req.output_token_ids), req.finish_reason())],
-                         finished=True)
+    """The RequestOutput of a finished request, or of an n > 1 parent whose children all finished
+    (one CompletionOutput per child, by index)."""
+    source = req.parent or req
+    outputs = [completion_output(c, decode) for c in source.children] if source.children else \
+        [completion_output(req, decode)]
+    prompt_logprobs = None
+    if source.sampling_params.prompt_logprobs is not None:
+        prompt_logprobs = [None] + [d for c in source.prompt_logprobs for d in logprob_dicts(c, decode)]
+    return RequestOutput(source.request_id, source.prompt, list(source.prompt_token_ids), outputs,
+                         finished=True, prompt_logprobs=prompt_logprobs)
+
+
+def finished_outputs(finished: list[Request], decode: Callable[[list[int]], str]) -> list[RequestOutput]:
+    """The RequestOutputs that the requests finished in a step complete: a plain request's own, and
+    an n > 1 parent's once all its children have finished (once, however many finished together)."""
+    outputs, done = [], set()
+    for req in finished:
+        parent = req.parent
+        if parent is None:
+            outputs.append(request_output(req, decode))
+        elif id(parent) not in done and all(c.status.is_finished for c in parent.children):
+            done.add(id(parent))
+            outputs.append(request_output(parent, decode))
+    return outputs
+
+
+def make_children(parent: Request) -> list[Request]:
+    """The n children of an n > 1 request: child i has the parent's prompt and params (n=1, no
+    prompt logprobs: the parent computes them) and the seed parent seed + i; id "i_<parent id>"
+    (vLLM's)."""
+    params = parent.sampling_params
+    children = []
+    for i in range(params.n):
+        seed = child_seed(parent.sampling_seed, i)
+        child_params = dataclasses.replace(params, n=1, prompt_logprobs=None,
+                                           seed=None if params.seed is None else seed)
+        children.append(Request(child_id(parent.request_id, i), list(parent.prompt_token_ids), child_params,
+                                parent.eos_token_ids, prompt=parent.prompt, sampling_seed=seed, index=i,
+                                parent=parent))
+    return children
+
+
+def child_id(parent_id: str, index: int) -> str:
+    return f"{index}_{parent_id}"
 
 
 # ---- checks before a request is queued ------------------------------------------------------------
@@ -123,6 +324,11 @@ class RequestLimits:
     num_kv_blocks: int | None           # KV blocks a request can hold; None: no attention layer
 
     def check(self, ids: list[int], params: SamplingParams) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.vocab_size:
+                raise InvalidRequestError(f"SamplingParams.{name}={k}: more than the vocabulary "
+                                          f"({self.vocab_size} tokens)")
         bad_stops = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stops:
             raise InvalidRequestError(f"SamplingParams.stop_token_ids {bad_stops[:5]} are outside the "

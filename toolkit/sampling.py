@@ -19,6 +19,14 @@ composition, chunk size, preemption, warmup) can change a request's tokens:
   it (vLLM's floor), so a tiny temperature cannot overflow. top-k (0 or -1: off) and top-p (1.0: off)
   are applied as vLLM does: keep the k largest logits (ties at the k-th kept), then the smallest set
   of most likely tokens whose probability reaches top_p.
+- `min_tokens`: until a request has that many output tokens, its EOS ids (unless `ignore_eos`) and
+  `stop_token_ids` get logit -inf before the rule above (vLLM's min-tokens logits processor); its
+  position keys it, as it keys the noise.
+
+Logprobs (`logprobs`, `prompt_logprobs`) are of the model's raw distribution, vLLM's default
+("raw_logprobs"): log_softmax of the fp32 logits before the min_tokens mask, temperature, top-k and
+top-p. `n` samples of one prompt are its children: child i has the seed `seed + i` (mod 2**64, as
+vLLM gives `seed + index`), so child i reproduces a lone request with that seed.
 """
 from __future__ import annotations
 
@@ -40,7 +48,12 @@ class SamplingParams:
     seed: int | None = None   # 0 .. 2**64-1; -1 or None: derived from the LLM's seed
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
-    include_stop_str_in_output: bool = False   # keep a stop token's text in `text`
+    include_stop_str_in_output: bool = False   # keep a stop token's / stop string's text in `text`
+    n: int = 1                                 # samples of the prompt (children sharing its prefill)
+    logprobs: int | None = None                # per output token: its logprob, rank and the top k
+    prompt_logprobs: int | None = None         # per prompt token (after the first): the same
+    stop: list[str] | str | None = None        # stop strings, matched on the detokenized output
+    min_tokens: int = 0                        # no EOS / stop id / stop string before this many tokens
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> InvalidRequestError:
@@ -69,10 +82,35 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of non-negative ints")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise bad("include_stop_str_in_output", "must be a bool")
+        if not is_int(self.n) or self.n < 1:
+            raise bad("n", "must be an int >= 1 (the number of samples of the prompt)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 0):
+                raise bad(name, "must be None or an int >= 0 (how many top tokens to return beside "
+                                "the chosen one; 0: the chosen token's logprob only)")
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if isinstance(self.stop, bytes) or not hasattr(self.stop, "__iter__"):
+            raise bad("stop", "must be a str or a list of non-empty strs")
+        self.stop = list(self.stop)
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "must be a str or a list of non-empty strs")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", f"must be an int in [0, max_tokens={self.max_tokens}]")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def child_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of an `n` > 1 request whose seed is `seed` (vLLM: seed + index)."""
+    return (seed + index) & MAX_SEED
 
 
 def check_seed(seed: object) -> None:

@@ -5,14 +5,31 @@ limit (`max_num_seqs`) and the pools allow. A request gets `min(tokens it still 
 tokens, so long prompts are prefilled in chunks alongside other requests' decodes. When KV blocks
 run out, the most recently admitted running request is preempted: its blocks and state slot are
 freed and it goes back to the front of the queue, to be recomputed from its prompt + outputs.
+
+`n` > 1 (a fork, not n independent requests): the parent is scheduled up to its last prompt token
+only, then (`_fork`) leaves the running set, keeping its KV blocks and state slot, and its n
+children join the front of the queue with that many tokens computed. Each child admitted but the
+last gets fresh blocks and a fresh slot and, in its NewRequestData, `fork_src`: the parent's ids
+that the runner copies into its own before the forward (KV blocks and the recurrent state: a
+copy, no sharing). The last child takes the parent's ids over (`inherits_state`: nothing copied,
+its slot not zeroed), so a fork needs one slot more than its children only while two or more
+wait; the runner's copies of the same step run before any forward writes. Each child then runs
+the last prompt token and samples with its own seed. If the queue stalls behind parents that hold
+ids (nothing running, nothing admissible), the parents let go and their waiting children prefill
+from scratch instead.
+
+Stop conditions after each kept token (`update_from_output`): EOS, stop ids (both only from
+`min_tokens` output tokens on), max_tokens / max_model_len, and stop strings on the detokenized
+text (`decode`, request.py's `check_stop_strings`).
 """
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from toolkit.kv_cache_manager import CacheGroupKind, KVCacheManager
-from toolkit.request import Request, RequestStatus
+from toolkit.request import Request, RequestStatus, TokenLogprobs, check_stop_strings, make_children
 from toolkit.sampling import SamplingParams
 
 
@@ -25,6 +42,13 @@ class NewRequestData:
     block_ids: tuple[list[int], ...]    # per KV-cache group; for a Mamba group: [state slot]
     num_computed_tokens: int
     sampling_seed: int                  # the request's seed, or the one derived at its arrival
+    num_prompt_tokens: int = 0          # the prompt alone (prefill_token_ids also hold outputs when resumed)
+    min_tokens_stop_ids: tuple[int, ...] = ()   # ids masked until min_tokens outputs (EOS, stop ids)
+    num_prompt_logprobs: int | None = None      # top-k of prompt logprobs to compute (None: none)
+    fork_src: tuple[list[int], ...] | None = None   # an n > 1 child: per group, the parent's ids
+                                                    # that the runner copies into the first of its own
+    inherits_state: bool = False        # an n > 1 child that took its parent's ids over: its state slot
+                                        # holds its computed tokens' state (not zeroed)
 
 
 @dataclass
@@ -47,7 +71,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 groups: list[CacheGroupKind], num_kv_blocks: int):
+                 groups: list[CacheGroupKind], num_kv_blocks: int,
+                 decode: Callable[[list[int]], str] | None = None):
+        self.decode = decode                # token ids -> text, for stop strings
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -63,12 +89,24 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        if request.forks and len(request.prompt_token_ids) == 1:
+            self._fork(request, queue=False)     # nothing to share: the children prefill the one token
+            return
         self.waiting.append(request)
 
     def abort_request(self, req_id: str) -> Request | None:
+        """Abort a request; an n > 1 parent's id aborts its unfinished children too."""
         req = self.requests.get(req_id)
         if req is None:
             return None
+        if req.children:
+            for child in req.children:
+                if not child.status.is_finished:
+                    self.abort_request(child.request_id)
+            self._release_parent(req)
+            self.requests.pop(req_id, None)
+            req.status = RequestStatus.FINISHED_ABORTED
+            return req
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -84,6 +122,46 @@ class Scheduler:
         self.kv.free(req.request_id)
         self.requests.pop(req.request_id, None)
         self._tell_runner_to_drop(req.request_id)
+        parent = req.parent
+        if parent is not None and all(c.status.is_finished for c in parent.children):
+            self._release_parent(parent)
+            if self.requests.get(parent.request_id) is parent:
+                del self.requests[parent.request_id]
+
+    # ---- n > 1: fork ------------------------------------------------------------------------------
+    def _fork(self, parent: Request, queue: bool = True) -> None:
+        """The parent computed all but its last prompt token: its n children take its place at
+        the front of the queue, each with those tokens computed and the parent's ids to copy
+        (`queue=False`: a one-token prompt, nothing computed: the children start from scratch).
+        The parent keeps its ids until its last child is admitted."""
+        children = make_children(parent)
+        parent.children = children
+        parent.status = RequestStatus.FORKED
+        if parent in self.running:
+            self.running.remove(parent)
+        self._tell_runner_to_drop(parent.request_id)
+        for child in children:
+            self.requests[child.request_id] = child
+            if queue:
+                child.num_computed_tokens = parent.num_computed_tokens
+                child.fork_from = parent.request_id
+        if queue:
+            self.waiting.extendleft(reversed(children))
+        else:
+            self.waiting.extend(children)
+
+    def _release_parent(self, parent: Request) -> None:
+        """A parent's ids go back to the pools; children still waiting for them prefill from
+        scratch instead."""
+        for child in parent.children:
+            if child.fork_from is not None:
+                child.fork_from = None
+                child.num_computed_tokens = 0
+        self.kv.free(parent.request_id)
+
+    def _holding_parents(self) -> list[Request]:
+        return [r for r in self.requests.values()
+                if r.status is RequestStatus.FORKED and any(self.kv.block_ids(r.request_id))]
 
     def _tell_runner_to_drop(self, req_id: str) -> None:
         """The next SchedulerOutput lists the request in finished_req_ids (if the runner has it)."""
@@ -130,7 +208,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens_to_compute - req.num_computed_tokens, budget)
             new_ids = self.kv.allocate(req.request_id, req.num_computed_tokens + n)
             while new_ids is None:
                 victim = self.running[-1]
@@ -148,22 +226,14 @@ class Scheduler:
             cached.num_computed_tokens.append(req.num_computed_tokens)
             i += 1
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self.kv.allocate(req.request_id, req.num_computed_tokens + n) is None:
-                break
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            num_scheduled[req.request_id] = n
-            budget -= n
-            new_reqs.append(NewRequestData(
-                req_id=req.request_id, prefill_token_ids=list(req.all_token_ids),
-                sampling_params=req.sampling_params, block_ids=self.kv.block_ids(req.request_id),
-                num_computed_tokens=req.num_computed_tokens,
-                sampling_seed=req.sampling_seed))
-            self._known_to_runner.add(req.request_id)
+        budget = self._admit_waiting(budget, num_scheduled, new_reqs, preempted)
+        if not num_scheduled and not self.running and self.waiting:
+            # stalled: only parents waiting for their children hold ids, and the queue's head needs them
+            stalled = self._holding_parents()
+            for parent in stalled:
+                self._release_parent(parent)
+            if stalled:
+                budget = self._admit_waiting(budget, num_scheduled, new_reqs, preempted)
 
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
         for req_id, n in num_scheduled.items():
@@ -171,18 +241,73 @@ class Scheduler:
         return SchedulerOutput(new_reqs, cached, num_scheduled, sum(num_scheduled.values()),
                                finished, preempted)
 
-    def update_from_output(self, sched_out: SchedulerOutput, sampled: dict[str, int]
+    def _admit_waiting(self, budget: int, num_scheduled: dict[str, int], new_reqs: list[NewRequestData],
+                       preempted: list[str]) -> int:
+        """Admit waiting requests in order while the budget, the rows and the pools allow; returns
+        the budget left. A forked child gets its parent's ids to copy (`fork_src`), or takes them
+        over when it is the parent's last child waiting (`inherits_state`)."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            req = self.waiting[0]
+            n = min(req.num_tokens_to_compute - req.num_computed_tokens, budget)
+            parent = self.requests.get(req.fork_from) if req.fork_from is not None else None
+            inherits = parent is not None and not any(c.fork_from for c in parent.children if c is not req)
+            if inherits:
+                self.kv.transfer(parent.request_id, req.request_id)
+            if self.kv.allocate(req.request_id, req.num_computed_tokens + n) is None:
+                if inherits:
+                    self.kv.transfer(req.request_id, parent.request_id)
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            num_scheduled[req.request_id] = n
+            budget -= n
+            fork_src = None
+            if parent is not None and not inherits:
+                fork_src = self.kv.ids_covering(parent.request_id, req.num_computed_tokens)
+            req.fork_from = None
+            params = req.sampling_params
+            stop_ids = ()
+            if params.min_tokens:
+                eos = set() if params.ignore_eos else set(req.eos_token_ids)
+                stop_ids = tuple(sorted(eos | set(params.stop_token_ids)))
+            want_prompt_logprobs = params.prompt_logprobs is not None and not req.has_all_prompt_logprobs
+            new_reqs.append(NewRequestData(
+                req_id=req.request_id, prefill_token_ids=list(req.all_token_ids),
+                sampling_params=params, block_ids=self.kv.block_ids(req.request_id),
+                num_computed_tokens=req.num_computed_tokens,
+                sampling_seed=req.sampling_seed, num_prompt_tokens=len(req.prompt_token_ids),
+                min_tokens_stop_ids=stop_ids,
+                num_prompt_logprobs=params.prompt_logprobs if want_prompt_logprobs else None,
+                fork_src=fork_src, inherits_state=inherits))
+            self._known_to_runner.add(req.request_id)
+        return budget
+
+    def update_from_output(self, sched_out: SchedulerOutput, sampled: dict[str, int],
+                           logprobs: dict[str, TokenLogprobs] | None = None,
+                           prompt_logprobs: dict[str, TokenLogprobs] | None = None
                            ) -> tuple[list[Request], dict[str, int]]:
         """Append each row's sampled token where the row consumed all its known tokens (a partial
-        prefill chunk's sample is dropped). Returns (requests finished now, tokens kept)."""
+        prefill chunk's sample is dropped), with its logprobs when the request asked; keep the
+        prompt logprobs of the step's prefill chunks; fork an n > 1 parent that reached its last
+        prompt token. Returns (requests finished now, tokens kept)."""
         finished, kept = [], {}
+        for req_id, chunk in (prompt_logprobs or {}).items():
+            req = self.requests.get(req_id)
+            if req is not None:
+                req.add_prompt_logprobs(chunk)
         for req_id in sched_out.num_scheduled_tokens:
             req = self.requests.get(req_id)
+            if req is not None and req.forks and req.num_computed_tokens == req.num_tokens_to_compute:
+                self._fork(req)
+                continue
             if req is None or req.num_computed_tokens < req.num_tokens:
                 continue
             token = sampled[req_id]
             req.output_token_ids.append(token)
             kept[req_id] = token
+            if req.sampling_params.logprobs is not None and logprobs and req_id in logprobs:
+                req.logprobs.append(logprobs[req_id])
             status = self._stop_status(req, token)
             if status is not None:
                 self.running.remove(req)
@@ -191,11 +316,23 @@ class Scheduler:
         return finished, kept
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+        """EOS and stop ids (from `min_tokens` outputs on; vLLM's `check_stop`), the length limits,
+        then stop strings (which win over the others, as in vLLM's output processor)."""
         params = req.sampling_params
-        if not params.ignore_eos and token in req.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+        status = None
+        if len(req.output_token_ids) >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif token in params.stop_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = token
+        if status is None and (len(req.output_token_ids) >= params.max_tokens
+                               or req.num_tokens >= self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        if params.stop and self.decode is not None:
+            drop_last = status is RequestStatus.FINISHED_STOPPED and not params.include_stop_str_in_output
+            stop_str = check_stop_strings(req, self.decode, drop_last)
+            if stop_str is not None:
+                status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = stop_str
+        return status

@@ -5,6 +5,7 @@
 - `faults`: the fault catalogue, `faults.catalogue()`, `faults.inject(name)` (faults.py)
 - `compare_with_hf` (compare_hf.py, hf_reference.py): first divergence vs HF transformers
 - `diff_traces` (trace_diff.py): where two traces of the same workload part
+- `check_logprobs_close` (logprobs.py): two runs are the same model by vLLM's top-k logprob rule
 - `MemoryReport` (`llm.memory_report()`, memory.py); kernel launch counts (launches.py)
 - views: html.py (the one HTML style), summaries.py (tensors and values in a few words),
   record_views.py (StepRecord, Trace, ... as text and HTML), reprs.py (`install_reprs()`,
@@ -12,6 +13,7 @@
 """
 from toolkit.inspect import faults
 from toolkit.inspect.compare_hf import DivergenceReport, compare_with_hf
+from toolkit.inspect.logprobs import LogprobsCloseReport, check_logprobs_close
 from toolkit.inspect.memory import MemoryReport
 from toolkit.inspect.reprs import install_reprs
 from toolkit.inspect.step_record import CacheLedger, LayerState, StepRecord, Violation
@@ -21,4 +23,5 @@ from toolkit.inspect.trace_diff import Difference, TraceDiff, diff_traces
 install_reprs()
 
 __all__ = ["StepRecord", "Trace", "LayerState", "CacheLedger", "Violation", "faults",
-           "compare_with_hf", "diff_traces", "DivergenceReport", "TraceDiff", "Difference", "MemoryReport"]
+           "compare_with_hf", "diff_traces", "DivergenceReport", "TraceDiff", "Difference", "MemoryReport",
+           "check_logprobs_close", "LogprobsCloseReport"]

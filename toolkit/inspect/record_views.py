@@ -34,7 +34,7 @@ from toolkit.inspect.summaries import (
 TRACE_COLUMNS = ["#", "step", "stage", "prefill rows", "decode rows", "tokens", "forward", "requests",
                  "finished", "time", "violations"]
 BATCH_COLUMNS = ["row", "request", "phase", "computed before", "tokens", "state slot", "KV blocks",
-                 "sampled", "kept"]
+                 "sampled", "logprob", "rank", "kept"]
 
 
 # ---- facts about a record ----------------------------------------------------------------------------
@@ -130,11 +130,14 @@ def _batch_rows(rec: Any, decode: Callable[[list[int]], str] | None = None) -> l
         shown = H.muted_none() if sampled is None else str(sampled)
         if sampled is not None and decode is not None:
             shown += " " + H.span(repr(decode([sampled])), H.SOFT)
+        lp = getattr(rec, "logprobs", {}).get(s.request_id)
         rows.append([str(i), H.escape(s.request_id), H.escape(request_phase(s, lens.get(s.request_id))),
                      str(s.num_computed_before), str(s.num_tokens),
                      H.span("-", H.MUTED) if slot is None else str(slot),
                      H.span("-", H.MUTED) if blocks is None else H.escape(value_preview(blocks)),
-                     shown, "yes" if kept else H.span("no (partial prefill)", H.MUTED)])
+                     shown, H.span("-", H.MUTED) if lp is None else f"{lp.logprob:.4f}",
+                     H.span("-", H.MUTED) if lp is None else str(lp.rank),
+                     "yes" if kept else H.span("no (partial prefill)", H.MUTED)])
     return rows
 
 

@@ -77,7 +77,9 @@ def step_record(step: StepOutcome, backend: str, logits: torch.Tensor | None = N
         sampled_token_ids=step.sampled, kept_token_ids=step.kept, outputs=list(step.outputs),
         timings={"schedule": step.timings["schedule"], **(state.timings if state else {}),
                  "update": step.timings["update"]},
-        device_timings=dict(state.device_timings) if state else {})
+        device_timings=dict(state.device_timings) if state else {},
+        logprobs=dict(state.sampled_logprobs) if state else {},
+        prompt_logprobs=dict(state.prompt_logprobs) if state else {})
 
 
 class Recorder:

@@ -8,7 +8,8 @@ Folder layout written by `Trace.save(path)`:
 
 JSON encoding: a dataclass is {"__dataclass__": "module:QualName", "fields": {...}} and is rebuilt
 only if its module is part of `toolkit`; a tensor is {"__tensor__": key, "device": "cuda:0"}; a
-numpy array {"__ndarray__": key}; a tuple {"__tuple__": [...]}; dicts keep string keys.
+numpy array {"__ndarray__": key}; a tuple {"__tuple__": [...]}; dicts keep string keys; a dict
+with int keys (a token id -> Logprob dict) is {"__intdict__": [[key, value], ...]}.
 """
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ class Encoder:
         if isinstance(obj, list):
             return [self.encode(v) for v in obj]
         if isinstance(obj, dict):
+            if obj and all(isinstance(k, int) and not isinstance(k, bool) for k in obj):
+                return {"__intdict__": [[k, self.encode(v)] for k, v in obj.items()]}
             if not all(isinstance(k, str) for k in obj):
                 raise TypeError(f"cannot save a dict with non-string keys: {list(obj)[:5]}")
             return {k: self.encode(v) for k, v in obj.items()}
@@ -75,6 +78,8 @@ class Decoder:
             return self.tensors[obj["__ndarray__"]].numpy()
         if "__tuple__" in obj:
             return tuple(self.decode(v) for v in obj["__tuple__"])
+        if "__intdict__" in obj:
+            return {int(k): self.decode(v) for k, v in obj["__intdict__"]}
         if "__dataclass__" in obj:
             cls = _toolkit_class(obj["__dataclass__"])
             values = {k: self.decode(v) for k, v in obj["fields"].items()}

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from toolkit.request import RequestOutput
+from toolkit.request import RequestOutput, TokenLogprobs
 from toolkit.runner.attn_utils import GroupMetadata
 from toolkit.runner.input_batch import InputBatch
 
@@ -135,6 +135,13 @@ class StepRecord:
     graph: str = "eager"                         # the forward: "eager", "padded eager" or "graph"
     padded_size: int | None = None               # rows it ran (a padded decode batch), else None
     dropped: list[str] = field(default_factory=list)  # parts the trace budget dropped: "states", "logits"
+    # per row (request id): its sampled token with that token's logprob and rank, and the top k its
+    # request asked for (SamplingParams.logprobs; none otherwise). Every row while recording
+    # (inspect "metadata" / "full"); with inspect="off" only the rows whose request asked.
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # per prefill row whose request asked (SamplingParams.prompt_logprobs): the prompt tokens its
+    # chunk predicts, with their logprobs, ranks and top k
+    prompt_logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
 
     @property
     def is_warmup(self) -> bool:
@@ -163,6 +170,16 @@ class StepRecord:
             why = DROPPED if "logits" in self.dropped else "this record holds no logits"
             raise KeyError(f"no logits for request {request_id!r} in this step: {why}")
         return self.logits[self.input_batch.req_ids.index(request_id)]
+
+    def logprob_of(self, request_id: str) -> TokenLogprobs:
+        """The sampled token of this request's row with its logprob, rank and top k (raw logprobs:
+        log_softmax of the fp32 logits)."""
+        if request_id not in self.logprobs:
+            why = ("its row was not in this step" if request_id not in self.request_ids else
+                   "logprobs are kept for every row only while recording (inspect='metadata' or "
+                   "'full'); with inspect='off', for requests with SamplingParams(logprobs=k)")
+            raise KeyError(f"no logprobs for request {request_id!r} in this step: {why}")
+        return self.logprobs[request_id]
 
     def metadata(self, kind: str) -> GroupMetadata:
         """The first group of a kind ("attention" or "mamba")."""

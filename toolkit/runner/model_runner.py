@@ -1,6 +1,11 @@
 """ModelRunner: one step = update states -> sort -> prepare inputs -> block tables and slot
-mappings -> model_state.prepare_attn -> forward (execute_model), then logits -> sample -> post
-update (sample_tokens). Shaped like vLLM's Model Runner V2 (`vllm/v1/worker/gpu/model_runner.py`).
+mappings -> model_state.prepare_attn -> forward (execute_model), then logits -> sample -> logprobs
+-> post update (sample_tokens). Shaped like vLLM's Model Runner V2 (`vllm/v1/worker/gpu/model_runner.py`).
+
+Logprobs never cost a sync of their own: they are computed on the device after sampling (the
+sampled tokens', and per prefill chunk the prompt tokens' from the logits of every token of the
+chunk, for the rows that ask) and copied to host memory without blocking (`to_host`) before the
+step's one sync, the copy of the sampled ids; they are read after it.
 """
 from __future__ import annotations
 
@@ -13,7 +18,9 @@ import torch
 from torch import nn
 
 from toolkit.config import RunnerConfig
+from toolkit.host import to_device, to_host
 from toolkit.layers.ops import TORCH_OPS, set_ops, triton_ops
+from toolkit.request import TokenLogprobs
 from toolkit.runner.attn_utils import AttnMetadata, init_attn_groups
 from toolkit.runner.block_table import BlockTables
 from toolkit.runner.block_table import staging_regions as table_regions
@@ -32,9 +39,9 @@ from toolkit.runner.input_batch import staging_regions as input_regions
 from toolkit.runner.kv_cache import allocate_kv_caches, make_kv_cache_groups
 from toolkit.runner.model_states import init_model_state
 from toolkit.runner.request_states import RequestStates
-from toolkit.runner.sampler import Sampler
+from toolkit.runner.sampler import Sampler, compute_logprobs
 from toolkit.runner.staging import Staging
-from toolkit.scheduler import SchedulerOutput
+from toolkit.scheduler import NewRequestData, SchedulerOutput
 
 
 @dataclass
@@ -51,6 +58,11 @@ class ExecuteModelState:
                                                                      # stages, from events (StageClock)
     graph: str = "eager"                 # what ran the forward: "eager", "padded eager", "graph"
     padded_size: int | None = None       # P: rows the forward ran (padded decode batch), else None
+    # set by sample_tokens (host, after the sync): each row's sampled token with its logprob and rank
+    # (the top k its request asked for; every row while an observer records), and the prompt
+    # logprobs of the prefill chunks whose request asked
+    sampled_logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
 
 
 class StepObserver(Protocol):
@@ -111,13 +123,36 @@ class ModelRunner:
             idx = self.req_states.add_request(new.req_id, new.prefill_token_ids, new.num_computed_tokens)
             self.block_tables.append_block_ids(idx, new.block_ids, overwrite=True)
             self.model_state.add_request(idx, new)
-            self.sampler.add_request(idx, new.sampling_params, new.sampling_seed)
+            self.sampler.add_request(idx, new.sampling_params, new.sampling_seed, new.num_prompt_tokens,
+                                     new.min_tokens_stop_ids, new.num_prompt_logprobs)
+        self._copy_forked(sched_out.scheduled_new_reqs)
         cached = sched_out.scheduled_cached_reqs
         for req_id, new_ids, computed in zip(cached.req_ids, cached.new_block_ids,
                                              cached.num_computed_tokens):
             idx = self.req_states.req_id_to_index[req_id]
             self.req_states.num_computed_tokens[idx] = computed
             self.block_tables.append_block_ids(idx, new_ids, overwrite=False)
+
+    def _copy_forked(self, new_reqs: list[NewRequestData]) -> None:
+        """n > 1 children admitted this step (all but a parent's last): copy the parent's KV blocks
+        and state slot into the child's own (its slot was just zeroed by model_state.add_request),
+        for every layer, before the forward. One index copy per group and step. The parent's ids are
+        its own until its last child takes them over (scheduler.py), and that child writes them
+        only in its forward, after these copies."""
+        forks = [new for new in new_reqs if new.fork_src is not None]
+        if not forks:
+            return
+        for group in self.kv_cache_groups:
+            g = group.group_id
+            src = [i for new in forks for i in new.fork_src[g]]
+            dst = [i for new in forks for i in new.block_ids[g][:len(new.fork_src[g])]]
+            if not src:
+                continue
+            index = to_device(np.array([src, dst], dtype=np.int64), self.device)
+            for name in group.layer_names:
+                cache = self.kv_caches[name]
+                for t in (cache if isinstance(cache, tuple) else (cache,)):
+                    t.index_copy_(0, index[1], t.index_select(0, index[0]))
 
     # ---- one step ---------------------------------------------------------------------------
     @on_device
@@ -190,17 +225,78 @@ class ModelRunner:
             self.observer.after_logits(self, state)
         # a row whose chunk ends before its known tokens do (partial prefill) draws nothing
         draws = batch.num_computed_tokens_np + batch.num_scheduled_tokens >= batch.prefill_len_np
-        sampled = self.sampler(logits, batch.idx_mapping_np, batch.seq_lens, draws)
+        positions_np = batch.seq_lens_cpu_upper_bound.numpy()[:batch.num_reqs]
+        sampled = self.sampler(logits, batch.idx_mapping_np, batch.seq_lens, draws, positions_np)
+        pending = self._logprobs(state, sampled)       # device work, copied to the host without blocking
         clock.mark("sample")
         sampled_np = sampled.cpu().numpy()      # the step's one device -> host copy (a sync)
         clock.mark("wait", event=False)
         state.device_timings = clock.device_times()
+        self._logprobs_to_host(state, pending)
         self._post_update(batch, sampled, sampled_np)
         self.model_state.postprocess_state(batch, sampled)
         out = dict(zip(batch.req_ids, sampled_np.tolist()))
         clock.mark("sample", event=False)
         state.timings = dict(clock.host)
         return out
+
+    def _logprobs(self, state: ExecuteModelState, sampled: torch.Tensor):
+        """Logprobs of the step's sampled tokens (rows that ask, or every row while an observer
+        records) and of the prompt tokens each prefill chunk predicts (rows that ask): computed on
+        the device, their host copies issued without blocking. Returns what `_logprobs_to_host`
+        reads after the sync (None when nothing was asked)."""
+        batch, sampler = state.input_batch, self.sampler
+        idx = batch.idx_mapping_np
+        want = sampler.num_logprobs[idx]
+        sampled_part = prompt_part = None
+        if (want >= 0).any() or self.observer is not None:
+            tensors = compute_logprobs(state.logits, sampled, max(int(want.max()), 0))
+            sampled_part = tuple(to_host(t) for t in tensors)
+        # prompt logprobs: the chunk's token at position p predicts the prompt token at p + 1
+        rows, starts, counts = [], [], []
+        want_prompt = sampler.num_prompt_logprobs[idx]
+        for row in np.nonzero(want_prompt >= 0)[0]:
+            first = int(batch.num_computed_tokens_np[row]) + 1          # the first token predicted
+            count = min(int(batch.num_scheduled_tokens[row]), int(sampler.num_prompt_tokens[idx[row]]) - first)
+            if count > 0:
+                rows.append(int(row))
+                starts.append(first)
+                counts.append(count)
+        if rows:
+            token_index = np.concatenate([np.arange(c) + batch.query_start_loc_np[r]
+                                          for r, c in zip(rows, counts, strict=True)])
+            targets = np.concatenate([self.req_states.all_token_ids[idx[r], s:s + c].numpy()
+                                      for r, s, c in zip(rows, starts, counts, strict=True)])
+            index = to_device(np.stack([token_index, targets.astype(np.int64)]), self.device)
+            prompt_logits = self.model.compute_logits(state.hidden_states[index[0]])
+            tensors = compute_logprobs(prompt_logits, index[1], int(want_prompt[rows].max()))
+            prompt_part = (rows, starts, counts, tuple(to_host(t) for t in tensors))
+        return sampled_part, prompt_part
+
+    def _logprobs_to_host(self, state: ExecuteModelState, pending) -> None:
+        """After the sync: the host copies `_logprobs` issued, as TokenLogprobs per request, each
+        cut to the top k its request asked for (0 for rows that did not ask)."""
+        sampled_part, prompt_part = pending
+        batch, sampler = state.input_batch, self.sampler
+        positions = batch.seq_lens_cpu_upper_bound.numpy()
+        if sampled_part is not None:
+            ids, lps, ranks = (t.numpy() for t in sampled_part)
+            want = sampler.num_logprobs[batch.idx_mapping_np]
+            every_row = self.observer is not None        # recording: every row shows its sampled token's
+            state.sampled_logprobs = {
+                rid: TokenLogprobs(int(positions[row]), ids[row:row + 1, :1 + max(int(want[row]), 0)].copy(),
+                                   lps[row:row + 1, :1 + max(int(want[row]), 0)].copy(), ranks[row:row + 1].copy())
+                for row, rid in enumerate(batch.req_ids) if every_row or want[row] >= 0}
+        if prompt_part is not None:
+            rows, starts, counts, tensors = prompt_part
+            ids, lps, ranks = (t.numpy() for t in tensors)
+            out, at = {}, 0
+            for row, start, count in zip(rows, starts, counts, strict=True):
+                k = 1 + int(sampler.num_prompt_logprobs[batch.idx_mapping_np[row]])
+                out[batch.req_ids[row]] = TokenLogprobs(start, ids[at:at + count, :k].copy(),
+                                                        lps[at:at + count, :k].copy(), ranks[at:at + count].copy())
+                at += count
+            state.prompt_logprobs = out
 
     def _post_update(self, batch: InputBatch, sampled: torch.Tensor, sampled_cpu: np.ndarray) -> None:
         """MRV2 `post_update`: remember each row's sample, advance num_computed_tokens, and append

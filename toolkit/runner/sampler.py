@@ -1,5 +1,7 @@
-"""The Sampler the runner calls after the forward: greedy, temperature, top-k and top-p, with
-position-keyed Gumbel noise (the arithmetic is described in toolkit/sampling.py)."""
+"""The Sampler the runner calls after the forward: the min_tokens mask, greedy, temperature, top-k
+and top-p, with position-keyed Gumbel noise (the arithmetic is described in toolkit/sampling.py);
+and `compute_logprobs`, the logprobs of chosen tokens (raw: log_softmax of the fp32 logits, before
+any of those), on the device."""
 from __future__ import annotations
 
 import numpy as np
@@ -21,27 +23,61 @@ class Sampler:
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)           # 0: off
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)          # 1: off
         self.seeds = np.zeros((max_num_reqs, 2), dtype=np.int64)      # 32-bit words (lo, hi)
+        self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)        # -1: no logprobs
+        self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # -1: no prompt logprobs
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.min_len = np.zeros(max_num_reqs, dtype=np.int64)   # stop ids masked at positions below
+        self.min_tokens_stop_ids: list[tuple[int, ...]] = [()] * max_num_reqs
 
-    def add_request(self, req_idx: int, params: SamplingParams, seed: int) -> None:
-        """`seed`: the request's own seed, or the one derived for it at arrival."""
+    def add_request(self, req_idx: int, params: SamplingParams, seed: int, num_prompt_tokens: int = 0,
+                    min_tokens_stop_ids: tuple[int, ...] = (), num_prompt_logprobs: int | None = None) -> None:
+        """`seed`: the request's own seed, or the one derived for it at arrival; the min_tokens
+        mask covers `min_tokens_stop_ids` at positions below num_prompt_tokens + min_tokens."""
         t = float(params.temperature)
         self.temperature[req_idx] = 0.0 if t == 0.0 else max(t, MIN_TEMPERATURE)
         self.top_k[req_idx] = max(params.top_k, 0)
         self.top_p[req_idx] = params.top_p
         self.seeds[req_idx] = split_seed(seed)
+        self.num_logprobs[req_idx] = -1 if params.logprobs is None else params.logprobs
+        self.num_prompt_logprobs[req_idx] = -1 if num_prompt_logprobs is None else num_prompt_logprobs
+        self.num_prompt_tokens[req_idx] = num_prompt_tokens
+        self.min_len[req_idx] = num_prompt_tokens + params.min_tokens if min_tokens_stop_ids else 0
+        self.min_tokens_stop_ids[req_idx] = tuple(min_tokens_stop_ids)
 
     def remove_request(self, req_idx: int) -> None:
         self.temperature[req_idx] = 0.0
         self.top_k[req_idx] = 0
         self.top_p[req_idx] = 1.0
         self.seeds[req_idx] = 0
+        self.num_logprobs[req_idx] = self.num_prompt_logprobs[req_idx] = -1
+        self.num_prompt_tokens[req_idx] = self.min_len[req_idx] = 0
+        self.min_tokens_stop_ids[req_idx] = ()
+
+    def apply_min_tokens(self, logits: torch.Tensor, idx_mapping_np: np.ndarray,
+                         positions_np: np.ndarray) -> torch.Tensor:
+        """The logits with each row's stop ids at -inf while the token it samples (at
+        `positions_np`) comes before its min_tokens-th output (a copy; `logits` is left raw).
+        The (row, id) pairs are built on the host: one host-to-device copy, no sync."""
+        masked = np.nonzero(positions_np < self.min_len[idx_mapping_np])[0]
+        if not len(masked):
+            return logits
+        pairs = np.array([(row, t) for row in masked for t in self.min_tokens_stop_ids[idx_mapping_np[row]]],
+                         dtype=np.int64).reshape(-1, 2).T
+        index = to_device(np.ascontiguousarray(pairs), logits.device)
+        # the fill value made on the device (torch.tensor(-inf, device=...) would copy it from pageable
+        # host memory: a synchronising copy on a GPU)
+        return logits.index_put((index[0], index[1]), torch.full((), float("-inf"), device=logits.device,
+                                                                 dtype=logits.dtype))
 
     def __call__(self, logits: torch.Tensor, idx_mapping_np: np.ndarray, positions: torch.Tensor,
-                 draws_np: np.ndarray) -> torch.Tensor:
+                 draws_np: np.ndarray, positions_np: np.ndarray | None = None) -> torch.Tensor:
         """logits: float32 [B, V] in batch order; idx_mapping_np: int [B] row -> req_idx;
-        positions: device int [B], the position each sampled token takes; draws_np: bool [B],
-        False for rows whose sample is thrown away (partial prefill chunks: they draw nothing and
-        take the argmax). Returns int64 [B]."""
+        positions: device int [B], the position each sampled token takes (`positions_np`: the same
+        on the host, needed for the min_tokens mask); draws_np: bool [B], False for rows whose
+        sample is thrown away (partial prefill chunks: they draw nothing and take the argmax).
+        Returns int64 [B]."""
+        if positions_np is not None:
+            logits = self.apply_min_tokens(logits, idx_mapping_np, positions_np)
         greedy = logits.argmax(dim=-1)
         temperature = self.temperature[idx_mapping_np]
         random_rows = draws_np & (temperature > 0)
@@ -58,6 +94,23 @@ class Sampler:
         seeds = to_device(self.seeds[idx_mapping_np], dev)
         sampled = self.gumbel_argmax(scaled, seeds, positions)
         return torch.where(to_device(random_rows, dev), sampled, greedy)
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw logprobs (vLLM's default): log_softmax of the fp32 logits [N, V], before the min_tokens
+    mask, temperature, top-k and top-p. token_ids: int64 [N], the chosen token of each row.
+    Returns (token ids int64 [N, 1 + k], logprobs float32 [N, 1 + k], ranks int64 [N]): column 0
+    the chosen token, then the k most likely; rank = how many tokens are at least as likely as the
+    chosen one (vLLM's `batched_count_greater_than`: 1 for the most likely). All on the device."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, token_ids[:, None])
+    ranks = (logprobs >= chosen).sum(dim=-1)
+    ids, values = token_ids[:, None], chosen
+    if k > 0:
+        top = logprobs.topk(k, dim=-1)
+        ids, values = torch.cat([ids, top.indices], dim=1), torch.cat([values, top.values], dim=1)
+    return ids, values, ranks
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
