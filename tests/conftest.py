@@ -14,9 +14,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest
 
-# model_helpers and harness hold test checks (ModelParitySuite, check_*_matches_hf): rewrite their
-# asserts as pytest does a test's
-pytest.register_assert_rewrite("model_helpers", "harness")
+# model_helpers, harness and kernel_workloads hold test checks (ModelParitySuite, check_*_matches_hf,
+# the recorded engine runs): rewrite their asserts as pytest does a test's
+pytest.register_assert_rewrite("model_helpers", "harness", "kernel_workloads")
 
 # tiny models: one thread avoids oversubscription on CI's 2 cores (measured faster)
 torch.set_num_threads(1)

@@ -2,7 +2,9 @@
 Gated DeltaNet recurrence included) gives the same greedy tokens as backend="torch" for every tiny
 preset, and logits within 1e-4 in fp32: on a single request and on the chunked, mixed, queued batch
 of the runner-level parity checks; seeded sampled rows draw the same tokens. The records say which
-ops ran; on the CPU the interpreter is set, or the engine says why it cannot be."""
+ops ran; on the CPU the interpreter is set, or the engine says why it cannot be. The triton runs
+record the kernel specializations they launch (kernel_workloads.py), which test_compile_for_gpus.py
+compiles for GPUs."""
 from __future__ import annotations
 
 import os
@@ -14,25 +16,19 @@ import pytest
 
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
 
-from toolkit import LLM, SamplingParams
+from toolkit import LLM
 
-from harness import BATCH_LIMITS, BATCH_PROMPT_LENS, F32, MAX_TOKENS, TINY_PRESETS, prompts_of, run_by_hand
+from harness import BATCH_LIMITS, BATCH_PROMPT_LENS, TINY_PRESETS
+from kernel_workloads import parity_run, sampled_run
 
 LOGITS_ATOL = 1e-4
-
-
-def _run(model: str, backend: str, lengths: list[int], seed: int, **limits):
-    with LLM(model, **F32, backend=backend, **limits) as llm:
-        assert llm.backend == backend
-        res = run_by_hand(llm, prompts_of(lengths, llm.vocab_size, seed=seed), MAX_TOKENS)
-        assert {r.backend for r in res.records} == {backend}
-        return res
+_run = parity_run          # (model, backend, prompt lengths, seed, **limits): fp32 greedy, by hand
 
 
 def _assert_same(torch_res, triton_res):
     assert torch_res.tokens == triton_res.tokens
     for rid, ours in triton_res.logits.items():
-        for step, (a, b) in enumerate(zip(torch_res.logits[rid], ours)):
+        for step, (a, b) in enumerate(zip(torch_res.logits[rid], ours, strict=True)):
             diff = (a - b).abs().max().item()
             assert diff <= LOGITS_ATOL, f"request {rid}, output token {step}: logits differ by {diff:.2e}"
 
@@ -52,13 +48,7 @@ def test_chunked_mixed_batch_triton_equals_torch(model):
 
 def test_sampled_rows_triton_equals_torch():
     """The Gumbel kernel draws the same tokens as the torch noise for seeded, top-k/top-p rows."""
-    params = [SamplingParams(max_tokens=8, temperature=t, top_k=k, top_p=p, seed=s, ignore_eos=True)
-              for t, k, p, s in [(1.0, 0, 1.0, 7), (0.7, 5, 1.0, 8), (1.3, 0, 0.9, 9)]]
-    outs = {}
-    for backend in ("torch", "triton"):
-        with LLM("demo-hybrid", **F32, backend=backend) as llm:
-            prompts = [{"prompt_token_ids": p} for p in prompts_of([5, 9, 3], llm.vocab_size, seed=3)]
-            outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    outs = {backend: sampled_run(backend) for backend in ("torch", "triton")}
     assert outs["torch"] == outs["triton"]
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_inspect_states import Workload, check_against_hf, check_continuity, run_workload
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from toolkit import LLM, SamplingParams
@@ -16,6 +15,7 @@ from toolkit.layers.mamba2_mixer import Mamba2Mixer
 from toolkit.models import PRESETS, get_model_class, save_hf_folder
 
 from harness import F32
+from test_inspect_states import Workload, check_against_hf, check_continuity, run_workload
 
 STATE_ATOL = 1e-5
 

@@ -1,0 +1,157 @@
+"""The engine runs whose Triton launches test_compile_for_gpus.py compiles for GPUs (sm_80, sm_90).
+
+RECORDED collects, for this test process, every kernel specialization (toolkit/inspect/kernel_specs.py)
+launched by
+- the backend-parity runs of test_backend_triton.py (`parity_run`, `sampled_run`): every tiny preset
+  and demo-hybrid, fp32, a single request and the chunked, mixed, queued batch, greedy and seeded
+  sampled rows. They record as they run, so recording them costs nothing;
+- the cases those runs do not launch (`EXTRA_WORKLOADS`, triton only, no comparison):
+  fp16 and bf16 on every tiny preset and both demo models, each engine with padded decode
+  (cudagraph_mode="padded_eager": the decode batch of 3 runs padded to 4, as a CUDA graph would),
+  chunked prefill, mixed steps and a sampled row; the shape-true presets (real dimensions) in bf16,
+  cut to one layer of each kind (`trimmed_preset`: every layer of a kind launches the same
+  specializations); and the Gumbel debug kernel (`gumbel_debug`, launched by no engine).
+Each workload records under a label (WORKLOADS: label -> run); test_compile_for_gpus.py runs, one
+test each, those not recorded yet in this process (all of them when it runs alone).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+from toolkit import LLM, SamplingParams
+from toolkit.inspect.kernel_specs import KernelSpecs
+from toolkit.models import DEMO_MODELS, PRESETS
+
+from harness import BATCH_LIMITS, BATCH_PROMPT_LENS, DEVICE, F32, MAX_TOKENS, TINY_PRESETS, prompts_of, run_by_hand
+
+RECORDED = KernelSpecs()
+
+
+def _recorded(backend: str, label: str):
+    return RECORDED.recording(label) if backend == "triton" else contextlib.nullcontext()
+
+
+# ---- the backend-parity runs (test_backend_triton.py) ---------------------------------------------
+
+def _parity_label(model: str, lengths: list[int], seed: int, limits: dict) -> str:
+    return ":".join(["parity", model, "+".join(map(str, lengths)), f"seed{seed}",
+                     *(f"{k}={v}" for k, v in sorted(limits.items()))])
+
+
+def parity_run(model: str, backend: str, lengths: list[int], seed: int, **limits):
+    """`model` on `backend` (fp32): greedy requests of these prompt lengths, stepped by hand (a
+    triton run records its kernel specializations)."""
+    with _recorded(backend, _parity_label(model, lengths, seed, limits)):
+        with LLM(model, **F32, backend=backend, **limits) as llm:
+            assert llm.backend == backend
+            res = run_by_hand(llm, prompts_of(lengths, llm.vocab_size, seed=seed), MAX_TOKENS)
+            assert {r.backend for r in res.records} == {backend}
+            return res
+
+
+SAMPLED = [SamplingParams(max_tokens=8, temperature=t, top_k=k, top_p=p, seed=s, ignore_eos=True)
+           for t, k, p, s in [(1.0, 0, 1.0, 7), (0.7, 5, 1.0, 8), (1.3, 0, 0.9, 9)]]
+
+
+def sampled_run(backend: str) -> list[list[int]]:
+    """demo-hybrid (fp32): three seeded sampled rows (plain, top-k, top-p); their tokens."""
+    with _recorded(backend, "parity:demo-hybrid:sampled"):
+        with LLM("demo-hybrid", **F32, backend=backend) as llm:
+            prompts = [{"prompt_token_ids": p} for p in prompts_of([5, 9, 3], llm.vocab_size, seed=3)]
+            return [o.outputs[0].token_ids for o in llm.generate(prompts, SAMPLED)]
+
+
+PARITY_WORKLOADS: dict[str, Callable[[], object]] = {
+    **{_parity_label(m, [23], 0, {}): (lambda m=m: parity_run(m, "triton", [23], 0))
+       for m in TINY_PRESETS + ["demo-hybrid"]},
+    **{_parity_label(m, BATCH_PROMPT_LENS, 1, BATCH_LIMITS):
+       (lambda m=m: parity_run(m, "triton", BATCH_PROMPT_LENS, 1, **BATCH_LIMITS)) for m in TINY_PRESETS},
+    "parity:demo-hybrid:sampled": lambda: sampled_run("triton"),
+}
+
+
+# ---- what the parity runs do not launch --------------------------------------------------------------
+
+# Shape-true presets cut to one layer of each kind (same dimensions, same kernel launches per layer).
+SHAPE_TRIMS = {
+    "mamba-130m-shape": dict(num_hidden_layers=1),
+    "mamba2-130m-shape": dict(num_hidden_layers=1),
+    "bamba-300m-shape": dict(num_hidden_layers=2, attn_layer_indices=[1]),
+    "lfm2-350m-shape": dict(num_hidden_layers=2, layer_types=["conv", "full_attention"], full_attn_idxs=[1]),
+}
+
+
+def trimmed_config(preset: str):
+    cfg = PRESETS[preset]()
+    return type(cfg)(**{**cfg.to_dict(), **SHAPE_TRIMS[preset]})
+
+
+@contextlib.contextmanager
+def trimmed_preset(preset: str):
+    """A preset name for `preset` cut to SHAPE_TRIMS[preset], registered while inside."""
+    name = f"{preset}-trimmed"
+    PRESETS[name] = lambda: trimmed_config(preset)
+    try:
+        yield name
+    finally:
+        del PRESETS[name]
+
+
+# 3 requests, a 16-token budget: the 30-token prompt is chunked, steps 2 and 3 mix prefill and decode,
+# step 4 is a decode batch of 3 that padded_eager pads to 4 (the CUDA-graph size), then all finish.
+ENGINE_LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=16, cudagraph_mode="padded_eager")
+ENGINE_PROMPTS = [(3, 4, 0.0), (30, 2, 0.0), (2, 2, 1.0)]       # (prompt length, max_tokens, temperature)
+
+
+def engine_run(model: str, dtype: str) -> None:
+    """One triton engine: chunked prefill, mixed steps, a padded decode batch, greedy and sampled rows."""
+    with RECORDED.recording(f"engine:{model}:{dtype}"):
+        with LLM(model, device=DEVICE, dtype=dtype, backend="triton", **ENGINE_LIMITS) as llm:
+            for n, max_tokens, temperature in ENGINE_PROMPTS:
+                llm.add_request({"prompt_token_ids": prompts_of([n], llm.vocab_size, seed=n)[0]},
+                                SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=5,
+                                               ignore_eos=True))
+            records = []
+            while llm.has_unfinished_requests():
+                records.append(llm.step())
+            assert any(r.num_prefills and r.num_decodes for r in records), "no mixed step"
+            assert any(r.padded_size and r.padded_size > r.num_decodes for r in records), "no padded decode"
+            assert {r.backend for r in records} == {"triton"}
+
+
+def shape_run(preset: str, dtype: str) -> None:
+    with trimmed_preset(preset) as name:
+        engine_run(name, dtype)
+
+
+def gumbel_debug_run() -> None:
+    """The Gumbel noise kernel (gumbel_debug: the kernel's hashes and noise, for the kernel tests)."""
+    from toolkit.kernels import gumbel
+    with RECORDED.recording("gumbel_debug"):
+        seeds = torch.tensor([[1, 2], [3, 4]], device=DEVICE)
+        positions = torch.tensor([5, 6], device=DEVICE)
+        gumbel.gumbel_debug(seeds, positions, 300)
+
+
+SIXTEEN_BIT_MODELS = TINY_PRESETS + list(DEMO_MODELS)
+EXTRA_WORKLOADS: dict[str, Callable[[], object]] = {
+    **{f"engine:{m}:{dt}": (lambda m=m, dt=dt: engine_run(m, dt))
+       for dt in ("float16", "bfloat16") for m in SIXTEEN_BIT_MODELS},
+    **{f"engine:{p}-trimmed:bfloat16": (lambda p=p: shape_run(p, "bfloat16")) for p in SHAPE_TRIMS},
+    "gumbel_debug": gumbel_debug_run,
+}
+WORKLOADS = {**PARITY_WORKLOADS, **EXTRA_WORKLOADS}
+
+
+def record_all() -> list[str]:
+    """Run every workload RECORDED has no complete recording of yet; returns their labels."""
+    ran = []
+    for label, run in WORKLOADS.items():
+        if label not in RECORDED.labels:
+            run()
+            ran.append(label)
+            assert label in RECORDED.labels, f"workload {label!r} recorded under another label"
+    return ran
