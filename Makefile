@@ -15,8 +15,10 @@ demo: $(VENV)/.installed
 
 # `bin/pytest`, not `python -m pytest`: -m would put the repo root (and its kernels/ folder) on sys.path.
 # browser-setup: chromium (apt) and the widget JS (npm, into .browser/) for tests/test_browser.py, if missing.
+# -n: pytest-xdist, one worker per core (at most 4); loadgroup keeps the Triton recordings and their
+# compile test in one worker
 test: $(VENV)/.installed lint browser-setup
-	TRITON_INTERPRET=1 $(VENV)/bin/pytest tests
+	TRITON_INTERPRET=1 $(VENV)/bin/pytest -n auto --maxprocesses 4 --dist loadgroup tests
 
 # ruff (the rule set in pyproject.toml) and the import floors (import-linter contracts in pyproject.toml;
 # the repository root on PYTHONPATH lets lint-imports read kernels/ as a package of its own)

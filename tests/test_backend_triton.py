@@ -22,6 +22,8 @@ from harness import BATCH_LIMITS, BATCH_PROMPT_LENS, TINY_PRESETS
 from kernel_workloads import parity_run, sampled_run
 
 LOGITS_ATOL = 1e-4
+# with pytest-xdist, in one worker with test_compile_for_gpus.py, which compiles what these runs record
+pytestmark = pytest.mark.xdist_group("triton-kernels")
 _run = parity_run          # (model, backend, prompt lengths, seed, **limits): fp32 greedy, by hand
 
 

@@ -30,6 +30,8 @@ from toolkit.models import PRESETS, get_model_class
 from kernel_workloads import RECORDED, SHAPE_TRIMS, WORKLOADS, record_all, trimmed_config
 
 ARCHS = (80, 90)
+# with pytest-xdist, in the worker that ran test_backend_triton.py's recordings (same group)
+pytestmark = pytest.mark.xdist_group("triton-kernels")
 
 
 @pytest.mark.parametrize("label", list(WORKLOADS))
