@@ -136,10 +136,13 @@ def gumbel_debug_run() -> None:
         gumbel.gumbel_debug(seeds, positions, 300)
 
 
-SIXTEEN_BIT_MODELS = TINY_PRESETS + list(DEMO_MODELS)
+# bf16 (a GPU's default dtype) on every model; fp16 on a set that launches every kernel family
+# (attention and RoPE, Mamba1 and MoE, Mamba2 and the gated norm, short conv, Gated DeltaNet)
+BF16_MODELS = TINY_PRESETS + list(DEMO_MODELS)
+FP16_MODELS = ["tiny-bamba", "tiny-jamba", "tiny-lfm2", "tiny-qwen3-next", "tiny-mamba"]
 EXTRA_WORKLOADS: dict[str, Callable[[], object]] = {
-    **{f"engine:{m}:{dt}": (lambda m=m, dt=dt: engine_run(m, dt))
-       for dt in ("float16", "bfloat16") for m in SIXTEEN_BIT_MODELS},
+    **{f"engine:{m}:bfloat16": (lambda m=m: engine_run(m, "bfloat16")) for m in BF16_MODELS},
+    **{f"engine:{m}:float16": (lambda m=m: engine_run(m, "float16")) for m in FP16_MODELS},
     **{f"engine:{p}-trimmed:bfloat16": (lambda p=p: shape_run(p, "bfloat16")) for p in SHAPE_TRIMS},
     "gumbel_debug": gumbel_debug_run,
 }
