@@ -472,3 +472,23 @@ class RunnerParityChecks:
     def test_llm_chunked_mixed_queued_batch_matches_hf(self, model_pair, hf_model):
         with LLM(model_pair[0], **F32, **BATCH_LIMITS) as llm:
             check_chunked_mixed_queued_batch_matches_hf(llm, hf_model)
+
+
+# ---- checkpoint layout -----------------------------------------------------------------------------
+def shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """state_dict names -> shapes."""
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def saved_both_ways(arch: str, folder: Path):
+    """A preset built by HF (seeded) and by this project, checked to hold the same state_dict names
+    and shapes, each saved the way its side saves (save_pretrained / save_hf_folder). Returns (hf,
+    ours, HF's tensors on disk, ours on disk)."""
+    torch.manual_seed(5)
+    hf = AutoModelForCausalLM.from_config(PRESETS[arch]())
+    ours = load_model(arch, dtype=torch.float32, device="cpu").model
+    assert shapes(ours) == shapes(hf)
+    hf.save_pretrained(folder / "hf")
+    save_hf_folder(ours, folder / "ours")
+    return hf, ours, load_file(str(folder / "hf" / "model.safetensors")), \
+        load_file(str(folder / "ours" / "model.safetensors"))

@@ -31,6 +31,7 @@ from model_helpers import (
     meta_model_specs_and_groups,
     rebuilt_config,
     save_bf16_checkpoint,
+    shapes,
 )
 
 ARCH = "tiny-falcon-h1"
@@ -57,8 +58,7 @@ class TestFalconH1(ModelParitySuite, ConfigVariantChecks, RunnerParityChecks):
 
     @classmethod
     def check_pair(cls, ours, hf) -> None:
-        assert {k: tuple(v.shape) for k, v in ours.state_dict().items()} == \
-            {k: tuple(v.shape) for k, v in hf.state_dict().items()}
+        assert shapes(ours) == shapes(hf)
 
     def check_variant(self, variant: str, ours) -> None:
         if variant == "falcon-h1-no-mamba-norm":

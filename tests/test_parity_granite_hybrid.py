@@ -9,10 +9,9 @@ checkpoints."""
 from __future__ import annotations
 
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GraniteMoeHybridConfig
 
-from toolkit.models import PRESETS, get_model_class, load_model, save_hf_folder
+from toolkit.models import PRESETS, get_model_class, load_model
 from toolkit.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from toolkit.runner.model_states import MambaHybridModelState
 
@@ -23,6 +22,8 @@ from model_helpers import (
     check_bf16_load_runs,
     rebuilt_config,
     save_bf16_checkpoint,
+    saved_both_ways,
+    shapes,
 )
 
 ARCH = "tiny-granite-hybrid"
@@ -50,8 +51,7 @@ class TestGraniteHybrid(ModelParitySuite, ConfigVariantChecks, RunnerParityCheck
 
     @classmethod
     def check_pair(cls, ours, hf) -> None:
-        assert {k: tuple(v.shape) for k, v in ours.state_dict().items()} == \
-            {k: tuple(v.shape) for k, v in hf.state_dict().items()}
+        assert shapes(ours) == shapes(hf)
 
     def check_variant(self, variant: str, ours) -> None:
         if variant == "granite-nope":
@@ -77,15 +77,7 @@ def test_routing_facts_and_cache_specs():
 def test_checkpoint_layout_matches_save_pretrained(tmp_path):
     """In memory: HF 5.x's state_dict names and shapes; on disk: what save_pretrained writes
     (block_sparse_moe.input_linear ..., no lm_head: tied), both ways."""
-    torch.manual_seed(5)
-    hf = AutoModelForCausalLM.from_config(PRESETS[ARCH]())
-    ours = load_model(ARCH, dtype=torch.float32, device="cpu").model
-    assert {k: tuple(v.shape) for k, v in ours.state_dict().items()} == \
-        {k: tuple(v.shape) for k, v in hf.state_dict().items()}
-    hf.save_pretrained(tmp_path / "hf")
-    save_hf_folder(ours, tmp_path / "ours")
-    on_disk_hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    on_disk_ours = load_file(str(tmp_path / "ours" / "model.safetensors"))
+    hf, ours, on_disk_hf, on_disk_ours = saved_both_ways(ARCH, tmp_path)
     assert {k: v.shape for k, v in on_disk_ours.items()} == {k: v.shape for k, v in on_disk_hf.items()}
     assert "model.layers.1.block_sparse_moe.input_linear.weight" in on_disk_ours
     assert "lm_head.weight" not in on_disk_ours                       # tied

@@ -9,12 +9,10 @@ checkpoints."""
 from __future__ import annotations
 
 import torch
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 from toolkit.kv_cache_spec import AttentionSpec, MambaSpec
 from toolkit.layers.moe import merge_expert_checkpoint_tensors, split_expert_state_tensors
-from toolkit.models import PRESETS, get_model_class, load_model, save_hf_folder
+from toolkit.models import PRESETS, get_model_class, load_model
 from toolkit.models.jamba import JambaForCausalLM
 
 from harness import check_no_attention_llm_matches_hf_uncached
@@ -24,6 +22,8 @@ from model_helpers import (
     RunnerParityChecks,
     check_bf16_load_runs,
     save_bf16_checkpoint,
+    saved_both_ways,
+    shapes,
 )
 
 
@@ -73,16 +73,8 @@ def test_routing_facts_and_cache_specs():
 def test_moe_checkpoint_layout(tmp_path):
     """In memory: HF 5.x's fused experts (state_dict keys equal HF's); on disk: per-expert tensors,
     as save_pretrained writes them, both ways."""
-    torch.manual_seed(5)
-    hf = AutoModelForCausalLM.from_config(PRESETS["tiny-jamba"]())
-    ours = load_model("tiny-jamba", dtype=torch.float32, device="cpu").model
-    theirs = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
-    assert {k: tuple(v.shape) for k, v in ours.state_dict().items()} == theirs
-    assert theirs["model.layers.1.feed_forward.experts.gate_up_proj"] == (4, 256, 64)
-    hf.save_pretrained(tmp_path / "hf")
-    save_hf_folder(ours, tmp_path / "ours")
-    on_disk_hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    on_disk_ours = load_file(str(tmp_path / "ours" / "model.safetensors"))
+    hf, ours, on_disk_hf, on_disk_ours = saved_both_ways("tiny-jamba", tmp_path)
+    assert shapes(hf)["model.layers.1.feed_forward.experts.gate_up_proj"] == (4, 256, 64)
     assert sorted(on_disk_ours) == sorted(on_disk_hf)
     assert "model.layers.3.feed_forward.experts.2.up_proj.weight" in on_disk_ours
     # merge/split are inverse; an incomplete expert set is left alone (the loader reports it)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, NemotronHConfig
 
 from toolkit.kv_cache_spec import AttentionSpec, MambaSpec
-from toolkit.models import PRESETS, get_model_class, load_model, save_hf_folder
+from toolkit.models import PRESETS, get_model_class, load_model
 from toolkit.models.nemotron_h import (
     NemotronHForCausalLM,
     NemotronHTopkRouter,
@@ -34,6 +34,8 @@ from model_helpers import (
     rebuilt_config,
     run_steps,
     save_bf16_checkpoint,
+    saved_both_ways,
+    shapes,
 )
 
 ARCH = "tiny-nemotron-h"
@@ -64,8 +66,7 @@ class TestNemotronH(ModelParitySuite, ConfigVariantChecks, RunnerParityChecks):
 
     @classmethod
     def check_pair(cls, ours, hf) -> None:
-        assert {k: tuple(v.shape) for k, v in ours.state_dict().items()} == \
-            {k: tuple(v.shape) for k, v in hf.state_dict().items()}
+        assert shapes(ours) == shapes(hf)
 
     def check_variant(self, variant: str, ours) -> None:
         moe = ours.model.layers[1].mixer
@@ -116,15 +117,7 @@ def test_never_ties_and_reads_the_hybrid_override_pattern(tmp_path):
 def test_checkpoint_layout_matches_save_pretrained(tmp_path):
     """In memory: HF 5.x's state_dict names and shapes; on disk: what save_pretrained writes
     (backbone. + per-expert up/down_proj), both ways."""
-    torch.manual_seed(5)
-    hf = AutoModelForCausalLM.from_config(PRESETS[ARCH]())
-    ours = load_model(ARCH, dtype=torch.float32, device="cpu").model
-    assert {k: tuple(v.shape) for k, v in ours.state_dict().items()} == \
-        {k: tuple(v.shape) for k, v in hf.state_dict().items()}
-    hf.save_pretrained(tmp_path / "hf")
-    save_hf_folder(ours, tmp_path / "ours")
-    on_disk_hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    on_disk_ours = load_file(str(tmp_path / "ours" / "model.safetensors"))
+    hf, ours, on_disk_hf, on_disk_ours = saved_both_ways(ARCH, tmp_path)
     assert {k: v.shape for k, v in on_disk_ours.items()} == {k: v.shape for k, v in on_disk_hf.items()}
     assert "backbone.layers.3.mixer.experts.2.up_proj.weight" in on_disk_ours
     assert "backbone.layers.3.mixer.gate.e_score_correction_bias" in on_disk_ours

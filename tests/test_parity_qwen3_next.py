@@ -16,8 +16,7 @@ with use_cache=False (`test_llm_without_attention_layers_matches_hf_uncached`).
 from __future__ import annotations
 
 import torch
-from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from safetensors.torch import save_file
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_q3n
 
 from toolkit import LLM
@@ -26,7 +25,7 @@ from toolkit.kv_cache_spec import AttentionSpec, MambaSpec
 from toolkit.layers.gdn import GatedDeltaNet
 from toolkit.layers.moe import merge_expert_checkpoint_tensors
 from toolkit.layers.norms import RMSNormThenGate
-from toolkit.models import PRESETS, get_model_class, load_model, save_hf_folder
+from toolkit.models import PRESETS, get_model_class, load_model
 from toolkit.models.qwen3_next import OffsetRMSNorm, Qwen3NextForCausalLM
 from toolkit.runner.model_states import MambaHybridModelState
 
@@ -39,6 +38,8 @@ from model_helpers import (
     random_prompt,
     run_steps,
     save_bf16_checkpoint,
+    saved_both_ways,
+    shapes,
 )
 
 ARCH = "tiny-qwen3-next"
@@ -153,17 +154,10 @@ def test_routing_facts_and_cache_specs():
 def test_checkpoint_layout_matches_save_pretrained(tmp_path):
     """In memory: HF 5.x's fused experts (our state_dict keys and shapes equal HF's); on disk:
     per-expert tensors both ways; a checkpoint's `mtp.*` tensors are ignored, as HF does."""
-    torch.manual_seed(5)
-    hf = AutoModelForCausalLM.from_config(PRESETS[ARCH]())
-    ours = load_model(ARCH, dtype=torch.float32, device="cpu").model
-    theirs = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
-    assert {k: tuple(v.shape) for k, v in ours.state_dict().items()} == theirs
+    hf, ours, on_disk_hf, on_disk_ours = saved_both_ways(ARCH, tmp_path)
+    theirs = shapes(hf)
     assert theirs["model.layers.0.mlp.experts.gate_up_proj"] == (4, 64, 64)
     assert theirs["model.layers.0.linear_attn.in_proj_qkvz.weight"] == (2 * 2 * 8 + 2 * 4 * 16, 64)
-    hf.save_pretrained(tmp_path / "hf")
-    save_hf_folder(ours, tmp_path / "ours")
-    on_disk_hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    on_disk_ours = load_file(str(tmp_path / "ours" / "model.safetensors"))
     assert sorted(on_disk_ours) == sorted(on_disk_hf)
     assert "model.layers.2.mlp.experts.3.up_proj.weight" in on_disk_ours
     with_mtp = dict(on_disk_hf, **{"mtp.fc.weight": torch.zeros(64, 128), "mtp.norm.weight": torch.zeros(64)})

@@ -42,6 +42,7 @@ from model_helpers import (
     rebuilt_config,
     run_steps,
     save_bf16_checkpoint,
+    shapes,
 )
 
 ARCH = "tiny-zamba2"
@@ -75,8 +76,7 @@ class TestZamba2(ModelParitySuite, ConfigVariantChecks, RunnerParityChecks):
 
     @classmethod
     def check_pair(cls, ours, hf) -> None:
-        assert {k: tuple(v.shape) for k, v in ours.state_dict().items()} == \
-            {k: tuple(v.shape) for k, v in hf.state_dict().items()}
+        assert shapes(ours) == shapes(hf)
         for model in (ours, hf):   # layers 1 and 3 share block 0 (tied config), in HF too
             a, b, c = (model.model.layers[i].shared_transformer.self_attn.q_proj.weight for i in (1, 3, 2))
             assert a is b and a is not c
