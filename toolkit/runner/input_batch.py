@@ -128,17 +128,7 @@ def prepare_inputs(buffers: InputBuffers, req_states: RequestStates, req_ids: li
             rows = to_device(idx_np[token_rows[from_sampled]], d.input_ids.device)
             d.input_ids[tok_idx] = req_states.last_sampled_tokens[rows].to(torch.int32)
     stage.put("positions", positions.astype(np.int64))
-    # whole regions, so the rows past B need no separate fill: query_start_loc repeats the total
-    # there, seq_lens is 0
-    qsl_full = stage.host("query_start_loc")
-    qsl_full[:] = t
-    qsl_full[:b + 1] = qsl
-    stage.written("query_start_loc")
-    seq_lens_full = stage.host("seq_lens")
-    seq_lens_full[:] = 0
-    seq_lens_full[:b] = seq_lens
-    stage.written("seq_lens")
-    stage.put("logits_indices", qsl[1:].astype(np.int64) - 1)
+    _stage_rows(stage, qsl, seq_lens)
 
     return InputBatch(
         req_ids=list(req_ids), num_reqs=b, num_tokens=t, max_query_len=int(q.max()) if b else 0,
@@ -149,6 +139,22 @@ def prepare_inputs(buffers: InputBuffers, req_states: RequestStates, req_ids: li
         seq_lens=d.seq_lens[:b], seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens.astype(np.int32)),
         input_ids=d.input_ids[:t], positions=d.positions[:t], logits_indices=d.logits_indices[:b],
         input_ids_sampled=decode_only)
+
+
+def _stage_rows(stage: Staging, qsl: np.ndarray, seq_lens: np.ndarray) -> None:
+    """query_start_loc, seq_lens and logits_indices of B rows (qsl int32 [B+1], seq_lens [B]). The
+    whole regions are written, so the rows past B need no separate fill: query_start_loc repeats
+    the total there, seq_lens is 0."""
+    b = len(seq_lens)
+    qsl_full = stage.host("query_start_loc")
+    qsl_full[:] = qsl[-1]
+    qsl_full[:b + 1] = qsl
+    stage.written("query_start_loc")
+    seq_lens_full = stage.host("seq_lens")
+    seq_lens_full[:] = 0
+    seq_lens_full[:b] = seq_lens
+    stage.written("seq_lens")
+    stage.put("logits_indices", qsl[1:].astype(np.int64) - 1)
 
 
 def gather_sampled_input_ids(buffers: InputBuffers, req_states: RequestStates, num_rows: int) -> None:
@@ -170,16 +176,8 @@ def make_dummy(buffers: InputBuffers, num_reqs: int, num_tokens: int) -> InputBa
     d, stage = buffers, buffers.staging
     d.input_ids[:num_tokens] = 0
     stage.put("positions", np.zeros(num_tokens, dtype=np.int64))
-    qsl_full = stage.host("query_start_loc")
-    qsl_full[:] = num_tokens
-    qsl_full[:num_reqs + 1] = qsl
-    stage.written("query_start_loc")
-    seq_lens_full = stage.host("seq_lens")
-    seq_lens_full[:] = 0
-    seq_lens_full[:num_reqs] = q
-    stage.written("seq_lens")
+    _stage_rows(stage, qsl, q)
     stage.put("idx_mapping", np.zeros(num_reqs, dtype=np.int64))
-    stage.put("logits_indices", qsl[1:].astype(np.int64) - 1)
     zeros = np.zeros(num_reqs, dtype=np.int32)
     return InputBatch(
         req_ids=[f"dummy-{i}" for i in range(num_reqs)], num_reqs=num_reqs, num_tokens=num_tokens,
