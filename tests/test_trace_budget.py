@@ -123,8 +123,26 @@ def test_then_logits_then_whole_records_go(unbounded):
         engine.shutdown()
 
 
+def test_the_newest_record_keeps_its_states_while_older_logits_can_go(unbounded):
+    """A large vocabulary makes the logits of many steps weigh more than one step's states: the
+    trace then drops older records' logits before the newest record's states (the step just taken
+    is the one looked at), and keeps every record's metadata."""
+    ref, _ = unbounded
+    sizes = list(ref.trace._sizes)
+    # every record's metadata, the newest's states and logits, and not quite all the older logits
+    budget = sum(s[2] for s in sizes) + sum(sizes[-1][:2]) + sum(s[1] for s in sizes[:-1]) // 2
+    llm = full(trace_max_bytes=budget)
+    run(llm)
+    records = list(llm.trace)
+    assert len(records) == len(ref.trace)
+    assert records[-1].states and records[-1].logits is not None and records[-1].dropped == []
+    assert all(r.states == [] for r in records[:-1] if r.scheduled)
+    assert any(r.logits is None for r in records[:-1]) and llm.trace.host_bytes <= budget
+    llm.shutdown()
+
+
 def test_room_is_made_before_a_step_gathers_and_a_step_larger_than_the_budget_gathers_nothing():
-    with pytest.warns(TraceBudgetWarning, match="more than the whole budget: not gathered at all"):
+    with pytest.warns(TraceBudgetWarning, match="more than the budget; not gathered at all"):
         # two rows' states (~80 KiB a step) never fit 24 KiB
         count, rec = gathers_and_record(inspect="full", trace_max_bytes="24 KiB")
     assert count == gathers_per_step(inspect="metadata")      # nothing gathered

@@ -129,6 +129,12 @@ class Captured:
     states: list[tuple[str, list[torch.Tensor]]]     # (layer, tensors)
 
 
+def _on_host(gathered: torch.Tensor) -> torch.Tensor:
+    """A gathered state on the host: index_select already made it a copy, so on a CPU it is kept
+    as it is (copying it again would hold every state twice at once)."""
+    return gathered if gathered.device.type == "cpu" else to_host(gathered)
+
+
 def capture_rows(req_ids: list[str], capture: CaptureFilter) -> list[int]:
     """The batch rows whose request the capture wants."""
     return [i for i, r in enumerate(req_ids) if capture.wants(r)]
@@ -149,6 +155,6 @@ def gather_states(runner, state, capture: CaptureFilter, rows: list[int], host_s
             if len(rows) < len(req_ids):
                 column = column[to_device(np.asarray(rows), column.device)]
             slots = column.long()
-            out += [(name, [to_host(t.index_select(0, slots)) for t in runner.kv_caches[name]])
+            out += [(name, [_on_host(t.index_select(0, slots)) for t in runner.kv_caches[name]])
                     for name in group.layer_names if name in chosen]
     return Captured([req_ids[i] for i in rows], {n: host_slots[n] for n, _ in out}, out)

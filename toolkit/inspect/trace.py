@@ -74,40 +74,52 @@ class Trace:
 
     def reserve(self, nbytes: int) -> bool:
         """Make room for `nbytes` about to be recorded (a full-mode step's states, before they are
-        gathered), so that the process never holds more than the budget. False (and nothing is
-        dropped) when `nbytes` alone passes the budget: the caller records nothing of it."""
+        gathered), so that the process never holds more than the budget: older records' states,
+        then logits, go. False when that is not enough (the records' metadata and `nbytes` pass the
+        budget): the caller gathers nothing."""
         if self.max_bytes is None:
             return True
-        if nbytes > self.max_bytes:
-            self._warn_once(self.host_bytes, [f"the states of this step ({fmt_bytes(nbytes)}, more than the whole "
-                                              "budget: not gathered at all)"])
-            return False
         if self.host_bytes + nbytes > self.max_bytes:
-            self._fit(reserve=nbytes)
+            self._fit(reserve=nbytes)           # older states and logits go; never a record's metadata
+        if self.host_bytes + nbytes > self.max_bytes:
+            self._warn_once(self.host_bytes, [f"the states of this step ({fmt_bytes(nbytes)}: with the records' "
+                                              "metadata, more than the budget; not gathered at all)"])
+            return False
         return True
 
     def _fit(self, reserve: int = 0) -> None:
-        """Drop, oldest first, states, then logits, then whole records, until the records (and
-        `reserve` more bytes) fit in max_bytes."""
+        """Drop states, then logits, oldest first, then whole records, oldest first, until the
+        records (and `reserve` more bytes) fit in max_bytes. The record just appended gives up its
+        states and logits after every older one has: the step just taken is the one most looked at."""
         before = self.host_bytes
         total = before + reserve
         dropped: dict[str, int] = {}
+        older = len(self._records) - (0 if reserve else 1)      # records before the newest
         for part, name in ((STATES, "states"), (LOGITS, "logits")):
             i = self._checked[part]
-            while total > self.max_bytes and i < len(self._records):
+            while total > self.max_bytes and i < older:
                 if self._sizes[i][part]:
-                    self._drop_part(self._records[i], name)
-                    total -= self._sizes[i][part]
-                    self._sizes[i][part] = 0
-                    dropped[name] = dropped.get(name, 0) + 1
+                    total -= self._drop(i, part, name, dropped)
                 i += 1
             self._checked[part] = i
-        while total > self.max_bytes and self._records:
+        if not reserve and self._records:
+            for part, name in ((STATES, "states"), (LOGITS, "logits")):
+                if total > self.max_bytes and self._sizes[-1][part]:
+                    total -= self._drop(len(self._records) - 1, part, name, dropped)
+        while not reserve and total > self.max_bytes and self._records:   # metadata alone passes it
             total -= sum(self._sizes[0])
             self._pop_oldest()
             dropped["records"] = dropped.get("records", 0) + 1
         self._warn_once(before, [f"{n} whole record{'s' * (n > 1)}" if k == "records" else
                                  f"the {k} of {n} record{'s' * (n > 1)}" for k, n in dropped.items()])
+
+    def _drop(self, i: int, part: int, name: str, dropped: dict[str, int]) -> int:
+        """Drop part `part` of record i; returns the bytes freed."""
+        freed = self._sizes[i][part]
+        self._drop_part(self._records[i], name)
+        self._sizes[i][part] = 0
+        dropped[name] = dropped.get(name, 0) + 1
+        return freed
 
     def _drop_part(self, record: StepRecord, name: str) -> None:
         if name == "states":
