@@ -11,6 +11,7 @@ GPU would make), by function: what a decode step costs besides its kernels (test
 """
 from __future__ import annotations
 
+import mmap
 from collections import Counter
 
 import numpy as np
@@ -48,9 +49,29 @@ def copy_pinned(dst: torch.Tensor, pinned: torch.Tensor) -> None:
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """A host copy of `t`. From a CUDA device the copy lands in pinned memory without blocking the
     host: read it only after the stream has passed the copy (e.g. after the step's one sync, the
-    sampled ids' copy). On the CPU, a plain clone."""
+    sampled ids' copy). On the CPU, a copy in memory of its own (`mapped_empty`: recorded data
+    lives long)."""
     if t.device.type == "cpu":
-        return t.clone()
+        return mapped_empty(tuple(t.shape), t.dtype).copy_(t)
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     out.copy_(t, non_blocking=True)
     return out
+
+
+MAPPED_MIN_BYTES = 1 << 20
+# Linux: fault the pages in with the mapping, in one go (the data is written at once anyway)
+_MAP_FLAGS = ({"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE}
+              if hasattr(mmap, "MAP_POPULATE") else {})
+
+
+def mapped_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor for data kept a long time (recorded states): from MAPPED_MIN_BYTES
+    up, in memory mapped for it alone, which goes back to the OS the moment the tensor dies. From
+    the heap, large blocks that live long between short-lived ones fragment it: the process then
+    keeps memory it no longer uses (measured: 2 GiB over a 1 GiB trace budget), which a bound on
+    the trace's bytes must not allow."""
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    if nbytes < MAPPED_MIN_BYTES:
+        return torch.empty(shape, dtype=dtype)
+    buffer = np.frombuffer(mmap.mmap(-1, nbytes, **_MAP_FLAGS), dtype=np.uint8)
+    return torch.from_numpy(buffer).view(dtype).view(shape)

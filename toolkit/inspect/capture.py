@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from toolkit.host import to_device, to_host
+from toolkit.host import mapped_empty, to_device, to_host
 
 LayerSpec = str | Iterable[str] | None
 RequestSpec = str | Iterable[str] | Callable[[str], bool] | None
@@ -129,10 +129,13 @@ class Captured:
     states: list[tuple[str, list[torch.Tensor]]]     # (layer, tensors)
 
 
-def _on_host(gathered: torch.Tensor) -> torch.Tensor:
-    """A gathered state on the host: index_select already made it a copy, so on a CPU it is kept
-    as it is (copying it again would hold every state twice at once)."""
-    return gathered if gathered.device.type == "cpu" else to_host(gathered)
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] on the host. On a CPU, gathered straight into memory of its own (mapped_empty:
+    a recorded state lives long, and its memory returns to the OS when the trace drops it); from a
+    CUDA device, copied into pinned memory without blocking."""
+    if cache.device.type != "cpu":
+        return to_host(cache.index_select(0, slots))
+    return torch.index_select(cache, 0, slots, out=mapped_empty((len(slots), *cache.shape[1:]), cache.dtype))
 
 
 def capture_rows(req_ids: list[str], capture: CaptureFilter) -> list[int]:
@@ -155,6 +158,6 @@ def gather_states(runner, state, capture: CaptureFilter, rows: list[int], host_s
             if len(rows) < len(req_ids):
                 column = column[to_device(np.asarray(rows), column.device)]
             slots = column.long()
-            out += [(name, [_on_host(t.index_select(0, slots)) for t in runner.kv_caches[name]])
+            out += [(name, [_gather(t, slots) for t in runner.kv_caches[name]])
                     for name in group.layer_names if name in chosen]
     return Captured([req_ids[i] for i in rows], {n: host_slots[n] for n, _ in out}, out)

@@ -147,7 +147,7 @@ class Recorder:
             # room in the trace first (before and after, every chosen row and layer), so that the
             # process never holds more than the budget; a step larger than the budget gathers nothing
             need = 2 * len(self._rows) * sum(self._slot_bytes[n] for n in self._host_slots)
-            if self.trace.reserve(need):
+            if self.trace.reserve(need + self.trace.last_record_bytes):      # the record's logits too
                 self._before = gather_states(runner, state, self.capture, self._rows, self._host_slots)
             else:
                 self._states_refused = True

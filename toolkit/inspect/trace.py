@@ -72,6 +72,12 @@ class Trace:
         self.num_dropped += 1
         self._checked = [max(0, c - 1) for c in self._checked]
 
+    @property
+    def last_record_bytes(self) -> int:
+        """Host bytes of the newest record's logits and metadata: what the next record will about
+        take besides its states (a step's batch and vocabulary change little from one to the next)."""
+        return sum(self._sizes[-1][LOGITS:]) if self._sizes else 0
+
     def reserve(self, nbytes: int) -> bool:
         """Make room for `nbytes` about to be recorded (a full-mode step's states, before they are
         gathered), so that the process never holds more than the budget: older records' states,
