@@ -6,8 +6,9 @@
 Part 1 (memory): an `inspect="full"` engine under `trace_max_bytes=--budget` serves --requests
 requests for --steps decode steps (one request-step of state is about 37 MiB on mamba2-130m). The
 process's resident memory (RSS, /proc/self/statm) is sampled after every step; it must stay within
-the RSS after warmup (model, caches, buffers) plus the budget, plus what the step itself allocates
-(the states of one step before the trace trims them). Prints the figures and checks that the oldest
+the RSS after warmup (model, caches, buffers) plus the budget, plus STEP_SLACK for what a step holds
+while it runs (the trace reserves room for a step's states before gathering them, so they are inside
+the budget). Prints the figures and checks that the oldest
 records say "states dropped" in their HTML and in the State tab.
 
 Part 2 (time): seconds per decode step at batch --requests with inspect="metadata", "full", and
@@ -29,6 +30,9 @@ from toolkit.widgets.panes import why_no_states
 from table import print_markdown_table
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
+# What one decode step may hold beside the trace while it runs (activations, logits, the allocator's
+# free lists): the records' bytes are the budget's; this is not.
+STEP_SLACK = 64 * 2**20
 
 
 def rss() -> int:
@@ -65,12 +69,15 @@ def memory_part(args) -> None:
         base = rss()
         add_requests(llm, args.requests, args.steps)
         peak = base
+        beside_trace = 0                            # RSS growth the trace's own bytes do not explain
         start = time.perf_counter()
         for _ in range(args.steps):
             if not llm.has_unfinished_requests():
                 break
             llm.step()
-            peak = max(peak, rss())
+            now = rss()
+            peak = max(peak, now)
+            beside_trace = max(beside_trace, now - base - llm.trace.host_bytes)
         seconds = time.perf_counter() - start
     warned = [w for w in caught if issubclass(w.category, TraceBudgetWarning)]
     per_request_step = state_bytes_per_request_step(llm)
@@ -84,7 +91,9 @@ def memory_part(args) -> None:
         ["trace budget (trace_max_bytes)", fmt_bytes(budget)],
         ["RSS after warmup, trace emptied (model, caches, buffers)", fmt_bytes(base)],
         ["peak RSS while stepping", fmt_bytes(peak)],
-        ["peak RSS - that baseline", fmt_bytes(peak - base)],
+        ["peak RSS - that baseline", f"{(peak - base) / 2**20:.0f} MiB"],
+        ["largest RSS growth beside the trace's bytes (a step's own work; the prefill's forward)",
+         f"{beside_trace / 2**20:.0f} MiB"],
         ["trace host bytes at the end", fmt_bytes(llm.trace.host_bytes)],
         ["records trimmed (states dropped)", f"{llm.trace.num_trimmed} of {len(llm.trace)}"],
         ["TraceBudgetWarning shown", f"{len(warned)} time(s)"],
@@ -94,8 +103,9 @@ def memory_part(args) -> None:
     ]
     print(f"\n### Full-mode trace under a byte budget: {args.preset}, {args.requests} requests, CPU fp32\n")
     print_markdown_table(["", "value"], rows)
-    print(f"\npeak RSS within the baseline + the budget: {peak - base <= budget} "
-          f"({fmt_bytes(peak - base)} of {fmt_bytes(budget)})")
+    print(f"\npeak RSS within the baseline + the budget + {fmt_bytes(STEP_SLACK)} for a step's own "
+          f"work: {peak - base <= budget + STEP_SLACK} ({(peak - base) / 2**20:.0f} MiB of "
+          f"{budget / 2**20:.0f} MiB + {STEP_SLACK / 2**20:.0f} MiB)")
     llm.shutdown()
 
 

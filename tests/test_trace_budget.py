@@ -284,3 +284,19 @@ def test_states_are_host_copies_not_views_of_the_cache():
     assert all(t.device.type == "cpu" and t.untyped_storage().data_ptr() not in cache_ptrs for t in st.after)
     assert torch.equal(st.after[1][0], llm.model_runner.kv_caches[st.layer_name][1][slot])
     llm.shutdown()
+
+
+def test_recorded_data_lives_in_memory_of_its_own_that_returns_to_the_os():
+    import sys
+
+    from toolkit import host
+    rows = host.MAPPED_MIN_BYTES // 4096                # 1 MiB of float32: from here up, mapped
+    held = host.mapped_empty((rows, 1024), torch.float32)
+    held.fill_(2.0)
+    assert held.shape == (rows, 1024) and float(held.sum()) == 2.0 * held.numel()
+    assert host.mapped_empty((2, 3), torch.bfloat16).shape == (2, 3)   # small ones from the heap
+    if sys.platform.startswith("linux"):
+        # its own mapping: freeing it unmaps it, whatever the heap around it holds
+        assert held.untyped_storage().data_ptr() % 4096 == 0
+        assert host._MALLOC_TRIM is not None          # glibc: the trace trims the heap after a drop
+    host.release_free_memory()                         # a no-op where there is no malloc_trim

@@ -11,6 +11,8 @@ GPU would make), by function: what a decode step costs besides its kernels (test
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import mmap
 from collections import Counter
 
@@ -75,3 +77,22 @@ def mapped_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
     buffer = np.frombuffer(mmap.mmap(-1, nbytes, **_MAP_FLAGS), dtype=np.uint8)
     return torch.from_numpy(buffer).view(dtype).view(shape)
+
+
+def _libc_malloc_trim():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):          # not glibc (macOS, Windows, musl)
+        return None
+
+
+_MALLOC_TRIM = _libc_malloc_trim()
+
+
+def release_free_memory() -> None:
+    """Give the heap's free pages back to the OS (glibc's malloc_trim; nothing elsewhere). After a
+    large drop of recorded data, the heap's freed blocks sit between live ones and would otherwise
+    stay in the process's resident memory."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import overload
 
 from toolkit.errors import TraceBudgetWarning
+from toolkit.host import release_free_memory
 from toolkit.inspect import serialize
 from toolkit.inspect.memory import fmt_bytes, object_bytes
 from toolkit.inspect.step_record import StepRecord
@@ -116,6 +117,8 @@ class Trace:
             total -= sum(self._sizes[0])
             self._pop_oldest()
             dropped["records"] = dropped.get("records", 0) + 1
+        if dropped:
+            release_free_memory()
         self._warn_once(before, [f"{n} whole record{'s' * (n > 1)}" if k == "records" else
                                  f"the {k} of {n} record{'s' * (n > 1)}" for k, n in dropped.items()])
 
