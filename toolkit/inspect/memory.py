@@ -7,7 +7,6 @@ tensor that is still alive after shutdown is a leak (what vLLM PR #52374's shutd
 """
 from __future__ import annotations
 
-import dataclasses
 import gc
 import os
 import weakref
@@ -76,9 +75,15 @@ class TensorWatch:
         return totals
 
 
+_SCALARS = (int, float, str, bool, bytes, type(None), np.generic)
+
+
 def object_bytes(obj, where: str | None = None, _seen: set[int] | None = None) -> int:
     """Bytes of the tensors and arrays reachable through dataclasses, dicts, lists and tuples;
-    `where`: "host" (CPU tensors and numpy arrays) or "device" (the rest) counts only those."""
+    `where`: "host" (CPU tensors and numpy arrays) or "device" (the rest) counts only those.
+    Runs on every recorded step (the trace's budget): scalars, the most common leaves, go first."""
+    if isinstance(obj, _SCALARS):
+        return 0
     seen = set() if _seen is None else _seen
     if id(obj) in seen:
         return 0
@@ -88,8 +93,9 @@ def object_bytes(obj, where: str | None = None, _seen: set[int] | None = None) -
         return _nbytes(obj) if where is None or on_host == (where == "host") else 0
     if isinstance(obj, np.ndarray):
         return obj.nbytes if where in (None, "host") else 0
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return sum(object_bytes(getattr(obj, f.name), where, seen) for f in dataclasses.fields(obj))
+    fields = getattr(type(obj), "__dataclass_fields__", None)
+    if fields is not None:
+        return sum(object_bytes(getattr(obj, name), where, seen) for name in fields)
     if isinstance(obj, dict):
         return sum(object_bytes(v, where, seen) for v in obj.values())
     if isinstance(obj, (list, tuple)):

@@ -31,9 +31,10 @@ STATES, LOGITS, REST = 0, 1, 2      # the parts of a record's size, in the order
 
 def record_sizes(record: StepRecord) -> list[int]:
     """Host bytes of a record: [states, logits (with the top-k), the rest]."""
-    states = object_bytes(record.states, "host")
-    logits = object_bytes([record.logits, record.top_logit_values, record.top_logit_ids], "host")
-    return [states, logits, object_bytes(record, "host") - states - logits]
+    seen: set[int] = set()                 # one walk: the rest skips what states and logits counted
+    states = object_bytes(record.states, "host", seen)
+    logits = object_bytes([record.logits, record.top_logit_values, record.top_logit_ids], "host", seen)
+    return [states, logits, object_bytes(record, "host", seen)]
 
 
 class Trace:
