@@ -10,12 +10,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from toolkit import LLM, SamplingParams
+from toolkit import LLM
 from toolkit.layers.mamba2_mixer import Mamba2Mixer
 from toolkit.models import PRESETS, get_model_class, save_hf_folder
 
 from harness import F32
-from test_inspect_states import Workload, check_against_hf, check_continuity, run_workload
+from test_inspect_states import Workload, check_against_hf, check_continuity, run_workload, serve_greedy
 
 STATE_ATOL = 1e-5
 
@@ -115,16 +115,8 @@ def test_inspect_full_records_gdn_states_matching_hf(tmp_path):
     prompt_lens, max_tokens = (3, 11, 1, 7), 4
     engine = dict(F32, inspect="full", max_num_seqs=3, max_num_batched_tokens=8)
     with LLM(GDN_ARCH, **engine) as llm:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         prompts = [[(7 * i + 13 * j) % 317 + 3 for j in range(n)] for i, n in enumerate(prompt_lens)]
-        ids = [llm.add_request({"prompt_token_ids": p}, params) for p in prompts]
-        tokens = {rid: list(p) for rid, p in zip(ids, prompts)}
-        records = []
-        while llm.has_unfinished_requests():
-            rec = llm.step()
-            records.append(rec)
-            for rid, tok in rec.kept_token_ids.items():
-                tokens[rid].append(tok)
+        records, tokens = serve_greedy(llm, prompts, max_tokens)
         save_hf_folder(llm, tmp_path)
     assert any(s.is_prefill and s.num_computed_before > 0 for r in records for s in r.scheduled)
     assert any(r.num_decodes and r.num_prefills for r in records)

@@ -105,26 +105,32 @@ def conv_kernel_size(mixer: StateSlotMixer) -> int:
     return mixer.state_shapes()[0][0] + 1
 
 
+def serve_greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list, dict[str, list[int]]]:
+    """Serve `prompts` greedily to the end: every step's record, and each request's prompt + tokens."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids = [llm.add_request({"prompt_token_ids": p}, params) for p in prompts]
+    tokens = {rid: list(p) for rid, p in zip(ids, prompts)}
+    records = []
+    while llm.has_unfinished_requests():
+        rec = llm.step()
+        records.append(rec)
+        for rid, tok in rec.kept_token_ids.items():
+            tokens[rid].append(tok)
+    return records, tokens
+
+
 def run_workload(model: str, source: str, folder: str, prompt_lens=PROMPT_LENS, max_tokens=MAX_TOKENS,
                  **engine) -> Workload:
     """Step `prompt_lens` requests (greedy, `max_tokens` each) through `LLM(source, **ENGINE,
     **engine)` until done; save the weights as an HF folder at `folder`."""
     start = time.perf_counter()
     with LLM(source, **{**ENGINE, **engine}) as llm:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         prompts = [prompt_of(i, n, llm.vocab_size) for i, n in enumerate(prompt_lens)]
-        ids = [llm.add_request({"prompt_token_ids": p}, params) for p in prompts]
-        tokens = {rid: list(p) for rid, p in zip(ids, prompts)}
-        records = []
-        while llm.has_unfinished_requests():
-            rec = llm.step()
-            records.append(rec)
-            for rid, tok in rec.kept_token_ids.items():
-                tokens[rid].append(tok)
+        records, tokens = serve_greedy(llm, prompts, max_tokens)
         mixers = {m.layer_name: m for m in llm.model_runner.model.modules() if isinstance(m, StateSlotMixer)}
         save_hf_folder(llm, folder)
     assert all(len(t) == len(p) + max_tokens for t, p in zip(tokens.values(), prompts))
-    return Workload(model, folder, records, tokens, {rid: len(p) for rid, p in zip(ids, prompts)}, mixers,
+    return Workload(model, folder, records, tokens, {rid: len(p) for rid, p in zip(tokens, prompts)}, mixers,
                     {n: conv_kernel_size(m) for n, m in mixers.items()}, time.perf_counter() - start)
 
 
