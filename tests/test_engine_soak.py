@@ -14,9 +14,9 @@ def check_invariants(llm: LLM, rec) -> None:
     assert rec.num_tokens <= llm.cfg.max_num_batched_tokens
     assert len(rec.scheduled) <= llm.cfg.max_num_seqs and len(sched.running) <= llm.cfg.max_num_seqs
     for pool in (sched.kv.kv_pool, sched.kv.state_pool):
-        assert 0 not in pool.owner, f"{pool.name}: the null id was handed out"
-        assert pool.num_free + len(pool.owner) == pool.num_total, f"{pool.name}: ids leaked"
-        assert set(pool.owner.values()) <= {r.request_id for r in sched.running}, \
+        assert 0 not in pool.holders, f"{pool.name}: the null id was handed out"
+        assert pool.num_free + len(pool.holders) == pool.num_total, f"{pool.name}: ids leaked"
+        assert set().union(*pool.holders.values()) <= {r.request_id for r in sched.running}, \
             f"{pool.name}: ids held by requests that are not running"
     for req in sched.running:                    # the runner's block-table rows mirror the pools
         idx = runner.req_states.req_id_to_index[req.request_id]

@@ -118,6 +118,7 @@ class EngineConfig:
     block_size: int
     num_kv_blocks: int      # including the null block 0 (ignored by attention-free models)
     cudagraph_mode: str = "none"   # "padded_eager": decode batches padded to capture sizes (1, 2, 4)
+    enable_prefix_caching: bool = False
 
 
 @dataclass(frozen=True)
@@ -175,12 +176,14 @@ class Interrupt(BaseException):
     """Stands in for KeyboardInterrupt (which would stop hypothesis itself if it escaped)."""
 
 
-def _make_config(max_num_seqs: int, budget: int, block_size: int, room: int, mode: str) -> EngineConfig:
+def _make_config(max_num_seqs: int, budget: int, block_size: int, room: int, mode: str,
+                 caching: bool = False) -> EngineConfig:
     """`room` (tokens, shrinks towards 0): the cache holds the largest possible request (40
     prompt + 8 output tokens) plus `room` tokens; below 0 the largest requests are refused (a
     valid outcome), a little above it two mid-sized requests running together preempt."""
     largest = -(-(MAX_PROMPT + MAX_TOKENS - 1) // block_size)
-    return EngineConfig(max_num_seqs, budget, block_size, max(2, largest + 1 + room // block_size), mode)
+    return EngineConfig(max_num_seqs, budget, block_size, max(2, largest + 1 + room // block_size), mode,
+                        caching)
 
 
 # small budgets are favoured: with a large one a request is admitted whole, and rarely preempted
@@ -188,7 +191,7 @@ def _make_config(max_num_seqs: int, budget: int, block_size: int, room: int, mod
 engine_configs = st.sampled_from(["none", "padded_eager"]).flatmap(lambda mode: st.integers(
     1, 6 if mode == "padded_eager" else 4).flatmap(lambda seqs: st.builds(
         _make_config, st.just(seqs), st.integers(seqs, 8) | st.integers(seqs, 24),
-        st.sampled_from([2, 4, 8]), st.integers(-12, 24), st.just(mode))))
+        st.sampled_from([2, 4, 8]), st.integers(-12, 24), st.just(mode), st.booleans())))
 
 
 @st.composite
@@ -206,8 +209,12 @@ def sampling_params(draw) -> Params:
 
 
 # prompt length uniform in 1..40 (a plain st.lists would favour short prompts: little preemption)
+# a third of the prompts start with a shared prefix (prefix caching's hits; block sizes 2, 4, 8)
+SHARED_PREFIX = tuple(range(40, 40 + 24))
 prompts = st.integers(1, MAX_PROMPT).flatmap(
-    lambda n: st.lists(st.integers(3, VOCAB - 1), min_size=n, max_size=n)).map(tuple)
+    lambda n: st.lists(st.integers(3, VOCAB - 1), min_size=n, max_size=n)).map(tuple) | st.builds(
+    lambda k, tail: SHARED_PREFIX[:k] + tuple(tail), st.sampled_from([7, 8, 16, 24]),
+    st.lists(st.integers(3, VOCAB - 1), min_size=0, max_size=MAX_PROMPT - 24))
 adds = st.builds(Add, prompts, sampling_params(), st.none() | st.sampled_from(["a", "b", "0", "1", "2"]))
 aborts = st.builds(Abort, st.sampled_from(["live", "live", "finished", "unknown"]), st.integers(0, 7))
 steps = st.builds(Step, st.integers(1, 4))
@@ -307,27 +314,31 @@ def check_ledger(llm: LLM) -> None:
     assert set(holdings) == set(running), f"ledger {sorted(holdings)} vs running {running}"
     for pool in (kv.kv_pool, kv.state_pool):
         free = list(pool._free)
-        assert 0 not in pool.owner and 0 not in free, f"{pool.name}: the null id 0 handed out"
-        assert len(set(free)) == len(free) and not set(free) & set(pool.owner), f"{pool.name}: double free"
-        assert len(free) + len(pool.owner) == pool.num_total, f"{pool.name}: ids leaked"
-        assert set(pool.owner.values()) <= set(running), f"{pool.name}: held by a request not running"
+        assert 0 not in pool.holders and 0 not in free, f"{pool.name}: the null id 0 handed out"
+        assert len(set(free)) == len(free) and not set(free) & set(pool.holders), f"{pool.name}: double free"
+        assert len(free) + len(pool.holders) == pool.num_total, f"{pool.name}: ids leaked"
+        assert all(pool.holders.values()), f"{pool.name}: an id held by nobody is not free"
+        assert set().union(*pool.holders.values()) <= set(running), f"{pool.name}: held by a request not running"
+        assert all(pool.cached[h] == i for i, h in pool.hash_of.items()) and \
+            len(pool.cached) == len(pool.hash_of), f"{pool.name}: the cache's two maps disagree"
     for g, group in enumerate(kv.groups):
-        pool = kv.kv_pool if group.kind == "attention" else kv.state_pool
-        seen: dict[int, str] = {}
+        pool = kv.pool(g)
+        seen: dict[int, set[str]] = {}
         for rid, held in holdings.items():
-            for i in held[g]:
+            for i in ([i for i in held[g] if i] if kv.aligned(g) else held[g]):
                 assert i != 0, f"{rid} holds the null id in group {g}"
-                assert i not in seen, f"id {i} of group {g} shared by {seen[i]} and {rid}"
-                assert pool.owner.get(i) == rid, f"id {i}: ledger says {rid}, pool says {pool.owner.get(i)}"
-                seen[i] = rid
-        assert len(seen) == len(pool.owner)
+                assert kv.caching or i not in seen, f"id {i} of group {g} shared by {seen[i]} and {rid}"
+                seen.setdefault(i, set()).add(rid)
+        assert seen == pool.holders, f"group {g}: rows hold {seen}, the pool counts {pool.holders}"
     for req in sched.running:
         assert 0 < req.num_computed_tokens <= req.num_tokens
         for g, group in enumerate(kv.groups):
             ids = holdings[req.request_id][g]
-            if group.kind == "attention":       # exactly the blocks its computed tokens fill
-                assert len(ids) == -(-req.num_computed_tokens // group.block_size), req.request_id
-            else:
+            if group.kind == "attention" or kv.aligned(g):   # the blocks (columns) its computed tokens fill
+                assert len(ids) == -(-req.num_computed_tokens // group.block_size), (req.request_id, ids)
+            if kv.aligned(g):                   # the running page, and at most the one it was copied from
+                assert ids[-1] and len([i for i in ids if i]) <= 2, f"{req.request_id}: row {ids}"
+            elif group.kind == "mamba":
                 assert len(ids) == 1, f"{req.request_id}: one state slot per request, got {ids}"
 
 
@@ -573,7 +584,7 @@ def run_program(preset: str, config: EngineConfig, ops: list) -> Books:
     llm = LLM(preset, max_num_seqs=config.max_num_seqs, block_size=config.block_size,
               max_num_batched_tokens=config.max_num_batched_tokens,
               num_kv_blocks=config.num_kv_blocks, cudagraph_mode=config.cudagraph_mode,
-              trace_capacity=None, **F32)   # logits, for ties
+              enable_prefix_caching=config.enable_prefix_caching, trace_capacity=None, **F32)   # logits, for ties
     assert llm.vocab_size == VOCAB
     usable = llm.stats()["kv_blocks_total"] or 10**9       # attention-free: no KV limit
     books = Books()

@@ -29,7 +29,7 @@ def test_block_pool_never_hands_out_null_and_tracks_owner():
     pool = BlockPool(4, "kv")
     ids = pool.allocate(3, "a")
     assert sorted(ids) == [1, 2, 3] and pool.num_free == 0
-    with pytest.raises(RuntimeError, match="owned by 'a'"):
+    with pytest.raises(RuntimeError, match=r"held by \['a'\]"):
         pool.free([1], "b")
     pool.free(ids, "a")
     assert pool.num_free == 3
@@ -82,7 +82,7 @@ def test_preemption_frees_and_requeues_then_everything_finishes():
         assert steps < 100
     assert preempted == ["b"]
     assert s.kv.kv_pool.num_free == 5 and s.kv.state_pool.num_free == 2
-    assert s.kv.kv_pool.owner == {} and s.kv.state_pool.owner == {}
+    assert s.kv.kv_pool.holders == {} and s.kv.state_pool.holders == {}
 
 
 def test_resumed_request_reprefills_prompt_and_outputs():

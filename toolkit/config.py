@@ -19,6 +19,8 @@ class RunnerConfig:
     seed: int
     backend: str = "torch"          # "torch" or "triton" (resolved: see resolve_backend)
     cudagraph_mode: str = "none"    # "full_decode", "padded_eager" or "none" (runner/cudagraph.py)
+    enable_prefix_caching: bool = False   # reuse computed prefixes (kv_cache_manager.py); Mamba: "align"
+    num_state_pages: int | None = None    # Mamba state pages; None: max_num_seqs, or 3x with prefix caching
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
@@ -29,6 +31,13 @@ class RunnerConfig:
                                                or self.num_kv_blocks < 2):
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks!r}: must be an int >= 2 "
                              "(block 0 is the reserved null block)")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r}: must be True or False")
+        if self.num_state_pages is not None and (not isinstance(self.num_state_pages, int)
+                                                 or self.num_state_pages < self.min_state_pages):
+            raise ValueError(f"num_state_pages={self.num_state_pages!r}: must be an int >= "
+                             f"{self.min_state_pages} ({'2 per running request with prefix caching' if self.enable_prefix_caching else 'one per running request'}, "
+                             f"max_num_seqs={self.max_num_seqs})")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
                              f"max_num_seqs={self.max_num_seqs} so every running request can decode")
@@ -36,6 +45,20 @@ class RunnerConfig:
     @property
     def max_blocks_per_req(self) -> int:
         return -(-self.max_model_len // self.block_size)
+
+    @property
+    def min_state_pages(self) -> int:
+        """A request holds its running state page, and with prefix caching for one step also the
+        page it copies from (a checkpoint, or a prefix hit)."""
+        return self.max_num_seqs * (2 if self.enable_prefix_caching else 1)
+
+    @property
+    def state_pages(self) -> int:
+        """Mamba state pages besides the null page 0; with prefix caching, those not held are the
+        checkpoints kept for later hits."""
+        if self.num_state_pages is not None:
+            return self.num_state_pages
+        return self.max_num_seqs * (3 if self.enable_prefix_caching else 1)
 
 
 def resolve_max_model_len(max_model_len: int | None, hf_config) -> int:

@@ -1,24 +1,67 @@
-"""Scheduler-side ownership of KV blocks and Mamba state slots.
+"""Scheduler-side ownership of KV blocks and Mamba state pages, and the prefix cache.
 
 Two pools, each with id 0 reserved as the null id (dummy and padded rows point there; a real
-request never gets it):
+request never holds it live):
 - KV blocks for attention groups: `block_size` tokens each, allocated as a request grows.
-- State slots for Mamba groups: one per request in vLLM's "none" cache mode (no prefix caching).
-A ledger records the owner of every id handed out, so leaks and double frees are caught.
+- State pages for Mamba groups. Prefix caching off (vLLM's "none" mode): one page per request, its
+  running state. Prefix caching on ("align" mode, vLLM's `MambaManager`): the request's row is
+  position-indexed, column i standing for tokens [i*bs, (i+1)*bs); only the running column
+  (`cdiv(tokens, bs) - 1`) and, for one step after a boundary, the column before it hold pages
+  (0 elsewhere: skipped or released columns). The page of a column whose last token is computed at
+  a chunk end holds the state after exactly (i+1)*bs tokens: a checkpoint.
+
+Prefix caching (`enable_prefix_caching=True`): a full block of tokens is named by a hash chained
+over the blocks before it (`block_hashes`), so one hash fingerprints the whole prefix. After a step
+(`cache_computed`), the attention blocks its requests filled and the Mamba pages that hold a
+checkpoint are registered under their hash. A freed registered id stays in its pool's free queue,
+hittable, until it is handed out again (least recently freed first; unregistered ids go before).
+A new request's hit (`find_prefix_hit`, vLLM's `HybridKVCacheCoordinator`) is capped at N - 1
+tokens (the last prompt token is always computed, for its logits); attention hits the longest run
+of cached blocks; a Mamba group hits the rightmost checkpoint within that run (a checkpoint at 2*bs
+says nothing about bs); the hit is the minimum over groups. A ledger records the holders of every
+id handed out, so leaks, double frees and wrong sharing are caught.
 """
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
+
+BlockHash = bytes
+
+
+def hash_block(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
+    """The hash of a full block: its tokens chained to the hash of the blocks before it."""
+    digest = hashlib.blake2b(parent or b"", digest_size=16)
+    digest.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    return digest.digest()
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, known: list[BlockHash]) -> list[BlockHash]:
+    """The chained hashes of every full block of `token_ids`; `known` (a prefix of them, computed
+    before) is extended in place and returned."""
+    for i in range(len(known), len(token_ids) // block_size):
+        known.append(hash_block(known[-1] if known else None,
+                                token_ids[i * block_size:(i + 1) * block_size]))
+    return known
 
 
 class BlockPool:
-    """Ids 1..num_ids-1 on a free list; id 0 is the null id."""
+    """Ids 1..num_ids-1; id 0 is the null id. A free id waits in `_free`: the head is handed out
+    first. Freed unregistered ids go to the head (reused first); freed registered ids (prefix
+    cache) to the tail, so the least recently freed cached id is evicted first."""
 
     def __init__(self, num_ids: int, name: str):
         self.name = name
         self.num_ids = num_ids
-        self._free = list(range(num_ids - 1, 0, -1))   # pop() hands out low ids first
-        self.owner: dict[int, str] = {}
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_ids))
+        self.holders: dict[int, set[str]] = {}       # id -> requests holding it (ref count = size)
+        self.hash_of: dict[int, BlockHash] = {}      # registered ids (prefix cache)
+        self.cached: dict[BlockHash, int] = {}       # hash -> id
+        self.num_evictions = 0
 
     @property
     def num_total(self) -> int:
@@ -28,44 +71,112 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self._free)
 
-    def allocate(self, n: int, owner: str) -> list[int]:
+    def allocate(self, n: int, holder: str) -> list[int]:
         if n > len(self._free):
             raise RuntimeError(f"{self.name}: asked for {n}, {len(self._free)} free")
-        ids = [self._free.pop() for _ in range(n)]
-        for i in ids:
-            self.owner[i] = owner
+        ids = []
+        for _ in range(n):
+            i, _ = self._free.popitem(last=False)
+            h = self.hash_of.pop(i, None)
+            if h is not None:                        # a cached id is reused: its hash goes
+                del self.cached[h]
+                self.num_evictions += 1
+            self.holders[i] = {holder}
+            ids.append(i)
         return ids
 
-    def free(self, ids: list[int], owner: str) -> None:
+    def touch(self, ids: list[int], holder: str) -> None:
+        """`holder` shares ids found in the prefix cache (held by others, or waiting free)."""
         for i in ids:
-            if self.owner.get(i) != owner:
-                raise RuntimeError(f"{self.name}: id {i} freed by {owner!r} but owned by "
-                                   f"{self.owner.get(i)!r}")
-            del self.owner[i]
-            self._free.append(i)
+            self._free.pop(i, None)
+            self.holders.setdefault(i, set()).add(holder)
+
+    def free(self, ids: list[int], holder: str) -> None:
+        for i in reversed(ids):                      # a prefix's tail is evicted before its head
+            held = self.holders.get(i)
+            if held is None or holder not in held:
+                raise RuntimeError(f"{self.name}: id {i} freed by {holder!r} but held by "
+                                   f"{sorted(held) if held else 'nobody'}")
+            held.discard(holder)
+            if held:
+                continue
+            del self.holders[i]
+            self._free[i] = None
+            if i not in self.hash_of:
+                self._free.move_to_end(i, last=False)
+
+    def register(self, i: int, h: BlockHash) -> None:
+        """Id i now holds the content named by h (the first id registered under a hash keeps it)."""
+        if h not in self.cached and i not in self.hash_of:
+            self.cached[h] = i
+            self.hash_of[i] = h
+
+    def hand_over(self, ids: list[int], from_holder: str, to_holder: str) -> None:
+        for i in ids:
+            held = self.holders.get(i)
+            if held is None or from_holder not in held:
+                raise RuntimeError(f"{self.name}: id {i} handed on by {from_holder!r} but held by "
+                                   f"{sorted(held) if held else 'nobody'}")
+            held.discard(from_holder)
+            held.add(to_holder)
 
 
 @dataclass(frozen=True)
 class CacheGroupKind:
     kind: str                # "attention" or "mamba"
-    block_size: int          # tokens per block (attention); unused for mamba
+    block_size: int          # tokens per block (attention; a Mamba group in "align" mode)
+
+
+@dataclass
+class PrefixHit:
+    """What a new request found in the prefix cache."""
+    num_tokens: int                                   # computed tokens it starts with (a block multiple)
+    ids: tuple[list[int], ...]                        # per group: the ids it adopts (Mamba: the row)
+    blocks_hit: tuple[int, ...] = ()                  # per group: attention blocks / checkpoint column + 1
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0                 # requests looked up
+    hits: int = 0                    # of those, with a hit
+    prompt_tokens: int = 0           # tokens of the requests looked up
+    hit_tokens: int = 0              # tokens they skipped
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 class KVCacheManager:
-    def __init__(self, groups: list[CacheGroupKind], num_kv_blocks: int, num_state_slots: int):
+    def __init__(self, groups: list[CacheGroupKind], num_kv_blocks: int, num_state_slots: int,
+                 enable_prefix_caching: bool = False):
         self.groups = groups
+        self.caching = enable_prefix_caching
         has_attn = any(g.kind == "attention" for g in groups)
         has_mamba = any(g.kind == "mamba" for g in groups)
         self.kv_pool = BlockPool(num_kv_blocks if has_attn else 0, "kv blocks")
-        self.state_pool = BlockPool(num_state_slots + 1 if has_mamba else 0, "state slots")
+        self.state_pool = BlockPool(num_state_slots + 1 if has_mamba else 0,
+                                    "state pages" if enable_prefix_caching else "state slots")
         self._ids: dict[str, tuple[list[int], ...]] = {}
+        self.stats = PrefixCacheStats()
+
+    def pool(self, g: int) -> BlockPool:
+        return self.kv_pool if self.groups[g].kind == "attention" else self.state_pool
+
+    def aligned(self, g: int) -> bool:
+        """A Mamba group with a position-indexed row ("align" mode)."""
+        return self.caching and self.groups[g].kind == "mamba"
 
     def holdings(self) -> dict[str, tuple[list[int], ...]]:
-        """Every request's ids per group (a copy): the ledger."""
+        """Every request's ids per group (a copy): the ledger. An aligned Mamba row holds 0 in the
+        columns without a page."""
         return {rid: tuple(list(ids) for ids in held) for rid, held in self._ids.items()}
 
     def block_ids(self, req_id: str) -> tuple[list[int], ...]:
         return self._ids.get(req_id, tuple([] for _ in self.groups))
+
+    def _live(self, g: int, ids: list[int]) -> list[int]:
+        return [i for i in ids if i] if self.aligned(g) else list(ids)
 
     def ids_covering(self, req_id: str, num_tokens: int) -> tuple[list[int], ...]:
         """Per group, the request's ids that hold its first `num_tokens` tokens: the KV blocks
@@ -81,46 +192,125 @@ class KVCacheManager:
             return
         if to_id in self._ids:
             raise RuntimeError(f"cannot hand {from_id!r}'s ids to {to_id!r}, which holds ids already")
-        for g, ids in zip(self.groups, held, strict=True):
-            pool = self.kv_pool if g.kind == "attention" else self.state_pool
-            for i in ids:
-                if pool.owner.get(i) != from_id:
-                    raise RuntimeError(f"{pool.name}: id {i} handed on by {from_id!r} but owned by "
-                                       f"{pool.owner.get(i)!r}")
-                pool.owner[i] = to_id
+        for g, ids in enumerate(held):
+            self.pool(g).hand_over(self._live(g, ids), from_id, to_id)
         self._ids[to_id] = held
 
-    def _needed(self, req_id: str, num_tokens_after: int) -> list[int]:
-        held = self.block_ids(req_id)
-        needed = []
-        for g, ids in zip(self.groups, held):
-            if g.kind == "attention":
-                needed.append(max(-(-num_tokens_after // g.block_size) - len(ids), 0))
+    # ---- growing a request ------------------------------------------------------------------------
+    def _plan(self, req_id: str, num_computed: int, num_after: int) -> list[tuple[int, list[int]]]:
+        """Per group: (ids to allocate, aligned Mamba pages to release)."""
+        plan = []
+        for g, (group, ids) in enumerate(zip(self.groups, self.block_ids(req_id))):
+            if group.kind == "attention":
+                plan.append((max(-(-num_after // group.block_size) - len(ids), 0), []))
+            elif not self.aligned(g):
+                plan.append((0 if ids else 1, []))
             else:
-                needed.append(0 if ids else 1)
-        return needed
+                bs = group.block_size
+                old, new = -(-num_computed // bs) - 1, -(-num_after // bs) - 1
+                # columns before the running one were copied out of at the step that left them
+                release = [i for i in ids[:max(old, 0)] if i]
+                plan.append((1 if new >= len(ids) or not ids[new] else 0, release))
+        return plan
 
-    def can_allocate(self, req_id: str, num_tokens_after: int) -> bool:
-        needed = self._needed(req_id, num_tokens_after)
-        kv = sum(n for g, n in zip(self.groups, needed) if g.kind == "attention")
-        st = sum(n for g, n in zip(self.groups, needed) if g.kind == "mamba")
+    def can_allocate(self, req_id: str, num_computed: int, num_after: int) -> bool:
+        plan = self._plan(req_id, num_computed, num_after)
+        kv = sum(n for g, (n, _) in enumerate(plan) if self.groups[g].kind == "attention")
+        st = sum(n for g, (n, _) in enumerate(plan) if self.groups[g].kind == "mamba")
         return kv <= self.kv_pool.num_free and st <= self.state_pool.num_free
 
-    def allocate(self, req_id: str, num_tokens_after: int) -> tuple[list[int], ...] | None:
-        """Grow the request's holdings to cover `num_tokens_after` tokens. Returns the newly
-        allocated ids per group, or None (nothing allocated) if a pool is short."""
-        if not self.can_allocate(req_id, num_tokens_after):
-            return None
-        needed = self._needed(req_id, num_tokens_after)
+    def allocate(self, req_id: str, num_computed: int, num_after: int) -> tuple[list[int], ...] | None:
+        """Grow the request's holdings from `num_computed` to cover `num_after` tokens. Returns the
+        newly allocated ids per group (an aligned Mamba group: its whole row, which may also have
+        released pages), or None (nothing changed) if a pool is short."""
+        plan = self._plan(req_id, num_computed, num_after)
         held = self.block_ids(req_id)
-        new = tuple((self.kv_pool if g.kind == "attention" else self.state_pool).allocate(n, req_id)
-                    for g, n in zip(self.groups, needed))
-        self._ids[req_id] = tuple(h + n for h, n in zip(held, new))
-        return new
+        for g, (_, release) in enumerate(plan):          # no longer needed whether or not we grow
+            if release:
+                self.pool(g).free(release, req_id)
+                held[g][:] = [0 if i in release else i for i in held[g]]
+        if not self.can_allocate(req_id, num_computed, num_after):
+            return None
+        rows, added = [], []
+        for g, (n, _) in enumerate(plan):
+            new = self.pool(g).allocate(n, req_id)
+            row = list(held[g])
+            if not self.aligned(g):
+                row += new
+            elif new:
+                col = -(-num_after // self.groups[g].block_size) - 1
+                row += [0] * (col + 1 - len(row))
+                row[col] = new[0]
+            rows.append(row)
+            added.append(list(row) if self.aligned(g) else new)
+        self._ids[req_id] = tuple(rows)
+        return tuple(added)
 
     def free(self, req_id: str) -> None:
         held = self._ids.pop(req_id, None)
         if held is None:
             return
-        for g, ids in zip(self.groups, held):
-            (self.kv_pool if g.kind == "attention" else self.state_pool).free(ids, req_id)
+        for g, ids in enumerate(held):
+            self.pool(g).free(self._live(g, ids), req_id)
+
+    # ---- the prefix cache ---------------------------------------------------------------------------
+    def find_prefix_hit(self, hashes: list[BlockHash], num_tokens: int) -> PrefixHit | None:
+        """The longest prefix of a new request's `num_tokens` tokens (hashes: its full blocks')
+        that every group holds: attention blocks for each block, a Mamba checkpoint at its end.
+        None without a hit. Nothing changes (see `adopt`, `count_lookup`)."""
+        bs = self.groups[0].block_size
+        bound = min((num_tokens - 1) // bs, len(hashes))     # the last token is always computed
+        if any(g.kind == "attention" for g in self.groups):
+            n = 0
+            while n < bound and hashes[n] in self.kv_pool.cached:
+                n += 1
+            bound = n
+        blocks = bound
+        if any(g.kind == "mamba" for g in self.groups):      # the rightmost checkpoint within it
+            blocks = next((i + 1 for i in range(bound - 1, -1, -1) if hashes[i] in self.state_pool.cached), 0)
+        if not blocks:
+            return None
+        ids = tuple([self.kv_pool.cached[h] for h in hashes[:blocks]] if g.kind == "attention"
+                    else [0] * (blocks - 1) + [self.state_pool.cached[hashes[blocks - 1]]]
+                    for g in self.groups)
+        return PrefixHit(blocks * bs, ids, tuple(blocks for _ in self.groups))
+
+    def count_lookup(self, num_tokens: int, hit: PrefixHit | None) -> None:
+        """A looked-up request was admitted: count it in `stats`."""
+        got = hit.num_tokens if hit else 0
+        self.stats.queries += 1
+        self.stats.prompt_tokens += num_tokens
+        self.stats.hits += bool(got)
+        self.stats.hit_tokens += got
+
+    def adopt(self, req_id: str, hit: PrefixHit) -> None:
+        """The request (holding nothing) shares the hit's ids."""
+        if req_id in self._ids:
+            raise RuntimeError(f"{req_id!r} adopts a prefix hit but holds ids already")
+        for g, ids in enumerate(hit.ids):
+            self.pool(g).touch(self._live(g, ids), req_id)
+        self._ids[req_id] = tuple(list(ids) for ids in hit.ids)
+
+    def cache_computed(self, req_id: str, hashes: list[BlockHash], num_computed: int) -> None:
+        """After a step: register the request's attention blocks whose tokens are all computed, and
+        its Mamba page if the step ended on a block boundary (the page holds that checkpoint)."""
+        held = self._ids.get(req_id)
+        if held is None:
+            return
+        for g, (group, ids) in enumerate(zip(self.groups, held)):
+            full = min(num_computed // group.block_size, len(hashes))
+            if group.kind == "attention":
+                for i in range(full):
+                    self.kv_pool.register(ids[i], hashes[i])
+            elif num_computed % group.block_size == 0 and 0 < full <= len(ids) and ids[full - 1]:
+                self.state_pool.register(ids[full - 1], hashes[full - 1])
+
+
+def prefix_cache_stats(kv: KVCacheManager) -> dict[str, int | float]:
+    """`LLM.stats()`'s prefix-cache entries (vLLM's PrefixCacheStats, plus what is cached now)."""
+    st = kv.stats
+    return {"prefix_cache_queries": st.queries, "prefix_cache_hits": st.hits,
+            "prefix_cache_hit_rate": round(st.hit_rate, 4), "prompt_tokens_queried": st.prompt_tokens,
+            "prompt_tokens_skipped": st.hit_tokens,
+            "cached_kv_blocks": len(kv.kv_pool.cached), "cached_state_pages": len(kv.state_pool.cached),
+            "prefix_cache_evictions": kv.kv_pool.num_evictions + kv.state_pool.num_evictions}

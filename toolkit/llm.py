@@ -18,7 +18,7 @@ from toolkit.inspect.memory import MemoryMarks, MemoryReport, collect, resolve_t
 from toolkit.inspect.recorder import MODES, Recorder, StepOutcome, step_record
 from toolkit.inspect.step_record import StepRecord
 from toolkit.inspect.trace import Trace
-from toolkit.kv_cache_manager import CacheGroupKind
+from toolkit.kv_cache_manager import CacheGroupKind, prefix_cache_stats
 from toolkit.models import load_model
 from toolkit.request import (
     Prompt,
@@ -49,7 +49,8 @@ class LLM:
                  inspect: str = "metadata", trace_capacity: int | None = 256,
                  trace_max_bytes: int | str | None = "auto", inspect_layers: LayerSpec = None,
                  inspect_requests: RequestSpec = None, checks: bool | None = None, backend: str = "auto",
-                 enforce_eager: bool = False, cudagraph_mode: str = "auto"):
+                 enforce_eager: bool = False, cudagraph_mode: str = "auto",
+                 enable_prefix_caching: bool = False, num_state_pages: int | None = None):
         # what Reset in the StepInspector (or a user) needs to build the same engine again
         self.init_args: dict[str, Any] = dict(
             model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
@@ -57,7 +58,8 @@ class LLM:
             max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, seed=seed, inspect=inspect,
             trace_capacity=trace_capacity, trace_max_bytes=trace_max_bytes, inspect_layers=inspect_layers,
             inspect_requests=inspect_requests, checks=checks, backend=backend, enforce_eager=enforce_eager,
-            cudagraph_mode=cudagraph_mode)
+            cudagraph_mode=cudagraph_mode, enable_prefix_caching=enable_prefix_caching,
+            num_state_pages=num_state_pages)
         # arguments first, so that a bad one fails before the model loads
         if inspect not in MODES:
             raise ValueError(f"inspect={inspect!r}: use one of {MODES}")
@@ -73,7 +75,8 @@ class LLM:
                                 max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                                 max_model_len=resolve_max_model_len(max_model_len, loaded.config),
                                 num_kv_blocks=num_kv_blocks, seed=seed, backend=self.backend,
-                                cudagraph_mode=self.cudagraph_mode)
+                                cudagraph_mode=self.cudagraph_mode, enable_prefix_caching=enable_prefix_caching,
+                                num_state_pages=num_state_pages)
         self.model_name = model
         self.vocab_size = int(loaded.config.vocab_size)
         self.tokenizer_dir = loaded.tokenizer_dir       # save_hf_folder(llm, ...) copies it
@@ -87,7 +90,8 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=self.cfg.max_model_len,
             groups=[CacheGroupKind(g.kind, g.block_size) for g in groups],
-            num_kv_blocks=attn[0].num_blocks if attn else 0, decode=self.tokenizer.decode)
+            num_kv_blocks=attn[0].num_blocks if attn else 0, decode=self.tokenizer.decode,
+            enable_prefix_caching=enable_prefix_caching, num_state_slots=self.cfg.state_pages)
         self.limits = RequestLimits(self.vocab_size, self.cfg.max_model_len, block_size,
                                     self.scheduler.kv.kv_pool.num_total if attn else None)
         self._request_ids = RequestIds()
@@ -350,7 +354,8 @@ class LLM:
                 "state_slots_total": kv.state_pool.num_total, "state_slots_free": kv.state_pool.num_free,
                 "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "runner_rows_in_use": self.model_runner.req_states.num_reqs if not self._closed else 0,
-                "model_state": type(self.model_runner.model_state).__name__ if not self._closed else None}
+                "model_state": type(self.model_runner.model_state).__name__ if not self._closed else None,
+                **(prefix_cache_stats(kv) if kv.caching else {})}
 
     def shutdown(self) -> None:
         """Free the runner (graphs, caches, model state, model, buffers). Safe to call twice.

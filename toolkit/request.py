@@ -110,6 +110,9 @@ class Request:
     parent: Request | None = field(default=None, repr=False, compare=False)
     children: list[Request] = field(default_factory=list, repr=False, compare=False)
     fork_from: str | None = None              # a child not yet admitted: the parent it copies
+    # prefix caching: the chained hashes of its full blocks so far, and the tokens its last admission hit
+    block_hashes: list[bytes] = field(default_factory=list, repr=False, compare=False)
+    num_cached_tokens: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -219,6 +222,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # None for the first prompt token
+    num_cached_tokens: int = 0          # prompt tokens its (last) admission took from the prefix cache
 
 
 def completion_output(req: Request, decode: Callable[[list[int]], str]) -> CompletionOutput:
@@ -250,7 +254,8 @@ def request_output(req: Request, decode: Callable[[list[int]], str]) -> RequestO
     if source.sampling_params.prompt_logprobs is not None:
         prompt_logprobs = [None] + [d for c in source.prompt_logprobs for d in logprob_dicts(c, decode)]
     return RequestOutput(source.request_id, source.prompt, list(source.prompt_token_ids), outputs,
-                         finished=True, prompt_logprobs=prompt_logprobs)
+                         finished=True, prompt_logprobs=prompt_logprobs,
+                         num_cached_tokens=max(c.num_cached_tokens for c in (source.children or [req])))
 
 
 def finished_outputs(finished: list[Request], decode: Callable[[list[int]], str]) -> list[RequestOutput]:

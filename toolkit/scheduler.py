@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from toolkit.kv_cache_manager import CacheGroupKind, KVCacheManager
+from toolkit.kv_cache_manager import CacheGroupKind, KVCacheManager, block_hashes
 from toolkit.request import Request, RequestStatus, TokenLogprobs, check_stop_strings, make_children
 from toolkit.sampling import SamplingParams
 
@@ -72,12 +72,18 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  groups: list[CacheGroupKind], num_kv_blocks: int,
-                 decode: Callable[[list[int]], str] | None = None):
+                 decode: Callable[[list[int]], str] | None = None,
+                 enable_prefix_caching: bool = False, num_state_slots: int | None = None):
         self.decode = decode                # token ids -> text, for stop strings
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.kv = KVCacheManager(groups, num_kv_blocks, num_state_slots=max_num_seqs)
+        self.kv = KVCacheManager(groups, num_kv_blocks, num_state_slots or max_num_seqs,
+                                 enable_prefix_caching=enable_prefix_caching)
+        self.caching = enable_prefix_caching
+        self.block_size = groups[0].block_size if groups else 1
+        # "align": prefill chunks end on block boundaries, so Mamba states land on checkpoints
+        self.align = enable_prefix_caching and any(g.kind == "mamba" for g in groups)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -140,15 +146,18 @@ class Scheduler:
         if parent in self.running:
             self.running.remove(parent)
         self._tell_runner_to_drop(parent.request_id)
+        copy = queue and not self.caching     # with prefix caching the children hit the parent's prefix
         for child in children:
             self.requests[child.request_id] = child
-            if queue:
+            if copy:
                 child.num_computed_tokens = parent.num_computed_tokens
                 child.fork_from = parent.request_id
         if queue:
             self.waiting.extendleft(reversed(children))
         else:
             self.waiting.extend(children)
+        if not copy:
+            self.kv.free(parent.request_id)
 
     def _release_parent(self, parent: Request) -> None:
         """A parent's ids go back to the pools; children still waiting for them prefill from
@@ -208,15 +217,15 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens_to_compute - req.num_computed_tokens, budget)
-            new_ids = self.kv.allocate(req.request_id, req.num_computed_tokens + n)
+            n = self._num_new_tokens(req, budget)
+            new_ids = self.kv.allocate(req.request_id, req.num_computed_tokens, req.num_computed_tokens + n)
             while new_ids is None:
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
                     break
-                new_ids = self.kv.allocate(req.request_id, req.num_computed_tokens + n)
+                new_ids = self.kv.allocate(req.request_id, req.num_computed_tokens, req.num_computed_tokens + n)
             if new_ids is None:
                 break
             num_scheduled[req.request_id] = n
@@ -248,15 +257,22 @@ class Scheduler:
         over when it is the parent's last child waiting (`inherits_state`)."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
-            n = min(req.num_tokens_to_compute - req.num_computed_tokens, budget)
             parent = self.requests.get(req.fork_from) if req.fork_from is not None else None
             inherits = parent is not None and not any(c.fork_from for c in parent.children if c is not req)
             if inherits:
                 self.kv.transfer(parent.request_id, req.request_id)
-            if self.kv.allocate(req.request_id, req.num_computed_tokens + n) is None:
+            hit = self._adopt_prefix_hit(req)
+            n = self._num_new_tokens(req, budget)
+            if self.kv.allocate(req.request_id, req.num_computed_tokens, req.num_computed_tokens + n) is None:
                 if inherits:
                     self.kv.transfer(req.request_id, parent.request_id)
+                if hit is not None:
+                    self.kv.free(req.request_id)
+                    req.num_computed_tokens = 0
                 break
+            if self.caching and req.fork_from is None:
+                self.kv.count_lookup(req.num_tokens, hit)
+                req.num_cached_tokens = hit.num_tokens if hit else 0
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -283,6 +299,51 @@ class Scheduler:
             self._known_to_runner.add(req.request_id)
         return budget
 
+    # ---- prefix caching ------------------------------------------------------------------------
+    def _adopt_prefix_hit(self, req: Request):
+        """A request about to be admitted from scratch takes the longest cached prefix of its tokens
+        (not with prompt logprobs, which need every prompt position computed, as in vLLM)."""
+        if (not self.caching or req.num_computed_tokens or req.fork_from is not None
+                or req.sampling_params.prompt_logprobs is not None):
+            return None
+        hashes = block_hashes(req.all_token_ids, self.block_size, req.block_hashes)
+        hit = self.kv.find_prefix_hit(hashes, req.num_tokens)
+        if hit is not None:
+            self.kv.adopt(req.request_id, hit)
+            req.num_computed_tokens = hit.num_tokens
+        return hit
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        """Tokens the request runs this step. In "align" mode (prefix caching on a model with Mamba
+        layers; vLLM `_mamba_block_aligned_split`) a prefill chunk ends on a block boundary unless it
+        is the last: an unfinished chunk's end is floored to a boundary (unless the block is larger
+        than the budget), a chunk that starts mid-block stops at the next boundary, and every chunk
+        stops at the last boundary before the final token, where the state a later request can hit
+        must be saved."""
+        start = req.num_computed_tokens
+        total = req.num_tokens_to_compute
+        end = start + min(total - start, budget)
+        if not self.align or end - start <= 1:
+            return end - start
+        bs = self.block_size
+        if end < total and end // bs * bs > start:
+            end = end // bs * bs
+        if start % bs:
+            end = min(end, (start // bs + 1) * bs)
+        last_checkpoint = (req.num_tokens - 1) // bs * bs
+        if start < last_checkpoint < end:
+            end = last_checkpoint
+        return end - start
+
+    def _cache_computed(self, sched_out: SchedulerOutput) -> None:
+        """After a step: what its requests computed becomes hittable (scheduler-side only: the next
+        step's admissions see it, never this step's)."""
+        for req_id in sched_out.num_scheduled_tokens:
+            req = self.requests.get(req_id)
+            if req is not None:
+                hashes = block_hashes(req.all_token_ids, self.block_size, req.block_hashes)
+                self.kv.cache_computed(req_id, hashes, req.num_computed_tokens)
+
     def update_from_output(self, sched_out: SchedulerOutput, sampled: dict[str, int],
                            logprobs: dict[str, TokenLogprobs] | None = None,
                            prompt_logprobs: dict[str, TokenLogprobs] | None = None
@@ -292,6 +353,8 @@ class Scheduler:
         prompt logprobs of the step's prefill chunks; fork an n > 1 parent that reached its last
         prompt token. Returns (requests finished now, tokens kept)."""
         finished, kept = [], {}
+        if self.caching:
+            self._cache_computed(sched_out)
         for req_id, chunk in (prompt_logprobs or {}).items():
             req = self.requests.get(req_id)
             if req is not None:

@@ -54,7 +54,8 @@ def compute_gdn_chunk_metadata(query_lens_p: np.ndarray, chunk_size: int
 class GDNMetadataBuilder(BaseMambaMetadataBuilder):
     required_fields = GDN_REQUIRED_FIELDS
 
-    def __init__(self, chunk_size: int = GDN_CHUNK_SIZE):
+    def __init__(self, chunk_size: int = GDN_CHUNK_SIZE, *, mamba_block_size: int | None = None):
+        super().__init__(mamba_block_size=mamba_block_size)
         if chunk_size < 1:
             raise ValueError(f"GDN chunk_size must be positive, got {chunk_size}")
         self.chunk_size = chunk_size

@@ -62,6 +62,9 @@ class MambaSplit:
 class BaseMambaMetadataBuilder(AttentionMetadataBuilder):
     required_fields = MAMBA_REQUIRED_FIELDS
 
+    def __init__(self, *, mamba_block_size: int | None = None):
+        self.mamba_block_size = mamba_block_size
+
     def split(self, common: CommonAttentionMetadata, producer: str = "") -> MambaSplit:
         qsl = common.query_start_loc_cpu.numpy()
         query_lens = np.diff(qsl).astype(np.int32)
@@ -82,7 +85,11 @@ class BaseMambaMetadataBuilder(AttentionMetadataBuilder):
 
     def common_fields(self, common: CommonAttentionMetadata, s: MambaSplit) -> dict:
         device = common.query_start_loc.device
-        state_indices = common.block_table_tensor[:, 0]
+        if self.mamba_block_size:
+            cols = ((common.seq_lens - 1) // self.mamba_block_size).clamp(min=0).long()
+            state_indices = common.block_table_tensor.gather(1, cols[:, None])[:, 0]
+        else:
+            state_indices = common.block_table_tensor[:, 0]
         fields = dict(num_prefills=s.num_prefills, num_prefill_tokens=s.num_prefill_tokens,
                       num_decodes=s.num_decodes, num_decode_tokens=s.num_decode_tokens,
                       num_reqs=common.num_reqs,

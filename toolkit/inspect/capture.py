@@ -146,7 +146,8 @@ def capture_rows(req_ids: list[str], capture: CaptureFilter) -> list[int]:
 def gather_states(runner, state, capture: CaptureFilter, rows: list[int], host_slots: dict[str, list[int]]
                   ) -> Captured:
     """The chosen layers' states at the chosen rows' slots (column 0 of the Mamba group's device
-    block table), copied to the host. Nothing is read for a layer or row that is not chosen."""
+    block table; with prefix caching, the rows' running pages, `host_slots`), copied to the host.
+    Nothing is read for a layer or row that is not chosen."""
     req_ids = state.input_batch.req_ids
     chosen = set(capture.layers)
     out = []
@@ -154,10 +155,14 @@ def gather_states(runner, state, capture: CaptureFilter, rows: list[int], host_s
         for group in runner.kv_cache_groups:
             if group.kind != "mamba" or not chosen.intersection(group.layer_names):
                 continue
-            column = state.block_tables[group.group_id][:, 0]
-            if len(rows) < len(req_ids):
-                column = column[to_device(np.asarray(rows), column.device)]
-            slots = column.long()
+            if runner.block_tables.aligned[group.group_id]:
+                first = next(n for n in group.layer_names if n in chosen)
+                slots = to_device(np.asarray(host_slots[first], dtype=np.int64), runner.device)
+            else:
+                column = state.block_tables[group.group_id][:, 0]
+                if len(rows) < len(req_ids):
+                    column = column[to_device(np.asarray(rows), column.device)]
+                slots = column.long()
             out += [(name, [_gather(t, slots) for t in runner.kv_caches[name]])
                     for name in group.layer_names if name in chosen]
     return Captured([req_ids[i] for i in rows], {n: host_slots[n] for n, _ in out}, out)

@@ -33,22 +33,32 @@ def ledger_of(scheduler) -> CacheLedger:
 
 
 def check_ledger(scheduler, runner, where: str) -> list[Violation]:
-    """After a step: pools, ledger and the runner's block tables agree."""
+    """After a step: pools, ledger and the runner's block tables agree. Without prefix caching no
+    id is held twice; with it, ids are shared (a prefix hit) and each pool's holders of an id are
+    exactly the requests whose rows hold it (the ref count)."""
     out: list[Violation] = []
     kv = scheduler.kv
     running = {r.request_id for r in scheduler.running}
     for g, group in enumerate(kv.groups):
-        seen: dict[int, str] = {}
+        seen: dict[int, set[str]] = {}
         for rid, held in kv.holdings().items():
             ids = held[g]
-            if 0 in ids:
+            if 0 in ids and not kv.aligned(g):
                 out.append(Violation("null_id_not_live", f"{where}, request {rid!r}, group {g} ({group.kind})",
                                      "block ids", f"holds the null id 0: {ids}"))
             for i in ids:
-                if i in seen:
+                if i == 0:
+                    continue
+                if i in seen and not kv.caching:
                     out.append(Violation("no_shared_ids", f"{where}, group {g} ({group.kind})", "block ids",
-                                         f"id {i} is held by both {seen[i]!r} and {rid!r}"))
-                seen[i] = rid
+                                         f"id {i} is held by both {sorted(seen[i])[0]!r} and {rid!r}"))
+                seen.setdefault(i, set()).add(rid)
+        pool = kv.pool(g)
+        for i in sorted(set(seen) | set(pool.holders)):
+            if seen.get(i, set()) != pool.holders.get(i, set()):
+                out.append(Violation("ref_counts_match_rows", f"{where}, group {g} ({group.kind}), id {i}",
+                                     "pool holders", f"rows hold it: {sorted(seen.get(i, ()))}; the pool "
+                                     f"counts {sorted(pool.holders.get(i, ()))}"))
         for rid in running:
             idx = runner.req_states.req_id_to_index.get(rid)
             if idx is None:
@@ -75,8 +85,9 @@ def check_metadata(groups, scheduled, ledger: CacheLedger, where: str) -> list[V
             parts = [t for t in (md.state_indices_tensor_d, md.state_indices_tensor_p) if t is not None]
             got = torch.cat(parts).tolist() if parts else []
             for row, (rid, slot) in enumerate(zip(rids, got)):
-                want = ledger.holdings.get(rid, [[]] * len(ledger.group_kinds))[gm.group_id]
-                if [slot] != list(want):
+                held = ledger.holdings.get(rid, [[]] * len(ledger.group_kinds))[gm.group_id]
+                want = [i for i in held if i][-1:]       # its one slot, or ("align") its running page
+                if [slot] != want:
                     name = "state_indices_tensor_d" if row < md.num_decodes else "state_indices_tensor_p"
                     out.append(Violation("state_indices_match_ledger", f"{label}, request {rid!r} (row {row})",
                                          name, f"state index {slot}, but the request's slot is {want}"))
@@ -147,7 +158,12 @@ def check_fresh_slots(runner, state, where: str,
     for group in runner.kv_cache_groups:
         if group.kind != "mamba":
             continue
-        slots = state.block_tables[group.group_id][torch.as_tensor(fresh), 0]
+        if runner.block_tables.aligned[group.group_id]:    # prefix caching: the running page
+            seq_lens = batch.num_computed_tokens_np[fresh] + batch.num_scheduled_tokens[fresh]
+            slots = torch.as_tensor(runner.block_tables.state_pages(
+                group.group_id, batch.idx_mapping_np[fresh], seq_lens)).to(runner.device)
+        else:
+            slots = state.block_tables[group.group_id][torch.as_tensor(fresh), 0]
         for name in group.layer_names:
             for i, tensor in enumerate(runner.kv_caches[name]):
                 names = (state_names or {}).get(name, [])

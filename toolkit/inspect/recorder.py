@@ -141,7 +141,8 @@ class Recorder:
             self._rows = capture_rows(batch.req_ids, self.capture)
             idx = batch.idx_mapping_np[self._rows]
             chosen = set(self.capture.layers)
-            self._host_slots = {n: runner.block_tables.tables[g.group_id][idx, 0].tolist()
+            seq_lens = (batch.num_computed_tokens_np + batch.num_scheduled_tokens)[self._rows]
+            self._host_slots = {n: runner.block_tables.state_pages(g.group_id, idx, seq_lens).tolist()
                                 for g in runner.kv_cache_groups if g.kind == "mamba"
                                 for n in g.layer_names if n in chosen}
             # room in the trace first (before and after, every chosen row and layer), so that the

@@ -60,14 +60,15 @@ def scheduled_rows(batch: InputBatch) -> list[ScheduledRequest]:
 @dataclass
 class CacheLedger:
     """Who holds which ids, per KV-cache group: KV block ids for an attention group, the one
-    state slot for a Mamba group. Taken from the scheduler's pools."""
+    state slot for a Mamba group (with prefix caching, its position-indexed row of state pages: 0
+    where a column has none, the last one the running page). Taken from the scheduler's pools."""
     group_kinds: list[str]                          # per group: "attention" or "mamba"
     holdings: dict[str, list[list[int]]]            # request id -> per group, the ids it holds
 
     def state_slot(self, request_id: str) -> int | None:
         for kind, ids in zip(self.group_kinds, self.holdings.get(request_id, [])):
-            if kind == "mamba" and ids:
-                return ids[0]
+            if kind == "mamba" and any(ids):
+                return [i for i in ids if i][-1]
         return None
 
     def kv_blocks(self, request_id: str) -> list[int]:

@@ -32,23 +32,26 @@ class AttentionGroup:
         return self.kv_cache_group.layer_names
 
 
-def make_builder(group: KVCacheGroup) -> AttentionMetadataBuilder:
+def make_builder(group: KVCacheGroup, align: bool = False) -> AttentionMetadataBuilder:
+    """`align`: prefix caching's Mamba mode, where a row's state page is the column of its last
+    scheduled token (`mamba_block_size` = the group's block size)."""
     spec = group.spec
     if isinstance(spec, AttentionSpec):
         return PagedAttentionMetadataBuilder(group.block_size)
+    kw = {"mamba_block_size": group.block_size} if align else {}
     if isinstance(spec, MambaSpec) and spec.mamba_type == "mamba2":
-        return Mamba2MetadataBuilder(spec.chunk_size)
+        return Mamba2MetadataBuilder(spec.chunk_size, **kw)
     if isinstance(spec, MambaSpec) and spec.mamba_type == "mamba1":
-        return Mamba1MetadataBuilder()
+        return Mamba1MetadataBuilder(**kw)
     if isinstance(spec, MambaSpec) and spec.mamba_type == "short_conv":
-        return ShortConvMetadataBuilder()
+        return ShortConvMetadataBuilder(**kw)
     if isinstance(spec, MambaSpec) and spec.mamba_type == "gdn":
-        return GDNMetadataBuilder(spec.chunk_size)
+        return GDNMetadataBuilder(spec.chunk_size, **kw)
     raise ValueError(f"no metadata builder for cache spec {spec}")
 
 
-def init_attn_groups(kv_cache_groups: list[KVCacheGroup]) -> list[AttentionGroup]:
-    return [AttentionGroup(g, make_builder(g)) for g in kv_cache_groups]
+def init_attn_groups(kv_cache_groups: list[KVCacheGroup], align: bool = False) -> list[AttentionGroup]:
+    return [AttentionGroup(g, make_builder(g, align)) for g in kv_cache_groups]
 
 
 @dataclass

@@ -24,8 +24,12 @@ def staging_regions(widths: list[int], max_num_reqs: int, max_num_tokens: int) -
 
 
 class BlockTables:
-    def __init__(self, block_sizes: list[int], widths: list[int], max_num_reqs: int, staging: Staging):
+    def __init__(self, block_sizes: list[int], widths: list[int], max_num_reqs: int, staging: Staging,
+                 aligned: list[bool] | None = None):
         self.block_sizes = block_sizes
+        # per group: a Mamba row of prefix caching's "align" mode, position-indexed (0: no page); the
+        # scheduler sends it whole each step
+        self.aligned = aligned or [False] * len(widths)
         self.staging = staging
         self.tables = [np.zeros((max_num_reqs, w), dtype=np.int32) for w in widths]
         self.num_blocks = [np.zeros(max_num_reqs, dtype=np.int32) for _ in widths]
@@ -40,13 +44,24 @@ class BlockTables:
 
     def append_block_ids(self, req_idx: int, block_ids: tuple[list[int], ...], overwrite: bool) -> None:
         for g, ids in enumerate(block_ids):
-            start = 0 if overwrite else int(self.num_blocks[g][req_idx])
+            start = 0 if overwrite or self.aligned[g] else int(self.num_blocks[g][req_idx])
             end = start + len(ids)
             if end > self.tables[g].shape[1]:
                 raise RuntimeError(f"group {g}: row {req_idx} would hold {end} blocks, "
                                    f"table width is {self.tables[g].shape[1]}")
             self.tables[g][req_idx, start:end] = ids
+            if self.aligned[g]:
+                self.tables[g][req_idx, end:] = 0
             self.num_blocks[g][req_idx] = end
+
+    def state_pages(self, g: int, idx_mapping_np: np.ndarray, seq_lens_np: np.ndarray) -> np.ndarray:
+        """int [B]: the state page each row's forward reads and writes (group g, a Mamba group): its
+        only column, or in "align" mode the column of its last scheduled token."""
+        table = self.tables[g]
+        if not self.aligned[g]:
+            return table[idx_mapping_np, 0]
+        cols = np.maximum(np.asarray(seq_lens_np, dtype=np.int64) - 1, 0) // self.block_sizes[g]
+        return table[idx_mapping_np, cols]
 
     def clear_row(self, req_idx: int) -> None:
         for g in range(self.num_groups):

@@ -21,7 +21,7 @@ class KVCacheGroup:
     kind: str                 # "attention" or "mamba"
     spec: KVCacheSpec         # shared by every layer of the group
     layer_names: list[str]
-    block_size: int           # tokens per block; a Mamba group uses max_model_len ("none" mode)
+    block_size: int           # tokens per block; a Mamba group: max_model_len ("none"), block_size ("align")
     num_blocks: int           # ids in the group, including the null id 0
     width: int                # block-table columns per request
 
@@ -42,8 +42,12 @@ def make_kv_cache_groups(specs: dict[str, KVCacheSpec], cfg: RunnerConfig) -> li
             groups.append(KVCacheGroup(len(groups), kind, spec, list(members), cfg.block_size,
                                        num_blocks, cfg.max_blocks_per_req))
         else:
-            groups.append(KVCacheGroup(len(groups), kind, spec, list(members), cfg.max_model_len,
-                                       cfg.max_num_seqs + 1, 1))
+            if cfg.enable_prefix_caching:      # "align": a position-indexed row, a page per checkpoint
+                groups.append(KVCacheGroup(len(groups), kind, spec, list(members), cfg.block_size,
+                                           cfg.state_pages + 1, cfg.max_blocks_per_req))
+            else:                              # "none": one running state per request
+                groups.append(KVCacheGroup(len(groups), kind, spec, list(members), cfg.max_model_len,
+                                           cfg.state_pages + 1, 1))
     return groups
 
 

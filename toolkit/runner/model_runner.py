@@ -90,14 +90,15 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(self.kv_cache_groups, cfg.device)
         model.bind_kv_cache(self.kv_caches)
         self.model_state.initialize_kv_cache(self.kv_cache_groups, self.kv_caches)
-        self.attn_groups = init_attn_groups(self.kv_cache_groups)
+        self.attn_groups = init_attn_groups(self.kv_cache_groups, align=cfg.enable_prefix_caching)
         self.req_states = RequestStates(cfg.max_num_seqs, cfg.max_model_len, cfg.device)
         widths = [g.width for g in self.kv_cache_groups]
         inputs32, inputs64 = input_regions(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         tables32, tables64 = table_regions(widths, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.staging = Staging({**inputs32, **tables32}, {**inputs64, **tables64}, cfg.device)
         self.block_tables = BlockTables([g.block_size for g in self.kv_cache_groups], widths, cfg.max_num_seqs,
-                                        self.staging)
+                                        self.staging, aligned=[cfg.enable_prefix_caching and g.kind == "mamba"
+                                                               for g in self.kv_cache_groups])
         self.input_buffers = InputBuffers(self.staging, cfg.max_num_batched_tokens, cfg.device)
         self.sampler = Sampler(cfg.max_num_seqs, cfg.device, self.ops.gumbel_argmax)
         self.cudagraph_manager = CudaGraphManager(cfg.cudagraph_mode, cfg.max_num_seqs, cfg.device,
@@ -182,7 +183,7 @@ class ModelRunner:
         if input_batch.input_ids_sampled:
             gather_sampled_input_ids(self.input_buffers, self.req_states, n)
         clock.mark("prepare_inputs")
-        self.model_state.preprocess_state(forward_batch)
+        self.model_state.preprocess_state(input_batch, self.block_tables)
         attn_metadata = self.model_state.prepare_attn(forward_batch, block_tables, slot_mappings,
                                                       self.attn_groups)
         state = ExecuteModelState(input_batch, attn_metadata, None, block_tables=block_tables,

@@ -13,6 +13,7 @@ from torch import nn
 
 from toolkit.config import RunnerConfig
 from toolkit.runner.attn_utils import AttentionGroup, AttnMetadata
+from toolkit.runner.block_table import BlockTables
 from toolkit.runner.input_batch import InputBatch
 from toolkit.runner.kv_cache import KVCacheGroup
 from toolkit.scheduler import NewRequestData
@@ -39,8 +40,8 @@ class ModelState(ABC):
     def remove_request(self, req_id: str) -> None:
         """A request finished or was preempted."""
 
-    def preprocess_state(self, input_batch: InputBatch) -> None:
-        """Before metadata is built (vLLM: Mamba align-mode state copies)."""
+    def preprocess_state(self, input_batch: InputBatch, block_tables: BlockTables) -> None:
+        """Before metadata is built (vLLM: Mamba align-mode state copies). Real rows only."""
 
     def postprocess_state(self, input_batch: InputBatch, sampled: torch.Tensor) -> None:
         """After sampling."""

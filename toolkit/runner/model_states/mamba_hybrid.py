@@ -4,6 +4,10 @@ What it adds over the default state (vLLM `model_states/mamba_hybrid.py`):
 - state hygiene: a request's fresh state slots are zeroed when it is added (vLLM #35219/#56524),
   except an n > 1 child's that took its parent's slot over (`inherits_state`: the slot holds the
   state of the prompt the parent computed);
+- with prefix caching ("align" mode), `preprocess_state`: a row whose last scheduled token lies in a
+  new column of its position-indexed row gets its state there before the forward, copied from the
+  page of the column before (a checkpoint, or a prefix hit's page), or zeroed when it starts from
+  scratch (MRV2 `preprocess_state`; one batched copy per state tensor, no host sync);
 - `is_prefilling`, which the Mamba builders need to tell decodes from one-token prefill chunks;
 - forwarding `seq_lens_cpu_upper_bound` (the field vLLM forgot to forward, #46759).
 """
@@ -13,6 +17,7 @@ import numpy as np
 import torch
 
 from toolkit.host import to_device
+from toolkit.runner.block_table import BlockTables
 from toolkit.runner.input_batch import InputBatch
 from toolkit.runner.kv_cache import KVCacheGroup
 from toolkit.runner.model_states.default import DefaultModelState
@@ -26,6 +31,8 @@ class MambaHybridModelState(DefaultModelState):
                               for t in caches[name]]
 
     def add_request(self, req_idx: int, new_req: NewRequestData) -> None:
+        if self.cfg.enable_prefix_caching:
+            return                          # its running page is set up by preprocess_state
         slots = [s for g in self.mamba_groups for s in new_req.block_ids[g.group_id]]
         if 0 in slots:
             raise RuntimeError(f"request {new_req.req_id} was given the null state slot 0")
@@ -33,6 +40,32 @@ class MambaHybridModelState(DefaultModelState):
             index = to_device(np.array(slots, dtype=np.int64), self.device)
             for t in self.state_tensors:
                 t.index_fill_(0, index, 0)
+
+    def preprocess_state(self, input_batch: InputBatch, block_tables: BlockTables) -> None:
+        if not self.cfg.enable_prefix_caching or not self.mamba_groups:
+            return
+        group = self.mamba_groups[0]
+        bs, table = group.block_size, block_tables.tables[group.group_id]
+        start = input_batch.num_computed_tokens_np.astype(np.int64)
+        end = start + input_batch.num_scheduled_tokens
+        old, new = -(-start // bs) - 1, -(-end // bs) - 1
+        rows = np.nonzero(new != old)[0]
+        if not len(rows):
+            return
+        idx = input_batch.idx_mapping_np[rows]
+        dst = table[idx, new[rows]]
+        if (dst == 0).any():
+            raise RuntimeError(f"prefix caching: a row's running column has no state page "
+                               f"(rows {rows[dst == 0].tolist()})")
+        has_src = old[rows] >= 0
+        src = table[idx[has_src], old[rows][has_src]]
+        copy = to_device(np.stack([src, dst[has_src]]).astype(np.int64), self.device) if len(src) else None
+        zero = to_device(dst[~has_src].astype(np.int64), self.device) if (~has_src).any() else None
+        for t in self.state_tensors:
+            if copy is not None:
+                t.index_copy_(0, copy[1], t.index_select(0, copy[0]))
+            if zero is not None:
+                t.index_fill_(0, zero, 0)
 
     def attn_metadata_kwargs(self, input_batch: InputBatch, for_capture: bool) -> dict:
         kwargs = super().attn_metadata_kwargs(input_batch, for_capture)

@@ -1,0 +1,241 @@
+"""Prefix caching (`LLM(enable_prefix_caching=True)`): the hit rules of kv_cache_manager.py, the
+"align" chunking of scheduler.py, and outputs equal to a cold engine's on every preset.
+
+Hit rules (vLLM 0.33.0, ../shared/design/prefix-caching-and-spec.md): a hit is capped at N - 1
+tokens; attention hits the longest run of cached full blocks; a Mamba group needs a checkpoint (a
+state saved at exactly that block end), searched right to left within the attention hit; the hit
+is the minimum over groups.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from toolkit import LLM, SamplingParams
+from toolkit.kv_cache_manager import BlockPool, CacheGroupKind, KVCacheManager, block_hashes
+from toolkit.request import Request
+from toolkit.scheduler import Scheduler
+
+from harness import F32, LOGIT_ATOL, TINY_PRESETS
+
+BS = 4
+ATTN, MAMBA = CacheGroupKind("attention", BS), CacheGroupKind("mamba", BS)
+
+
+def scheduler(groups, num_kv_blocks=64, budget=64, seqs=4, pages=None) -> Scheduler:
+    return Scheduler(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=128, groups=groups,
+                     num_kv_blocks=num_kv_blocks, enable_prefix_caching=True, num_state_slots=pages)
+
+
+def request(rid: str, tokens, max_tokens: int = 1) -> Request:
+    return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens, ignore_eos=True), frozenset())
+
+
+def run_to_end(s: Scheduler, token: int = 7) -> list[dict[str, int]]:
+    """Steps until idle; the scheduled tokens of each step."""
+    steps = []
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        steps.append(dict(out.num_scheduled_tokens))
+        s.update_from_output(out, {r: token for r in out.num_scheduled_tokens})
+    return steps
+
+
+def hit_of(s: Scheduler, rid: str, tokens) -> int:
+    s.add_request(request(rid, tokens))
+    req = s.requests[rid]
+    s.schedule()
+    return req.num_cached_tokens
+
+
+# ---- the pool -------------------------------------------------------------------------------------
+def test_pool_counts_holders_and_evicts_the_least_recently_freed_cached_id_last_of_all():
+    pool = BlockPool(6, "kv")
+    a = pool.allocate(3, "a")                       # 1, 2, 3
+    for i, h in zip(a, (b"x", b"y", b"z")):
+        pool.register(i, h)
+    pool.touch([a[0]], "b")                          # b shares block 1 (a prefix hit)
+    assert pool.holders[a[0]] == {"a", "b"}
+    pool.free(a, "a")                                # 2, 3 free but cached; 1 still held by b
+    assert pool.num_free == 4 and a[0] not in pool._free and pool.cached[b"y"] == a[1]
+    assert pool.allocate(2, "c") == [4, 5]           # unregistered ids go first
+    assert pool.allocate(1, "c") == [a[2]]           # then the cached ids, the prefix's tail first
+    assert b"z" not in pool.cached and pool.num_evictions == 1 and pool.cached[b"y"] == a[1]
+    with pytest.raises(RuntimeError, match=r"held by \['b'\]"):
+        pool.free([a[0]], "a")
+
+
+def test_hashes_chain_over_the_blocks_before():
+    h1 = block_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], BS, [])
+    h2 = block_hashes([0, 2, 3, 4, 5, 6, 7, 8], BS, [])
+    assert len(h1) == 2 and h1[0] != h2[0] and h1[1] != h2[1]      # same second block, other prefix
+    known = h1[:1]
+    assert block_hashes([1, 2, 3, 4, 5, 6, 7, 8], BS, known) is known and known == h1
+
+
+# ---- the hit rules ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("groups", [[ATTN], [MAMBA], [ATTN, MAMBA]], ids=["attention", "mamba", "hybrid"])
+def test_a_resent_prompt_hits_its_last_full_block_before_the_final_token(groups):
+    """vLLM #40696: P in {bs-1, bs, bs+1, 2bs+1} hits 0, 0, bs, 2bs (the last token is computed)."""
+    for n, want in ((BS - 1, 0), (BS, 0), (BS + 1, BS), (2 * BS + 1, 2 * BS)):
+        s = scheduler(groups)
+        prompt = list(range(10, 10 + n))
+        s.add_request(request("first", prompt))
+        run_to_end(s)
+        assert hit_of(s, "again", prompt) == want, (n, want)
+
+
+def test_a_mamba_hit_needs_a_checkpoint_and_is_not_downward_closed():
+    """vLLM #45238/#51250: the first request saved its state at 8 only (its last boundary before
+    the final token); a request sharing 8 tokens then diverging hits 8 with attention alone, 0 on a
+    hybrid (no checkpoint at 4), and a longer one sharing all 9 tokens hits 8 on both."""
+    prompt = list(range(10, 19))                                     # 9 tokens: checkpoint at 8
+    for groups, diverging in (([ATTN], 8), ([ATTN, MAMBA], 0), ([MAMBA], 0)):
+        s = scheduler(groups)
+        s.add_request(request("first", prompt))
+        run_to_end(s)
+        assert hit_of(s, "longer", prompt + [50, 51, 52]) == 8
+        assert hit_of(s, "diverging", prompt[:7] + [99, 98, 97]) == (4 if groups == [ATTN] else 0)
+        assert hit_of(s, "shorter", prompt[:8] + [99]) == diverging
+
+
+def test_a_checkpoint_made_this_step_is_hit_only_from_the_next():
+    """Hashes are registered after the step that filled them (vLLM registers attention blocks at
+    allocation and defers a same-step Mamba hit, #29387): two requests admitted together both compute."""
+    s = scheduler([ATTN, MAMBA])
+    prompt = list(range(10, 19))
+    s.add_request(request("first", prompt, max_tokens=4))
+    s.add_request(request("sibling", prompt, max_tokens=4))
+    out = s.schedule()                                               # both compute [0, 8)
+    assert out.num_scheduled_tokens == {"first": 8, "sibling": 8}
+    s.update_from_output(out, {"first": 7, "sibling": 7})
+    assert hit_of(s, "next", prompt) == 8
+    assert s.requests["sibling"].num_cached_tokens == 0
+
+
+def test_align_chunks_end_on_block_boundaries_and_at_the_last_one_before_the_end():
+    """vLLM `_mamba_block_aligned_split`: P=23, bs=4. Budget 10: [0,8) [8,16) [16,20) [20,23);
+    budget 64: [0,20) [20,23); attention-only engines chunk freely."""
+    for groups, budget, want in (([ATTN, MAMBA], 10, [8, 8, 4, 3]), ([MAMBA], 64, [20, 3]),
+                                 ([ATTN], 10, [10, 10, 3])):
+        s = scheduler(groups, budget=budget)
+        s.add_request(request("r", range(10, 33)))
+        assert [st["r"] for st in run_to_end(s)][:-1] == want       # then the one decode
+
+
+def test_a_block_larger_than_the_budget_still_progresses_and_meets_the_boundary():
+    s = scheduler([MAMBA], budget=3, seqs=1)
+    s.add_request(request("r", range(10, 20)))                       # 10 tokens, checkpoint at 8
+    assert [st["r"] for st in run_to_end(s)] == [3, 1, 3, 1, 1, 1, 1]   # 3, 4 | 7, 8 | 9, 10 | decode
+
+
+def test_mamba_rows_hold_the_running_page_and_release_the_one_copied_from():
+    s = scheduler([MAMBA], budget=4, seqs=1)
+    s.add_request(request("r", range(10, 20), max_tokens=3))
+    rows = []
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        rows.append(list(s.kv.block_ids("r")[0]))
+        s.update_from_output(out, {"r": 7})
+    # columns 0, 1, 2 in turn; the page left behind is released one step later (a checkpoint)
+    assert [len(r) for r in rows] == [1, 2, 3, 3, 3, 3]
+    assert all(sum(1 for i in r if i) <= 2 and r[-1] for r in rows)
+    assert len(s.kv.state_pool.cached) == 2 and not s.kv.state_pool.holders     # checkpoints at 4, 8
+
+
+def test_stats_count_queries_hits_and_skipped_tokens():
+    s = scheduler([ATTN])
+    prompt = list(range(10, 23))
+    s.add_request(request("a", prompt))
+    run_to_end(s)
+    s.add_request(request("b", prompt))
+    run_to_end(s)
+    st = s.kv.stats
+    assert (st.queries, st.hits, st.prompt_tokens, st.hit_tokens) == (2, 1, 26, 12)
+
+
+# ---- engines: outputs with the cache equal outputs without it ------------------------------------
+SHARED = list(range(20, 33))         # 13 tokens: with block_size 4 the replay boundary is 12
+ENGINE = dict(F32, block_size=BS, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64,
+              trace_capacity=None)
+
+
+def serve(llm: LLM, prompts: list[list[int]], params, ids: list[str]) -> list:
+    """Run the prompts (with these request ids) to the end; their RequestOutputs in that order."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    for p, sp, rid in zip(prompts, params, ids, strict=True):
+        llm.add_request({"prompt_token_ids": p}, sp, request_id=rid)
+    done = {}
+    while llm.has_unfinished_requests():
+        done.update({o.request_id: o for o in llm.step().outputs})
+    return [done[rid] for rid in ids]
+
+
+def workload(llm: LLM) -> dict[str, tuple[list[int], int]]:
+    """(tokens, cached prompt tokens) by request id: a prompt cached, then sent again whole, cut to
+    its first 12 tokens (a whole block recomputed), extended, next to an unrelated one; then seeded
+    sampling over the shared prefix."""
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    out = serve(llm, [SHARED], greedy, ["a"])
+    out += serve(llm, [SHARED, SHARED[:12], SHARED + [40, 41, 42], [7, 8, 9, 10, 11, 12]], greedy,
+                 ["b", "c", "d", "e"])
+    seeded = [SamplingParams(max_tokens=5, temperature=0.8, seed=s, ignore_eos=True) for s in (1, 2)]
+    out += serve(llm, [SHARED + [50 + i] for i in range(2)], seeded, ["f", "g"])
+    return {o.request_id: (list(o.outputs[0].token_ids), o.num_cached_tokens) for o in out}
+
+
+def sampled_logits(llm: LLM, rid: str) -> list[torch.Tensor]:
+    return [rec.logits_of(rid) for rec in llm.trace if rid in rec.kept_token_ids]
+
+
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_outputs_with_the_prefix_cache_equal_a_cold_engine(preset):
+    cold, warm = LLM(preset, **ENGINE), LLM(preset, enable_prefix_caching=True, **ENGINE)
+    want, got = workload(cold), workload(warm)
+    assert {r: t for r, (t, _) in got.items()} == {r: t for r, (t, _) in want.items()}
+    for rid in got:
+        for a, b in zip(sampled_logits(warm, rid), sampled_logits(cold, rid), strict=True):
+            assert torch.allclose(a, b, atol=LOGIT_ATOL, rtol=0), (rid, float((a - b).abs().max()))
+    recurrent = any(g.kind == "mamba" for g in warm.model_runner.kv_cache_groups)
+    hits = {r: n for r, (_, n) in got.items()}
+    # c (12 tokens) may hit 8: attention has block 2, a Mamba group has no checkpoint at 8
+    assert hits == {"a": 0, "b": 12, "c": 0 if recurrent else 8, "d": 12, "e": 0, "f": 12, "g": 12}
+    assert all(n == 0 for _, n in want.values())
+    st = warm.stats()
+    assert st["prompt_tokens_skipped"] == sum(hits.values()) and st["prefix_cache_hits"] == 5 - recurrent
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mamba2", "tiny-bamba", "tiny-lfm2"])
+def test_a_small_cache_preempts_and_evicts_and_outputs_still_equal(preset):
+    """Three rows, KV blocks for two full requests and no spare state page: requests preempt each
+    other, resume with hits on their own blocks, and cached pages are evicted."""
+    tight = dict(ENGINE, num_kv_blocks=25, max_num_batched_tokens=8)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    prompts = [SHARED + [60 + i] * (i + 1) for i in range(4)]
+    ids = ["p", "q", "r", "s"]
+    cold = serve(LLM(preset, **tight), prompts, params, ids)
+    warm_llm = LLM(preset, enable_prefix_caching=True, num_state_pages=6, **tight)
+    warm = serve(warm_llm, prompts, params, ids)
+    assert [o.outputs[0].token_ids for o in warm] == [o.outputs[0].token_ids for o in cold]
+    preempted = sum(r.preempted_request_ids != [] for r in warm_llm.trace)
+    st = warm_llm.stats()
+    assert preempted and st["prefix_cache_hits"] >= 3 and st["prefix_cache_evictions"] > 0, (preempted, st)
+
+
+def test_n_samples_hit_the_parents_prefix_instead_of_copying_it():
+    llm = LLM("tiny-bamba", enable_prefix_caching=True, **ENGINE)
+    cold = LLM("tiny-bamba", **ENGINE)
+    params = SamplingParams(n=3, max_tokens=4, temperature=0.9, seed=5, ignore_eos=True)
+    got = llm.generate({"prompt_token_ids": SHARED}, params)[0]
+    want = cold.generate({"prompt_token_ids": SHARED}, params)[0]
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+    assert got.num_cached_tokens == 12
+
+
+def test_bad_values_are_refused_before_the_model_loads():
+    with pytest.raises(ValueError, match="enable_prefix_caching='yes'"):
+        LLM("tiny-mamba2", enable_prefix_caching="yes", **F32)
+    with pytest.raises(ValueError, match="num_state_pages=3: must be an int >= 8"):
+        LLM("tiny-mamba2", enable_prefix_caching=True, max_num_seqs=4, num_state_pages=3, **F32)
+    pool = KVCacheManager([ATTN], 4, 0, enable_prefix_caching=True)
+    assert pool.find_prefix_hit([], 1) is None
