@@ -3,8 +3,9 @@
     python3 scripts/vllm_reference.py                      # scratch venv in ~/.cache, then the goldens
     python3 scripts/vllm_reference.py --venv /tmp/vref     # another scratch folder
     python3 scripts/vllm_reference.py --batches 500 --seed 23 --out tests/data/vllm_builder_goldens.json
+    python3 scripts/vllm_reference.py --mode align         # prefix caching: tests/data/vllm_builder_goldens_align.json
 
-Two stages, one file:
+Two stages, one file per cache mode (MODES):
 
 1. The scratch venv (outside the repository; never the project's .venv; not part of `make test`).
    `pip install torch==2.13.0` (the CPU wheel: pip's config on this machine finds it on disk), then the
@@ -22,18 +23,28 @@ Two stages, one file:
    Mamba2 chunk size), `ShortConvAttentionMetadataBuilder`, `GDNAttentionMetadataBuilder` -- each built
    from a real `VllmConfig` (a tiny local config.json per architecture, `HF_HUB_OFFLINE=1`,
    `VLLM_TARGET_DEVICE=cpu`) in the cache mode of MODES, fed the same CommonAttentionMetadata (CPU tensors).
+   "align" builds each builder once per block size of ALIGN_BLOCK_SIZES (names `<builder>_bs<size>`),
+   on position-indexed block tables (`block_table_for`); the batches are the "none" file's (same seed).
    Every field of vLLM's metadata dataclass is written, as a column over the batches: ints and None as
    they are, tensors as nested lists (bools as 0/1, dtypes once per builder), the launch metadata of
    vLLM's Triton causal_conv1d (SUMMARISED) as `true` = present, values not recorded; a column equal to
    one already written is a reference to it. The file also holds the vLLM and torch versions, the seed,
    the builders' configs and what the batches cover. The same seed gives the same file, byte for byte.
 
-Extension points (not built: this project has no prefix caching or speculative decoding yet; nothing
-here fakes them):
-  - MODES: "none" only. "align" (vLLM's mode when prefix caching is on: `CacheConfig(
-    enable_prefix_caching=True)`, block table `[B, cdiv(max_model_len, block_size)]`, state index =
-    the column of the row's last scheduled token) gets its entry, a block-table layout in
-    `block_table_for` and a golden file of its own once the project's prefix caching lands.
+Cache modes (MODES), a golden file each:
+  - "none": prefix caching off; block table [B, 1], column 0 = the state slot.
+  - "align": vLLM's mode when prefix caching is on (`CacheConfig(enable_prefix_caching=True,
+    block_size=bs)`; vLLM then sets mamba_cache_mode = "align" and mamba_block_size = block_size, and
+    requires chunked prefill, on by default). Block table [B, cdiv(max_model_len, bs)], position-indexed;
+    state index = the page in the column of the row's last scheduled token (vLLM
+    `mamba_get_block_table_tensor`). Left out, as nowhere in this project: prefill checkpoints (vLLM's
+    Mamba2 / Qwen GDN layers declare `num_prefill_checkpoint_blocks=1` and, once an engine has resolved
+    `hash_block_size`, export block-boundary states from inside a prefill, splitting Mamba2's chunks
+    there). The MambaSpec here keeps vLLM's default of 0 checkpoint blocks and a bare VllmConfig
+    leaves `hash_block_size` None, so vLLM builds no checkpoint metadata (the file records both).
+
+Extension points (not built: this project has no speculative decoding or prefill checkpoints yet;
+nothing here fakes them):
   - Speculative rows: a batch has no `num_accepted_tokens` / `num_decode_draft_tokens_cpu` yet;
     `build_kwargs` is the one place they reach `builder.build(...)` (vLLM's builders take them as
     keyword arguments), ROW_KINDS / `draw_row` the place a "spec decode" row kind is drawn, and the
@@ -53,7 +64,8 @@ REPO = Path(__file__).resolve().parents[1]
 VLLM_VERSION = "0.33.0"
 TORCH_VERSION = "2.13.0"
 DEFAULT_VENV = Path.home() / ".cache" / "runnerscope" / f"vllm-{VLLM_VERSION}-venv"
-DEFAULT_OUT = REPO / "tests" / "data" / "vllm_builder_goldens.json"
+DEFAULT_OUT = {"none": REPO / "tests" / "data" / "vllm_builder_goldens.json",
+               "align": REPO / "tests" / "data" / "vllm_builder_goldens_align.json"}
 DEFAULT_SEED = 23
 DEFAULT_BATCHES = 500
 
@@ -142,12 +154,13 @@ def main() -> None:
     ap.add_argument("--wheel", help="a downloaded vllm wheel to install instead of vllm==VLLM_VERSION")
     ap.add_argument("--torch-index", help="where pip finds torch's CPU build when it is not on disk "
                     "(e.g. https://download.pytorch.org/whl/cpu); PyPI's Linux torch is a CUDA build")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--out", type=Path, help="golden file (default: DEFAULT_OUT of the mode)")
     ap.add_argument("--seed", type=int, default=DEFAULT_SEED)
     ap.add_argument("--batches", type=int, default=DEFAULT_BATCHES)
-    ap.add_argument("--mode", default="none", choices=["none"], help="vLLM mamba cache mode (MODES)")
+    ap.add_argument("--mode", default="none", choices=sorted(MODES), help="vLLM mamba cache mode (MODES)")
     ap.add_argument("--generate", action="store_true", help="(internal) run inside the scratch venv")
     args = ap.parse_args()
+    args.out = args.out or DEFAULT_OUT[args.mode]
     if args.generate:
         generate(args)
         return
@@ -174,15 +187,21 @@ EDGE_SIZES = tuple(sorted({*MAMBA2_CHUNK_SIZES, GDN_CHUNK}))
 MAX_ROWS = 12
 CAPTURE_SIZES = (1, 2, 4, 8, 16)      # the runner pads a decode batch to one of these (toolkit/runner/cudagraph.py)
 
-# Cache modes. Only "none" exists in this project today. "align" (prefix caching) adds an entry here
-# -- its CacheConfig, and a block-table layout in `block_table_for` -- when the project's prefix
-# caching lands; its goldens then go to a file of their own.
-MODES = {"none": dict(enable_prefix_caching=False)}
+# Cache modes: their CacheConfig (align: + block_size=bs for each bs of ALIGN_BLOCK_SIZES); a golden file each.
+MODES = {"none": dict(enable_prefix_caching=False), "align": dict(enable_prefix_caching=True)}
+# align: 16 = vLLM's default block size (the Mamba block size follows it); 64 = a larger one, so a builder
+# that assumed one block size would be caught
+ALIGN_BLOCK_SIZES = (16, 64)
+# align block tables: page ids 1 + (A * (r * W + j) + C) % ALIGN_PAGE_PRIME, distinct within a batch
+# (B * W <= 16 * cdiv(4096, 16) = 4096 < the prime); a column before the running one whose id is a
+# multiple of ALIGN_NULL_EVERY is the null block 0 (as after a prefix-cache hit, or for skipped blocks)
+ALIGN_PAGE_PRIME = 4099
+ALIGN_NULL_EVERY = 4
 
 _TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, tie_word_embeddings=False,
              torch_dtype="float32", max_position_embeddings=MAX_MODEL_LEN)
 # name -> (vLLM builder, MambaAttentionBackendEnum member, config.json of a tiny model of the family,
-#          state shapes for the MambaSpec (only their existence matters to the builders in "none" mode))
+#          state shapes for the MambaSpec (only their existence matters to the builders, in both modes))
 BUILDERS = {
     "mamba1": ("vllm.v1.attention.backends.mamba1_attn.Mamba1AttentionMetadataBuilder", "MAMBA1",
                dict(architectures=["MambaForCausalLM"], model_type="mamba", state_size=8, expand=2,
@@ -210,6 +229,15 @@ SUMMARISED = ("nums_dict", "batch_ptr", "token_chunk_offset_ptr")
 PASSTHROUGH = {"seq_lens": "seq_lens", "non_spec_query_start_loc": "query_start_loc"}
 ROW_CODES = {"decode": "d", "prompt_tail_1": "t", "prompt_1": "p", "first_chunk": "f", "continue_chunk": "c",
              "padding": "x"}
+ALIGN_INPUT_FORMAT = (
+    "per batch: q = query lengths, computed = tokens already in the state, prefilling = is_prefilling (0/1); "
+    "seq_lens = seq_lens_cpu_upper_bound = computed + q; query_start_loc = [0, cumsum(q)]; num_actual_tokens = "
+    "sum(q); int32 CPU tensors; rows = the kind of each row: " + ", ".join(f"{c}={k}" for k, c in ROW_CODES.items())
+    + "; tables[bs][i] = [A, C]: the block_table_tensor of batch i for block size bs, int32 [B, W] with "
+    "W = cdiv(max_model_len, bs), position-indexed: entry (r, j) = 1 + (A * (r * W + j) + C) % page_prime, "
+    "except 0 (the null block) in every entry of a padding row and in a column j < (seq_len[r] - 1) // bs "
+    "whose id % null_every == 0 (table_layout); table_sha256[bs][i] = the first 12 hex digits of the sha256 "
+    "of that table's int32 little-endian bytes")
 
 # Row kinds: (weight, query length, tokens already in the state, is_prefilling)
 ROW_KINDS = ("decode", "prompt_tail_1", "prompt_1", "first_chunk", "continue_chunk")
@@ -282,15 +310,44 @@ def draw_batch(rng) -> dict:
     return batch
 
 
-def block_table_for(batch: dict, mode: str):
-    """[B, 1] int32: "none" mode keeps one state block per request (column 0 = its state slot)."""
+def block_table_for(batch: dict, mode: str, block_size: int | None = None, table: list[int] | None = None):
+    """int32 block table of a batch. "none": [B, 1], one state block per request (column 0 = its state
+    slot). "align": [B, cdiv(MAX_MODEL_LEN, block_size)], position-indexed, from the batch's drawn
+    `table` = [A, C] (ALIGN_PAGE_PRIME): entry (r, j) = 1 + (A * (r * W + j) + C) % ALIGN_PAGE_PRIME,
+    except the null block 0 in every entry of a padded row (as the runner pads) and in a column before
+    the row's running one, (seq_len - 1) // block_size, whose id is a multiple of ALIGN_NULL_EVERY.
+    The running column is never null, and columns after it hold ids too: any column but the running
+    one reads an id other than the running one's."""
     import torch
-    if mode != "none":
-        raise NotImplementedError(f"mode {mode!r}: its block-table layout is not written yet")
-    return torch.tensor(batch["slots"], dtype=torch.int32).view(-1, 1)
+    if mode == "none":
+        return torch.tensor(batch["slots"], dtype=torch.int32).view(-1, 1)
+    a, c = table
+    rows, width = len(batch["q"]), -(-MAX_MODEL_LEN // block_size)
+    flat = torch.arange(rows * width, dtype=torch.int64).view(rows, width)
+    pages = 1 + (a * flat + c) % ALIGN_PAGE_PRIME
+    seq_lens = torch.tensor(batch["q"], dtype=torch.int64) + torch.tensor(batch["computed"], dtype=torch.int64)
+    running = ((seq_lens - 1) // block_size).clamp(min=0).view(-1, 1)
+    null = (torch.arange(width).view(1, -1) < running) & (pages % ALIGN_NULL_EVERY == 0)
+    null |= torch.tensor([k == "padding" for k in batch["row_kinds"]]).view(-1, 1)
+    return torch.where(null, 0, pages).to(torch.int32)
 
 
-def common_metadata(batch: dict, mode: str):
+def table_digest(table) -> str:
+    """First 12 hex digits of the sha256 of a block table's int32 little-endian bytes (the test
+    rebuilds each table from its [A, C] and checks it against this)."""
+    import hashlib
+
+    import numpy as np
+    return hashlib.sha256(np.ascontiguousarray(table.numpy(), dtype="<i4").tobytes()).hexdigest()[:12]
+
+
+def draw_tables(rng, batches: list[dict]) -> dict[str, list[list[int]]]:
+    """align: per block size, per batch, [A, C] of its block table (`block_table_for`)."""
+    return {str(bs): [[rng.randrange(1, ALIGN_PAGE_PRIME), rng.randrange(ALIGN_PAGE_PRIME)] for _ in batches]
+            for bs in ALIGN_BLOCK_SIZES}
+
+
+def common_metadata(batch: dict, mode: str, block_size: int | None = None, table: list[int] | None = None):
     """vLLM's CommonAttentionMetadata for a batch, CPU tensors, as MRV2's build_attn_metadata fills it."""
     import torch
     from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -302,7 +359,8 @@ def common_metadata(batch: dict, mode: str):
     return CommonAttentionMetadata(
         query_start_loc=qsl.clone(), query_start_loc_cpu=qsl, seq_lens=seq_lens.clone(), num_reqs=len(q),
         num_actual_tokens=t, max_query_len=int(q.max()), max_seq_len=int(seq_lens.max()),
-        block_table_tensor=block_table_for(batch, mode), slot_mapping=torch.full((t,), -1, dtype=torch.int64),
+        block_table_tensor=block_table_for(batch, mode, block_size, table),
+        slot_mapping=torch.full((t,), -1, dtype=torch.int64),
         is_prefilling=torch.tensor(batch["prefilling"], dtype=torch.bool), seq_lens_cpu_upper_bound=seq_lens.clone())
 
 
@@ -312,7 +370,7 @@ def build_kwargs(batch: dict) -> dict:
     return {}
 
 
-def make_builder(name: str, mode: str, workdir: Path):
+def make_builder(name: str, mode: str, workdir: Path, block_size: int | None = None):
     import importlib
 
     import torch
@@ -326,9 +384,12 @@ def make_builder(name: str, mode: str, workdir: Path):
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="float32",
                                  max_model_len=MAX_MODEL_LEN),
-        cache_config=CacheConfig(**MODES[mode]))
+        cache_config=CacheConfig(**MODES[mode], **({"block_size": block_size} if block_size else {})))
     cache = vllm_config.cache_config
     assert cache.mamba_cache_mode == mode, (name, cache.mamba_cache_mode)
+    if mode == "align":
+        assert cache.mamba_block_size == cache.block_size == block_size, (name, cache.mamba_block_size)
+        assert vllm_config.scheduler_config.enable_chunked_prefill, name
     spec = MambaSpec(block_size=cache.mamba_block_size, shapes=shapes, dtypes=(torch.float32,) * len(shapes),
                      mamba_type=MambaAttentionBackendEnum[backend], mamba_cache_mode=cache.mamba_cache_mode)
     module, cls_name = cls_path.rsplit(".", 1)
@@ -341,6 +402,10 @@ def make_builder(name: str, mode: str, workdir: Path):
                 use_v2_model_runner=bool(vllm_config.use_v2_model_runner))
     if hasattr(builder, "gdn_prefill_backend"):
         info["gdn_prefill_backend"] = builder.gdn_prefill_backend
+    if mode == "align":
+        info.update(block_size=cache.block_size, hash_block_size=cache.hash_block_size,
+                    num_prefill_checkpoint_blocks=spec.num_prefill_checkpoint_blocks,
+                    enable_chunked_prefill=bool(vllm_config.scheduler_config.enable_chunked_prefill))
     return builder, info
 
 
@@ -358,7 +423,7 @@ def encode(field: str, value, common):
         if source and torch.equal(value, getattr(common, source)):
             return f"={source}"
         return value.int().tolist() if value.dtype == torch.bool else value.tolist()
-    raise TypeError(f"{field}: unexpected {type(value).__name__} in mode 'none' (checkpoint or spec metadata?)")
+    raise TypeError(f"{field}: unexpected {type(value).__name__} (checkpoint or spec metadata?)")
 
 
 def dtype_of(value) -> str | None:
@@ -408,6 +473,30 @@ def coverage(batches: list[dict]) -> dict:
     return cov
 
 
+def align_coverage(batches: list[dict], tables: dict[str, list[list[int]]]) -> dict:
+    """align: per block size, the rows on the edges of the state-index rule."""
+    cov = {}
+    for bs in ALIGN_BLOCK_SIZES:
+        counts = dict.fromkeys(("seq_len_multiple_of_bs", "seq_len_multiple_of_bs_plus_1", "running_column_past_0",
+                                "decodes_entering_a_new_block", "prefills_crossing_a_block",
+                                "null_column_before_running", "seq_len_1"), 0)
+        for b, table in zip(batches, tables[str(bs)], strict=True):
+            bt = block_table_for(b, "align", bs, table)
+            for r, (q, c, kind) in enumerate(zip(b["q"], b["computed"], b["row_kinds"], strict=True)):
+                if kind == "padding":
+                    continue
+                s, col = q + c, (q + c - 1) // bs
+                counts["seq_len_multiple_of_bs"] += s % bs == 0
+                counts["seq_len_multiple_of_bs_plus_1"] += s % bs == 1 and s > 1
+                counts["running_column_past_0"] += col > 0
+                counts["decodes_entering_a_new_block"] += q == 1 and c > 0 and s % bs == 1
+                counts["prefills_crossing_a_block"] += q > 1 and c // bs != col
+                counts["null_column_before_running"] += col > 0 and int(bt[r, col - 1]) == 0
+                counts["seq_len_1"] += s == 1
+        cov.update({f"bs{bs}_rows_{k}": v for k, v in counts.items()})
+    return cov
+
+
 def dump(doc: dict, path: Path) -> None:
     """JSON with one line per column (readable diffs, no whitespace inside the lists)."""
     def enc(v):
@@ -446,13 +535,17 @@ def generate(args) -> None:
     t0 = time.time()
     rng = random.Random(args.seed)
     batches = [draw_batch(rng) for _ in range(args.batches)]
+    # align: the tables are drawn after the batches, so the batches are the "none" file's
+    tables = draw_tables(rng, batches) if args.mode == "align" else {}
+    runs = ([(name, name, None) for name in BUILDERS] if args.mode == "none" else
+            [(f"{name}_bs{bs}", name, bs) for bs in ALIGN_BLOCK_SIZES for name in BUILDERS])
     workdir = Path(tempfile.mkdtemp(prefix="vllm-ref-configs-"))
     builders, outputs = {}, {}
-    for name in BUILDERS:
-        builder, info = make_builder(name, args.mode, workdir)
+    for full_name, name, bs in runs:
+        builder, info = make_builder(name, args.mode, workdir, bs)
         records, dtypes = [], {}
-        for b in batches:
-            common = common_metadata(b, args.mode)
+        for i, b in enumerate(batches):
+            common = common_metadata(b, args.mode, bs, tables[str(bs)][i] if bs else None)
             md = builder.build(common_prefix_len=0, common_attn_metadata=common, **build_kwargs(b))
             rec = {}
             for f, v in vars(md).items():
@@ -462,18 +555,37 @@ def generate(args) -> None:
             records.append(rec)
         info["fields"] = list(records[0])
         info["dtypes"] = {f: "/".join(sorted(d)) for f, d in dtypes.items()}
-        builders[name] = info
-        outputs[name] = columns(records)
-        print(f"  {name}: {len(records)} batches ({time.time() - t0:.0f} s)", flush=True)
+        builders[full_name] = info
+        outputs[full_name] = columns(records)
+        print(f"  {full_name}: {len(records)} batches ({time.time() - t0:.0f} s)", flush=True)
     dedupe(outputs)
-    inputs = {k: [b[k] for b in batches] for k in ("kind", "q", "computed", "prefilling", "slots")}
+    keys = ("kind", "q", "computed", "prefilling") + (("slots",) if args.mode == "none" else ())
+    inputs = {k: [b[k] for b in batches] for k in keys}
     inputs["rows"] = ["".join(ROW_CODES[k] for k in b["row_kinds"]) for b in batches]
+    if args.mode == "align":
+        inputs["tables"] = tables
+        inputs["table_sha256"] = {str(bs): [table_digest(block_table_for(b, "align", bs, t))
+                                            for b, t in zip(batches, tables[str(bs)], strict=True)]
+                                  for bs in ALIGN_BLOCK_SIZES}
+    align = args.mode == "align"
     doc = {
         "about": "Inputs and outputs of vLLM's Mamba-family metadata builders, for "
-                 "tests/test_vllm_builder_goldens.py. Regenerate: python3 scripts/vllm_reference.py",
+                 "tests/test_vllm_builder_goldens.py. Regenerate: python3 scripts/vllm_reference.py"
+                 + (" --mode align" if align else ""),
         "vllm_version": vllm.__version__, "torch_version": torch.__version__, "seed": args.seed,
         "mode": args.mode, "num_batches": len(batches), "max_model_len": MAX_MODEL_LEN,
-        "input_format": "per batch: q = query lengths, computed = tokens already in the state, prefilling = "
+    }
+    if align:
+        doc["block_sizes"] = list(ALIGN_BLOCK_SIZES)
+        doc["table_layout"] = {"page_prime": ALIGN_PAGE_PRIME, "null_every": ALIGN_NULL_EVERY}
+        doc["cache_config"] = (
+            "CacheConfig(enable_prefix_caching=True, block_size=bs) for each bs of block_sizes (builder "
+            "<name>_bs<bs>): mamba_cache_mode 'align', mamba_block_size = block_size = bs, chunked prefill on; "
+            "MambaSpec with vLLM's default num_prefill_checkpoint_blocks=0 and hash_block_size unresolved "
+            "(None): no prefill checkpoints")
+    doc.update({
+        "input_format": ALIGN_INPUT_FORMAT if align else
+                        "per batch: q = query lengths, computed = tokens already in the state, prefilling = "
                         "is_prefilling (0/1), slots = block_table_tensor[:, 0] (the state slot; block table "
                         "[B, 1]); seq_lens = seq_lens_cpu_upper_bound = computed + q; query_start_loc = "
                         "[0, cumsum(q)]; num_actual_tokens = sum(q); int32 CPU tensors; rows = the kind of "
@@ -483,11 +595,11 @@ def generate(args) -> None:
                          "lists (bool as 0/1; dtypes under builders), None as null, '=<field>' = equal to "
                          "that CommonAttentionMetadata field; " + ", ".join(SUMMARISED)
                          + ": true = present (values not recorded)",
-        "coverage": coverage(batches),
+        "coverage": {**coverage(batches), **(align_coverage(batches, tables) if align else {})},
         "builders": builders,
         "inputs": inputs,
         "outputs": outputs,
-    }
+    })
     dump(doc, args.out)
     size = args.out.stat().st_size
     print(f"wrote {args.out} ({size / 1024:.0f} KiB): {len(batches)} batches x {len(builders)} builders, "

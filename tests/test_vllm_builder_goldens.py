@@ -7,6 +7,12 @@ Mamba1 / Mamba2 (chunk sizes 16, 64, 256) / ShortConv / GDN builders built from 
 mode "none" (prefix caching off). `python3 scripts/vllm_reference.py` regenerates it (a scratch venv
 with the vllm wheel; not part of `make test`).
 
+tests/data/vllm_builder_goldens_align.json holds the same for cache mode "align" (prefix caching on,
+`--mode align`): every builder once per Mamba block size (16 and 64; builders `<name>_bs<size>`), on
+position-indexed block tables [B, cdiv(max_model_len, bs)] with distinct page ids per column and null
+columns before the running one. This project's builders run with `mamba_block_size=bs` and must pick
+vLLM's state index, the page in the column of each row's last scheduled token.
+
 Each golden input goes through this project's builder, and every field of vLLM's metadata is accounted
 for once, in FIELD_MAPS below:
   COMPARED     vLLM field -> this project's field (same name or not), or a function of this project's
@@ -24,6 +30,7 @@ KNOWN_DIFFERENCES would list a real disagreement with its reason (none today).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from collections.abc import Callable
 from functools import cache
@@ -42,7 +49,8 @@ from toolkit.attention.mamba1 import Mamba1AttentionMetadata, Mamba1MetadataBuil
 from toolkit.attention.mamba2 import Mamba2AttentionMetadata, Mamba2MetadataBuilder
 from toolkit.attention.short_conv import ShortConvAttentionMetadata, ShortConvMetadataBuilder
 
-GOLDEN = Path(__file__).parent / "data" / "vllm_builder_goldens.json"
+GOLDENS = {"none": Path(__file__).parent / "data" / "vllm_builder_goldens.json",
+           "align": Path(__file__).parent / "data" / "vllm_builder_goldens_align.json"}
 VLLM_VERSION = "0.33.0"
 MIN_BATCHES = 500
 
@@ -131,19 +139,21 @@ BASE_ABSENT = {
 BASE_FROM_INPUT = {"seq_lens": "seq_lens"}       # vLLM: "only used for prefix caching in align mode"
 BASE_NOT_COMPARED = {"nums_dict": CONV_LAUNCH, "batch_ptr": CONV_LAUNCH, "token_chunk_offset_ptr": CONV_LAUNCH}
 
+# vLLM 0.33 builds prefill checkpoints only in align mode, for layers that declare checkpoint blocks, once an
+# engine has resolved hash_block_size; the goldens keep vLLM's MambaSpec default (0 blocks), so they are None
+CHECKPOINTS = "prefill checkpoints of align mode (not in this project; none in the goldens' MambaSpec)"
 MAMBA1_LIKE = dict(
     compared=BASE_COMPARED,
     absent={**BASE_ABSENT,
-            "cu_chunk_seqlen_p": "Mamba1 / ShortConv chunk only in prefix-caching modes",
-            "last_chunk_indices_p": "Mamba1 / ShortConv chunk only in prefix-caching modes"},
+            "cu_chunk_seqlen_p": "vLLM's Mamba1 / ShortConv builders leave them None in both cache modes",
+            "last_chunk_indices_p": "vLLM's Mamba1 / ShortConv builders leave them None in both cache modes"},
     from_input=BASE_FROM_INPUT, not_compared=BASE_NOT_COMPARED, project_only={})
 
 MAMBA2 = dict(
     compared={**BASE_COMPARED, "prep_initial_states": "prep_initial_states", "chunk_size": "chunk_size",
               "seq_idx_p": "seq_idx_p", "cu_chunk_seqlen_p": "cu_chunk_seqlen_p",
               "last_chunk_indices_p": "last_chunk_indices_p"},
-    absent={**BASE_ABSENT, "checkpoint_chunk_idx": "prefill checkpoints of align mode (prefix caching)",
-            "checkpoint_meta": "prefill checkpoints of align mode (prefix caching)"},
+    absent={**BASE_ABSENT, "checkpoint_chunk_idx": CHECKPOINTS, "checkpoint_meta": CHECKPOINTS},
     from_input=BASE_FROM_INPUT, not_compared=BASE_NOT_COMPARED, project_only={})
 
 GDN = dict(
@@ -166,7 +176,7 @@ GDN = dict(
         "chunk_offsets": Derived(_fla_chunk_offsets, ("last_chunk_indices_p",), "[0] + (last_chunk_indices_p + 1)"),
     },
     absent={
-        "checkpoint": "prefill checkpoints of align mode (prefix caching)",
+        "checkpoint": CHECKPOINTS,
         "flashinfer_checkpoint_plan": "FlashInfer GDN prefill backend (CUDA) with align-mode checkpoints",
         "aiter_prefill_metadata": "ROCm AITER GDN prefill backend",
         **{f: SPEC for f in ("spec_query_start_loc", "spec_state_indices_tensor", "spec_sequence_masks",
@@ -178,12 +188,14 @@ GDN = dict(
     # the project's GDN metadata has num_reqs (vLLM's GDN metadata does not; its rows are the input's)
     project_only={"num_reqs": "vLLM's GDN metadata has no num_reqs; checked == the input's num_reqs"})
 
-FAMILIES = {  # vLLM builder class -> (this project's metadata class, builder factory(chunk_size), map)
-    "Mamba1AttentionMetadataBuilder": (Mamba1AttentionMetadata, lambda cs: Mamba1MetadataBuilder(), MAMBA1_LIKE),
-    "ShortConvAttentionMetadataBuilder": (ShortConvAttentionMetadata, lambda cs: ShortConvMetadataBuilder(),
-                                          MAMBA1_LIKE),
-    "Mamba2AttentionMetadataBuilder": (Mamba2AttentionMetadata, Mamba2MetadataBuilder, MAMBA2),
-    "GDNAttentionMetadataBuilder": (GDNAttentionMetadata, lambda cs: GDNMetadataBuilder(), GDN),
+FAMILIES = {  # vLLM builder class -> (this project's metadata class, factory(chunk_size, mamba_block_size), map)
+    "Mamba1AttentionMetadataBuilder": (Mamba1AttentionMetadata,
+                                       lambda cs, bs: Mamba1MetadataBuilder(mamba_block_size=bs), MAMBA1_LIKE),
+    "ShortConvAttentionMetadataBuilder": (ShortConvAttentionMetadata,
+                                          lambda cs, bs: ShortConvMetadataBuilder(mamba_block_size=bs), MAMBA1_LIKE),
+    "Mamba2AttentionMetadataBuilder": (Mamba2AttentionMetadata,
+                                       lambda cs, bs: Mamba2MetadataBuilder(cs, mamba_block_size=bs), MAMBA2),
+    "GDNAttentionMetadataBuilder": (GDNAttentionMetadata, lambda cs, bs: GDNMetadataBuilder(mamba_block_size=bs), GDN),
 }
 # (golden builder, vLLM field) -> why this project differs on purpose. Each entry must still differ.
 KNOWN_DIFFERENCES: dict[tuple[str, str], str] = {}
@@ -192,12 +204,16 @@ KNOWN_DIFFERENCES: dict[tuple[str, str], str] = {}
 # ---- the goldens ----------------------------------------------------------------------------------
 
 @cache
-def golden() -> dict:
-    return json.loads(GOLDEN.read_text())
+def golden(mode: str) -> dict:
+    return json.loads(GOLDENS[mode].read_text())
+
+
+# golden builder name -> its file's mode (the align file's names carry their block size: distinct)
+MODE_OF = {name: mode for mode in GOLDENS for name in golden(mode)["builders"]}
 
 
 def column(name: str, field: str) -> list:
-    doc = golden()
+    doc = golden(MODE_OF[name])
     col = doc["outputs"][name][field]
     if isinstance(col, dict) and "const" in col:
         return [col["const"]] * doc["num_batches"]
@@ -206,20 +222,38 @@ def column(name: str, field: str) -> list:
     return col
 
 
-def common(i: int) -> CommonAttentionMetadata:
-    """This project's CommonAttentionMetadata of golden batch i (the same tensors vLLM was given)."""
-    inp = golden()["inputs"]
+def align_block_table(i: int, bs: int) -> torch.Tensor:
+    """The align file's block table of batch i for block size bs, rebuilt from its [A, C] as the file's
+    input_format (and scripts/vllm_reference.py `block_table_for`) says; checked against table_sha256."""
+    doc = golden("align")
+    inp, layout = doc["inputs"], doc["table_layout"]
+    a, c = inp["tables"][str(bs)][i]
+    rows, width = len(inp["q"][i]), -(-doc["max_model_len"] // bs)
+    flat = torch.arange(rows * width, dtype=torch.int64).view(rows, width)
+    pages = 1 + (a * flat + c) % layout["page_prime"]
+    seq_lens = torch.tensor(inp["q"][i], dtype=torch.int64) + torch.tensor(inp["computed"][i], dtype=torch.int64)
+    running = ((seq_lens - 1) // bs).clamp(min=0).view(-1, 1)
+    null = (torch.arange(width).view(1, -1) < running) & (pages % layout["null_every"] == 0)
+    null |= torch.tensor([k == "x" for k in inp["rows"][i]]).view(-1, 1)     # padding rows: all null
+    return torch.where(null, 0, pages).to(torch.int32)
+
+
+def common(mode: str, i: int, bs: int | None = None) -> CommonAttentionMetadata:
+    """This project's CommonAttentionMetadata of golden batch i (the same tensors vLLM was given); align:
+    the block table of block size bs."""
+    inp = golden(mode)["inputs"]
     q = torch.tensor(inp["q"][i], dtype=torch.int32)
     seq = torch.tensor(inp["computed"][i], dtype=torch.int32) + q
     qsl = torch.zeros(len(q) + 1, dtype=torch.int32)
     torch.cumsum(q, 0, out=qsl[1:])
     t = int(qsl[-1])
+    table = (torch.tensor(inp["slots"][i], dtype=torch.int32).view(-1, 1) if mode == "none"
+             else align_block_table(i, bs))
     return CommonAttentionMetadata(
         query_start_loc=qsl.clone(), query_start_loc_cpu=qsl, seq_lens=seq.clone(), num_reqs=len(q),
         num_actual_tokens=t, max_query_len=int(q.max()), max_seq_len=int(seq.max()),
-        block_table_tensor=torch.tensor(inp["slots"][i], dtype=torch.int32).view(-1, 1),
-        slot_mapping=torch.full((t,), -1, dtype=torch.int64), seq_lens_cpu_upper_bound=seq.clone(),
-        is_prefilling=torch.tensor(inp["prefilling"][i], dtype=torch.bool))
+        block_table_tensor=table, slot_mapping=torch.full((t,), -1, dtype=torch.int64),
+        seq_lens_cpu_upper_bound=seq.clone(), is_prefilling=torch.tensor(inp["prefilling"][i], dtype=torch.bool))
 
 
 def plain(v):
@@ -240,16 +274,24 @@ def vllm_value(v, cm: CommonAttentionMetadata):
 
 
 def describe(name: str, i: int) -> str:
-    inp = golden()["inputs"]
+    inp = golden(MODE_OF[name])["inputs"]
+    if "slots" in inp:
+        table = f"slots={inp['slots'][i]}"
+    else:
+        bs = golden("align")["builders"][name]["block_size"]
+        seq = [q + c for q, c in zip(inp["q"][i], inp["computed"][i])]
+        table = f"block size {bs}, running columns {[max(s - 1, 0) // bs for s in seq]}"
     return (f"{name} batch {i} ({inp['kind'][i]}, rows {inp['rows'][i]}: q={inp['q'][i]} "
-            f"computed={inp['computed'][i]} prefilling={inp['prefilling'][i]} slots={inp['slots'][i]})")
+            f"computed={inp['computed'][i]} prefilling={inp['prefilling'][i]} {table})")
 
 
 def mismatches(name: str, limit: int = 8) -> tuple[int, list[str]]:
     """(number of disagreeing (batch, field) pairs, the first `limit` of them in words)."""
-    info = golden()["builders"][name]
+    mode = MODE_OF[name]
+    info = golden(mode)["builders"][name]
     _, factory, fmap = FAMILIES[info["vllm_class"].rsplit(".", 1)[1]]
-    builder = factory(info["chunk_size"])
+    bs = info["mamba_block_size"] if mode == "align" else None
+    builder = factory(info["chunk_size"], bs)
     cols = {f: column(name, f) for f in info["fields"]}
     count, out = 0, []
 
@@ -261,8 +303,8 @@ def mismatches(name: str, limit: int = 8) -> tuple[int, list[str]]:
         if len(out) < limit:
             out.append(f"{describe(name, i)}: vLLM {field}={theirs}, this project's {what}={ours}")
 
-    for i in range(golden()["num_batches"]):
-        cm = common(i)
+    for i in range(golden(mode)["num_batches"]):
+        cm = common(mode, i, bs)
         try:
             md = builder.build(cm, producer="vllm goldens")
         except Exception as err:
@@ -295,7 +337,7 @@ def mismatches(name: str, limit: int = 8) -> tuple[int, list[str]]:
 # ---- tests ----------------------------------------------------------------------------------------
 
 def test_goldens_come_from_vllm_0_33_0_none_mode_with_every_case():
-    doc = golden()
+    doc = golden("none")
     assert doc["vllm_version"] == VLLM_VERSION and doc["mode"] == "none" and isinstance(doc["seed"], int)
     assert doc["num_batches"] >= MIN_BATCHES
     assert all(len(v) == doc["num_batches"] for v in doc["inputs"].values())
@@ -314,9 +356,47 @@ def test_goldens_come_from_vllm_0_33_0_none_mode_with_every_case():
     assert all(v >= 20 for k, v in cov.items() if k.startswith("prefill_rows_")), cov
 
 
-@pytest.mark.parametrize("name", sorted(json.loads(GOLDEN.read_text())["builders"]))
+def test_align_goldens_come_from_vllm_0_33_0_align_mode_with_every_case():
+    doc = golden("align")
+    assert doc["vllm_version"] == VLLM_VERSION and doc["mode"] == "align" and isinstance(doc["seed"], int)
+    assert doc["num_batches"] >= MIN_BATCHES
+    assert all(len(v) == doc["num_batches"] for k, v in doc["inputs"].items() if k not in ("tables", "table_sha256"))
+    block_sizes = doc["block_sizes"]
+    assert 16 in block_sizes and len(block_sizes) >= 2, block_sizes
+    for bs in block_sizes:
+        tables, digests = doc["inputs"]["tables"][str(bs)], doc["inputs"]["table_sha256"][str(bs)]
+        assert len(tables) == len(digests) == doc["num_batches"], bs
+        built = {b["vllm_class"].rsplit(".", 1)[1]: b for b in doc["builders"].values() if b["block_size"] == bs}
+        assert set(built) == set(FAMILIES), (bs, set(built))
+        chunk_sizes = {b["chunk_size"] for b in doc["builders"].values() if b["block_size"] == bs
+                       and b["vllm_class"].endswith(".Mamba2AttentionMetadataBuilder")}
+        assert len(chunk_sizes) >= 3, (bs, chunk_sizes)
+    for name, b in doc["builders"].items():
+        assert b["mamba_cache_mode"] == "align" and b["mamba_block_size"] == b["block_size"], name
+        assert b["enable_chunked_prefill"] and b["num_prefill_checkpoint_blocks"] == 0, name
+        assert all(len(column(name, f)) == doc["num_batches"] for f in b["fields"]), name
+    cov = doc["coverage"]
+    for key in ("rows_decode", "rows_prompt_tail_1", "rows_prompt_1", "rows_first_chunk", "rows_continue_chunk",
+                "rows_padding", "batches_decode_only", "batches_prefill_only", "batches_mixed"):
+        assert cov[key] >= 20, (key, cov[key])
+    for bs in block_sizes:     # the edges of the state-index rule, at every block size
+        edges = {k: v for k, v in cov.items() if k.startswith(f"bs{bs}_rows_")}
+        assert len(edges) >= 7 and all(v >= 20 for v in edges.values()), edges
+
+
+def test_align_block_tables_rebuild_exactly():
+    """The test's block tables are the ones vLLM was given (their sha256 digests in the file)."""
+    doc = golden("align")
+    for bs in doc["block_sizes"]:
+        for i, want in enumerate(doc["inputs"]["table_sha256"][str(bs)]):
+            table = align_block_table(i, bs)
+            got = hashlib.sha256(np.ascontiguousarray(table.numpy(), dtype="<i4").tobytes()).hexdigest()[:12]
+            assert got == want, f"block size {bs}, batch {i}: rebuilt table {got}, vLLM's {want}"
+
+
+@pytest.mark.parametrize("name", sorted(MODE_OF))
 def test_field_map_accounts_for_every_field(name):
-    info = golden()["builders"][name]
+    info = golden(MODE_OF[name])["builders"][name]
     md_cls, _, fmap = FAMILIES[info["vllm_class"].rsplit(".", 1)[1]]
     groups = [set(fmap[k]) for k in ("compared", "absent", "from_input", "not_compared")]
     listed = set().union(*groups)
@@ -332,7 +412,7 @@ def test_field_map_accounts_for_every_field(name):
     assert not set(fmap["absent"]) & project_fields, f"{name}: an ABSENT field exists in this project"
 
 
-@pytest.mark.parametrize("name", sorted(json.loads(GOLDEN.read_text())["builders"]))
+@pytest.mark.parametrize("name", sorted(MODE_OF))
 def test_builder_matches_vllm(name):
     count, first = mismatches(name)
     assert count == 0, f"{count} disagreements with vLLM {VLLM_VERSION}, the first:\n" + "\n".join(first)
@@ -386,11 +466,38 @@ def _plant_gdn_chunk_size(monkeypatch):
     monkeypatch.setattr(gdn_module, "compute_gdn_chunk_metadata", half_chunks)
 
 
+def _plant_align_column_of_next_token(monkeypatch):
+    def seq_len_over_bs(seq_lens, mamba_block_size):            # seq_len // bs instead of (seq_len - 1) // bs
+        return (seq_lens // mamba_block_size).to(torch.int64).unsqueeze(1)
+    monkeypatch.setattr(mamba_base, "align_state_columns", seq_len_over_bs)
+
+
+def _plant_align_column_0(monkeypatch):
+    def none_mode(self, common):                                # the "none" layout in align mode
+        return common.block_table_tensor[:, 0]
+    monkeypatch.setattr(mamba_base.BaseMambaMetadataBuilder, "state_indices", none_mode)
+
+
+def _plant_align_decodes_only(monkeypatch):
+    real = mamba_base.BaseMambaMetadataBuilder.common_fields
+
+    def prefills_in_column_0(self, common, s):                  # prefill rows keep column 0
+        fields = real(self, common, s)
+        if s.num_prefills:
+            fields["state_indices_tensor_p"] = common.block_table_tensor[s.num_decodes:, 0]
+        return fields
+    monkeypatch.setattr(mamba_base.BaseMambaMetadataBuilder, "common_fields", prefills_in_column_0)
+
+
 @pytest.mark.parametrize("plant, caught_by", [
     (_plant_chunk_boundary, ["mamba2_cs16", "mamba2_cs64", "mamba2_cs256"]),
     (_plant_initial_state_flag, ["mamba1", "mamba2_cs64", "short_conv", "gdn"]),
     (_plant_decode_rule, ["mamba1", "mamba2_cs16", "short_conv", "gdn"]),
     (_plant_gdn_chunk_size, ["gdn"]),
+    (_plant_align_column_of_next_token, ["mamba1_bs16", "mamba2_cs16_bs64", "mamba2_cs256_bs16", "short_conv_bs64",
+                                         "gdn_bs16", "gdn_bs64"]),
+    (_plant_align_column_0, ["mamba1_bs64", "mamba2_cs64_bs16", "short_conv_bs16", "gdn_bs64"]),
+    (_plant_align_decodes_only, ["mamba1_bs16", "mamba2_cs64_bs64", "short_conv_bs64", "gdn_bs16"]),
 ], ids=lambda v: v.__name__.removeprefix("_plant_") if callable(v) else None)
 def test_a_planted_builder_change_is_caught(plant, caught_by, monkeypatch):
     plant(monkeypatch)

@@ -11,6 +11,9 @@ may be short. (Mamba2 instead tops a continuing row up to the next multiple of c
 prefix caching; the GDN scan is exact for any layout, it just needs one.) The chunk fields carry
 Mamba2's names, so a layer can take its chunk layout from either metadata class.
 
+State slots come from the shared base builder in both cache modes (`mamba_block_size`, see
+mamba_base.py), as vLLM's GDN builder takes them from the same `mamba_get_block_table_tensor`.
+
 Fields required from the common metadata: the base Mamba set. vLLM's GDN builder does not read
 `seq_lens_cpu_upper_bound`; here the shared decode/prefill split does (a one-token prefill chunk
 on top of saved state runs as a decode, vLLM #42430), so it is required like `is_prefilling`.
@@ -55,9 +58,9 @@ class GDNMetadataBuilder(BaseMambaMetadataBuilder):
     required_fields = GDN_REQUIRED_FIELDS
 
     def __init__(self, chunk_size: int = GDN_CHUNK_SIZE, *, mamba_block_size: int | None = None):
-        super().__init__(mamba_block_size=mamba_block_size)
         if chunk_size < 1:
             raise ValueError(f"GDN chunk_size must be positive, got {chunk_size}")
+        super().__init__(mamba_block_size=mamba_block_size)
         self.chunk_size = chunk_size
 
     def _build(self, common: CommonAttentionMetadata, producer: str) -> GDNAttentionMetadata:

@@ -1,5 +1,7 @@
-"""Mamba1 metadata (vLLM `Mamba1AttentionMetadata`): the base Mamba fields only. Chunk fields
-exist in vLLM only for prefix caching ("all" mode), which this toolkit does not do."""
+"""Mamba1 metadata (vLLM `Mamba1AttentionMetadata`): the base Mamba fields only. vLLM's base
+metadata also has chunk fields (cu_chunk_seqlen_p, last_chunk_indices_p); its Mamba1 builder leaves
+them None in both cache modes ("none" and "align"), so they are not here. Both cache modes:
+`Mamba1MetadataBuilder(mamba_block_size=...)`, see mamba_base.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -50,9 +50,9 @@ def compute_chunk_metadata(query_lens_p: np.ndarray, num_computed_p: np.ndarray,
 
 class Mamba2MetadataBuilder(BaseMambaMetadataBuilder):
     def __init__(self, chunk_size: int, *, mamba_block_size: int | None = None):
-        super().__init__(mamba_block_size=mamba_block_size)
         if chunk_size < 1 or chunk_size & (chunk_size - 1):
             raise ValueError(f"Mamba2 chunk_size must be a power of two, got {chunk_size}")
+        super().__init__(mamba_block_size=mamba_block_size)
         self.chunk_size = chunk_size
 
     def _build(self, common: CommonAttentionMetadata, producer: str) -> Mamba2AttentionMetadata:

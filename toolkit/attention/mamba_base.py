@@ -4,11 +4,23 @@ Rows are decodes first. A row runs as a decode when it has one token on top of e
 query_len == 1 and (not is_prefilling or seq_len > 1) -- so a one-token prefill chunk that
 continues a saved state is a decode too (vLLM #42430). That rule needs `is_prefilling` and
 `seq_lens_cpu_upper_bound`, which is why both are required on every build.
-State index of a row = column 0 of its block table (one state slot per request, "none" mode).
+State index of a row (`mamba_block_size`, keyword-only on every Mamba-family builder; vLLM's
+`mamba_get_block_table_tensor`, vllm/v1/attention/backends/utils.py):
+  None  "none" mode (prefix caching off): column 0 of its block table, one state slot per request;
+        the index is a view of the block table.
+  bs    "align" mode (prefix caching on, bs = mamba_block_size = the cache block size): the block
+        table row is position-indexed (column i holds the state of tokens [i*bs, (i+1)*bs)), and a
+        row's state is the page in the column of its last scheduled token,
+        block_table[row, max((seq_len - 1) // bs, 0)] -- a seq_len of 0 reads column 0, as vLLM
+        clamps it. Decode and prefill rows alike. Computed on the device from `seq_lens` and
+        `block_table_tensor` (no host read, no host-to-device copy), into a buffer the builder
+        keeps per batch size: a CUDA graph captured for a decode batch of B rows reads the same
+        address that every later B-row step rewrites (metadata is built outside the graph).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Integral
 
 import numpy as np
 import torch
@@ -59,11 +71,53 @@ class MambaSplit:
     num_computed_p: np.ndarray        # int32 [P]: tokens already in each prefill row's state
 
 
+def check_mamba_block_size(mamba_block_size) -> int | None:
+    """None ("none" mode) or a positive int ("align" mode: tokens per Mamba block)."""
+    if mamba_block_size is None:
+        return None
+    if isinstance(mamba_block_size, bool) or not isinstance(mamba_block_size, Integral) or mamba_block_size < 1:
+        raise ValueError(f"mamba_block_size must be None (cache mode \"none\") or an int >= 1 (tokens per "
+                         f"Mamba block, cache mode \"align\"), got {mamba_block_size!r}")
+    return int(mamba_block_size)
+
+
+def align_state_columns(seq_lens: torch.Tensor, mamba_block_size: int) -> torch.Tensor:
+    """int64 [B, 1] on seq_lens' device: the block-table column of each row's last scheduled token,
+    max((seq_len - 1) // mamba_block_size, 0) (vLLM `mamba_get_block_table_tensor`, "align")."""
+    return ((seq_lens - 1) // mamba_block_size).clamp_(min=0).to(torch.int64).unsqueeze(1)
+
+
+def align_state_indices(block_table: torch.Tensor, seq_lens: torch.Tensor, mamba_block_size: int,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """[B], block_table's dtype: block_table[row, max((seq_lens[row] - 1) // mamba_block_size, 0)],
+    a gather on the tables' device (written into `out` [B] when given). A column past the table's
+    width is an error (vLLM's CPU path raises on it too)."""
+    cols = align_state_columns(seq_lens, mamba_block_size)
+    if out is None:
+        return torch.gather(block_table, 1, cols).squeeze(1)
+    torch.gather(block_table, 1, cols, out=out.view(-1, 1))
+    return out
+
+
 class BaseMambaMetadataBuilder(AttentionMetadataBuilder):
     required_fields = MAMBA_REQUIRED_FIELDS
 
     def __init__(self, *, mamba_block_size: int | None = None):
-        self.mamba_block_size = mamba_block_size
+        self.mamba_block_size = check_mamba_block_size(mamba_block_size)
+        # align mode: (device, B) -> the persistent int32 [B] the state indices of a B-row batch
+        # are gathered into (one per batch size seen: at most max_num_reqs of them, B ints each)
+        self._align_buffers: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+    def state_indices(self, common: CommonAttentionMetadata) -> torch.Tensor:
+        """Device int32 [B]: the state slot of every row (see the module docstring for the modes)."""
+        table = common.block_table_tensor
+        if self.mamba_block_size is None:
+            return table[:, 0]
+        key = (table.device, table.shape[0])
+        out = self._align_buffers.get(key)
+        if out is None:        # never replaced: a graph captured on it keeps reading it
+            out = self._align_buffers[key] = torch.empty(table.shape[0], dtype=table.dtype, device=table.device)
+        return align_state_indices(table, common.seq_lens, self.mamba_block_size, out=out)
 
     def split(self, common: CommonAttentionMetadata, producer: str = "") -> MambaSplit:
         qsl = common.query_start_loc_cpu.numpy()
@@ -85,11 +139,7 @@ class BaseMambaMetadataBuilder(AttentionMetadataBuilder):
 
     def common_fields(self, common: CommonAttentionMetadata, s: MambaSplit) -> dict:
         device = common.query_start_loc.device
-        if self.mamba_block_size:
-            cols = ((common.seq_lens - 1) // self.mamba_block_size).clamp(min=0).long()
-            state_indices = common.block_table_tensor.gather(1, cols[:, None])[:, 0]
-        else:
-            state_indices = common.block_table_tensor[:, 0]
+        state_indices = self.state_indices(common)
         fields = dict(num_prefills=s.num_prefills, num_prefill_tokens=s.num_prefill_tokens,
                       num_decodes=s.num_decodes, num_decode_tokens=s.num_decode_tokens,
                       num_reqs=common.num_reqs,
