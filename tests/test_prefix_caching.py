@@ -87,16 +87,16 @@ def test_a_resent_prompt_hits_its_last_full_block_before_the_final_token(groups)
 
 def test_a_mamba_hit_needs_a_checkpoint_and_is_not_downward_closed():
     """vLLM #45238/#51250: the first request saved its state at 8 only (its last boundary before
-    the final token); a request sharing 8 tokens then diverging hits 8 with attention alone, 0 on a
-    hybrid (no checkpoint at 4), and a longer one sharing all 9 tokens hits 8 on both."""
+    the final token). Requests sharing its first 8 tokens hit 8 everywhere; one sharing only its
+    first 7 has block 0 cached for attention (a hit of 4) but no checkpoint at 4 (a hit of 0)."""
     prompt = list(range(10, 19))                                     # 9 tokens: checkpoint at 8
-    for groups, diverging in (([ATTN], 8), ([ATTN, MAMBA], 0), ([MAMBA], 0)):
+    for groups in ([ATTN], [ATTN, MAMBA], [MAMBA]):
         s = scheduler(groups)
         s.add_request(request("first", prompt))
         run_to_end(s)
         assert hit_of(s, "longer", prompt + [50, 51, 52]) == 8
+        assert hit_of(s, "shorter", prompt[:8] + [99]) == 8
         assert hit_of(s, "diverging", prompt[:7] + [99, 98, 97]) == (4 if groups == [ATTN] else 0)
-        assert hit_of(s, "shorter", prompt[:8] + [99]) == diverging
 
 
 def test_a_checkpoint_made_this_step_is_hit_only_from_the_next():
@@ -115,18 +115,18 @@ def test_a_checkpoint_made_this_step_is_hit_only_from_the_next():
 
 def test_align_chunks_end_on_block_boundaries_and_at_the_last_one_before_the_end():
     """vLLM `_mamba_block_aligned_split`: P=23, bs=4. Budget 10: [0,8) [8,16) [16,20) [20,23);
-    budget 64: [0,20) [20,23); attention-only engines chunk freely."""
+    budget 64: [0,20) [20,23); attention-only engines chunk freely. (max_tokens=1: no decode.)"""
     for groups, budget, want in (([ATTN, MAMBA], 10, [8, 8, 4, 3]), ([MAMBA], 64, [20, 3]),
                                  ([ATTN], 10, [10, 10, 3])):
         s = scheduler(groups, budget=budget)
         s.add_request(request("r", range(10, 33)))
-        assert [st["r"] for st in run_to_end(s)][:-1] == want       # then the one decode
+        assert [st["r"] for st in run_to_end(s)] == want
 
 
 def test_a_block_larger_than_the_budget_still_progresses_and_meets_the_boundary():
     s = scheduler([MAMBA], budget=3, seqs=1)
     s.add_request(request("r", range(10, 20)))                       # 10 tokens, checkpoint at 8
-    assert [st["r"] for st in run_to_end(s)] == [3, 1, 3, 1, 1, 1, 1]   # 3, 4 | 7, 8 | 9, 10 | decode
+    assert [st["r"] for st in run_to_end(s)] == [3, 1, 3, 1, 2]       # to 3, 4 | 7, 8 | 10
 
 
 def test_mamba_rows_hold_the_running_page_and_release_the_one_copied_from():
@@ -137,10 +137,11 @@ def test_mamba_rows_hold_the_running_page_and_release_the_one_copied_from():
         out = s.schedule()
         rows.append(list(s.kv.block_ids("r")[0]))
         s.update_from_output(out, {"r": 7})
-    # columns 0, 1, 2 in turn; the page left behind is released one step later (a checkpoint)
-    assert [len(r) for r in rows] == [1, 2, 3, 3, 3, 3]
+    # chunks [0,4) [4,8) [8,10), decodes at 10, 11: columns 0, 1, 2; a page left behind is released
+    # one step later, and stays cached: the checkpoints at 4, 8 and 12
+    assert [len(r) for r in rows] == [1, 2, 3, 3, 3]
     assert all(sum(1 for i in r if i) <= 2 and r[-1] for r in rows)
-    assert len(s.kv.state_pool.cached) == 2 and not s.kv.state_pool.holders     # checkpoints at 4, 8
+    assert len(s.kv.state_pool.cached) == 3 and not s.kv.state_pool.holders
 
 
 def test_stats_count_queries_hits_and_skipped_tokens():
@@ -207,9 +208,10 @@ def test_outputs_with_the_prefix_cache_equal_a_cold_engine(preset):
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mamba2", "tiny-bamba", "tiny-lfm2"])
 def test_a_small_cache_preempts_and_evicts_and_outputs_still_equal(preset):
-    """Three rows, KV blocks for two full requests and no spare state page: requests preempt each
-    other, resume with hits on their own blocks, and cached pages are evicted."""
-    tight = dict(ENGINE, num_kv_blocks=25, max_num_batched_tokens=8)
+    """Three rows, KV blocks for fewer than three full requests and no spare state page: requests
+    preempt each other (where there is attention) and resume with hits, and cached blocks and
+    checkpoints are evicted; the outputs stay a cold engine's."""
+    tight = dict(ENGINE, num_kv_blocks=17, max_num_batched_tokens=8)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     prompts = [SHARED + [60 + i] * (i + 1) for i in range(4)]
     ids = ["p", "q", "r", "s"]
@@ -217,9 +219,11 @@ def test_a_small_cache_preempts_and_evicts_and_outputs_still_equal(preset):
     warm_llm = LLM(preset, enable_prefix_caching=True, num_state_pages=6, **tight)
     warm = serve(warm_llm, prompts, params, ids)
     assert [o.outputs[0].token_ids for o in warm] == [o.outputs[0].token_ids for o in cold]
-    preempted = sum(r.preempted_request_ids != [] for r in warm_llm.trace)
+    preempted = sum(len(r.preempted_request_ids) for r in warm_llm.trace)
     st = warm_llm.stats()
-    assert preempted and st["prefix_cache_hits"] >= 3 and st["prefix_cache_evictions"] > 0, (preempted, st)
+    attention = any(g.kind == "attention" for g in warm_llm.model_runner.kv_cache_groups)
+    assert preempted >= attention and st["prefix_cache_hits"] >= 2 and st["prefix_cache_evictions"] > 0, \
+        (preempted, st)
 
 
 def test_n_samples_hit_the_parents_prefix_instead_of_copying_it():
@@ -232,7 +236,7 @@ def test_n_samples_hit_the_parents_prefix_instead_of_copying_it():
     assert got.num_cached_tokens == 12
 
 
-def test_bad_values_are_refused_before_the_model_loads():
+def test_bad_values_are_refused_with_their_name():
     with pytest.raises(ValueError, match="enable_prefix_caching='yes'"):
         LLM("tiny-mamba2", enable_prefix_caching="yes", **F32)
     with pytest.raises(ValueError, match="num_state_pages=3: must be an int >= 8"):

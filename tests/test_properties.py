@@ -321,7 +321,7 @@ def check_ledger(llm: LLM) -> None:
         assert set().union(*pool.holders.values()) <= set(running), f"{pool.name}: held by a request not running"
         assert all(pool.cached[h] == i for i, h in pool.hash_of.items()) and \
             len(pool.cached) == len(pool.hash_of), f"{pool.name}: the cache's two maps disagree"
-    for g, group in enumerate(kv.groups):
+    for g in range(len(kv.groups)):
         pool = kv.pool(g)
         seen: dict[int, set[str]] = {}
         for rid, held in holdings.items():

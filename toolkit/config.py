@@ -35,9 +35,9 @@ class RunnerConfig:
             raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r}: must be True or False")
         if self.num_state_pages is not None and (not isinstance(self.num_state_pages, int)
                                                  or self.num_state_pages < self.min_state_pages):
+            per = "2 per running request with prefix caching" if self.enable_prefix_caching else "1 per running request"
             raise ValueError(f"num_state_pages={self.num_state_pages!r}: must be an int >= "
-                             f"{self.min_state_pages} ({'2 per running request with prefix caching' if self.enable_prefix_caching else 'one per running request'}, "
-                             f"max_num_seqs={self.max_num_seqs})")
+                             f"{self.min_state_pages} ({per}, max_num_seqs={self.max_num_seqs})")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
                              f"max_num_seqs={self.max_num_seqs} so every running request can decode")

@@ -297,7 +297,7 @@ class KVCacheManager:
         held = self._ids.get(req_id)
         if held is None:
             return
-        for g, (group, ids) in enumerate(zip(self.groups, held)):
+        for group, ids in zip(self.groups, held):
             full = min(num_computed // group.block_size, len(hashes))
             if group.kind == "attention":
                 for i in range(full):

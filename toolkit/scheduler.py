@@ -78,7 +78,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.kv = KVCacheManager(groups, num_kv_blocks, num_state_slots or max_num_seqs,
+        # state pages: as RunnerConfig.state_pages (one per request; 3 per request with prefix caching)
+        self.kv = KVCacheManager(groups, num_kv_blocks,
+                                 num_state_slots or max_num_seqs * (3 if enable_prefix_caching else 1),
                                  enable_prefix_caching=enable_prefix_caching)
         self.caching = enable_prefix_caching
         self.block_size = groups[0].block_size if groups else 1
