@@ -99,6 +99,20 @@ def test_a_mamba_hit_needs_a_checkpoint_and_is_not_downward_closed():
         assert hit_of(s, "diverging", prompt[:7] + [99, 98, 97]) == (4 if groups == [ATTN] else 0)
 
 
+@pytest.mark.parametrize("groups", [[ATTN, MAMBA], [MAMBA]], ids=["hybrid", "mamba"])
+def test_the_second_sibling_stops_at_the_shared_prefix_so_the_third_hits(groups):
+    """vLLM #45238: A's last checkpoint (12) lies in its own tokens, so B, sharing A's first 8,
+    cannot hit; B's prefill stops at the junction (8), saving a checkpoint there, and C hits 8."""
+    shared = list(range(10, 18))
+    s = scheduler(groups)
+    s.add_request(request("A", shared + [50, 51, 52, 53, 54]))
+    run_to_end(s)
+    s.add_request(request("B", shared + [60, 61, 62, 63, 64]))
+    steps = run_to_end(s)
+    assert s.kv.stats.hits == 0 and [st["B"] for st in steps] == [8, 4, 1]    # [0,8) [8,12) [12,13)
+    assert hit_of(s, "C", shared + [70, 71, 72, 73, 74]) == 8
+
+
 def test_a_checkpoint_made_this_step_is_hit_only_from_the_next():
     """Hashes are registered after the step that filled them (vLLM registers attention blocks at
     allocation and defers a same-step Mamba hit, #29387): two requests admitted together both compute."""

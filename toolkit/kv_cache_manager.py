@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 BlockHash = bytes
+KNOWN_HASHES = 1 << 16      # block hashes remembered for the shared-prefix junction (16 bytes each)
 
 
 def hash_block(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
@@ -159,6 +160,10 @@ class KVCacheManager:
                                     "state pages" if enable_prefix_caching else "state slots")
         self._ids: dict[str, tuple[list[int], ...]] = {}
         self.stats = PrefixCacheStats()
+        # every full block computed lately, cached or not: where a new request's shared prefix ends
+        # (its "junction"), even when no checkpoint is there yet
+        self.known_hashes: OrderedDict[BlockHash, None] = OrderedDict()
+        self._hashed_upto: dict[str, int] = {}      # per request: blocks registered so far
 
     def pool(self, g: int) -> BlockPool:
         return self.kv_pool if self.groups[g].kind == "attention" else self.state_pool
@@ -247,6 +252,7 @@ class KVCacheManager:
         return tuple(added)
 
     def free(self, req_id: str) -> None:
+        self._hashed_upto.pop(req_id, None)
         held = self._ids.pop(req_id, None)
         if held is None:
             return
@@ -275,6 +281,17 @@ class KVCacheManager:
                     for g in self.groups)
         return PrefixHit(blocks * bs, ids, tuple(blocks for _ in self.groups))
 
+    def known_prefix(self, hashes: list[BlockHash], num_tokens: int) -> int:
+        """Tokens of the longest prefix of full blocks (at most N - 1 tokens) that some request
+        computed lately, with or without a checkpoint at its end: the shared-prefix junction (vLLM
+        `shared_prefix_boundary`), where a recurrent request's chunk stops so that the next request
+        sharing the prefix finds a checkpoint there (vLLM #45238)."""
+        bs = self.groups[0].block_size
+        n, bound = 0, min((num_tokens - 1) // bs, len(hashes))
+        while n < bound and hashes[n] in self.known_hashes:
+            n += 1
+        return n * bs
+
     def count_lookup(self, num_tokens: int, hit: PrefixHit | None) -> None:
         """A looked-up request was admitted: count it in `stats`."""
         got = hit.num_tokens if hit else 0
@@ -297,6 +314,13 @@ class KVCacheManager:
         held = self._ids.get(req_id)
         if held is None:
             return
+        full = min(num_computed // self.groups[0].block_size, len(hashes))
+        for h in hashes[self._hashed_upto.get(req_id, 0):full]:
+            self.known_hashes[h] = None
+            self.known_hashes.move_to_end(h)
+            if len(self.known_hashes) > KNOWN_HASHES:
+                self.known_hashes.popitem(last=False)
+        self._hashed_upto[req_id] = full
         for group, ids in zip(self.groups, held):
             full = min(num_computed // group.block_size, len(hashes))
             if group.kind == "attention":

@@ -113,6 +113,7 @@ class Request:
     # prefix caching: the chained hashes of its full blocks so far, and the tokens its last admission hit
     block_hashes: list[bytes] = field(default_factory=list, repr=False, compare=False)
     num_cached_tokens: int = 0
+    prefix_junction: int = 0                  # "align": where its prefix shared with earlier requests ends
 
     @property
     def all_token_ids(self) -> list[int]:

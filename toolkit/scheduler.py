@@ -313,6 +313,9 @@ class Scheduler:
         if hit is not None:
             self.kv.adopt(req.request_id, hit)
             req.num_computed_tokens = hit.num_tokens
+        if self.align:                  # a shared prefix without a checkpoint at its end: make one
+            junction = self.kv.known_prefix(hashes, req.num_tokens)
+            req.prefix_junction = junction if junction > req.num_computed_tokens else 0
         return hit
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
@@ -321,7 +324,8 @@ class Scheduler:
         is the last: an unfinished chunk's end is floored to a boundary (unless the block is larger
         than the budget), a chunk that starts mid-block stops at the next boundary, and every chunk
         stops at the last boundary before the final token, where the state a later request can hit
-        must be saved."""
+        must be saved; and at the end of the prefix it shares with earlier requests (`prefix_junction`),
+        so that the next request sharing it can hit there."""
         start = req.num_computed_tokens
         total = req.num_tokens_to_compute
         end = start + min(total - start, budget)
@@ -332,9 +336,9 @@ class Scheduler:
             end = end // bs * bs
         if start % bs:
             end = min(end, (start // bs + 1) * bs)
-        last_checkpoint = (req.num_tokens - 1) // bs * bs
-        if start < last_checkpoint < end:
-            end = last_checkpoint
+        for stop in (req.prefix_junction, (req.num_tokens - 1) // bs * bs):   # the junction, the last
+            if start < stop < end:                                            # boundary before the end
+                end = stop
         return end - start
 
     def _cache_computed(self, sched_out: SchedulerOutput) -> None:
