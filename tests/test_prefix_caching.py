@@ -52,8 +52,8 @@ def hit_of(s: Scheduler, rid: str, tokens) -> int:
 def test_pool_counts_holders_and_evicts_the_least_recently_freed_cached_id_last_of_all():
     pool = BlockPool(6, "kv")
     a = pool.allocate(3, "a")                       # 1, 2, 3
-    for i, h in zip(a, (b"x", b"y", b"z")):
-        pool.register(i, h)
+    for n, (i, h) in enumerate(zip(a, (b"x", b"y", b"z"))):
+        pool.register(i, h, n)
     pool.touch([a[0]], "b")                          # b shares block 1 (a prefix hit)
     assert pool.holders[a[0]] == {"a", "b"}
     pool.free(a, "a")                                # 2, 3 free but cached; 1 still held by b
@@ -257,3 +257,25 @@ def test_bad_values_are_refused_with_their_name():
         LLM("tiny-mamba2", enable_prefix_caching=True, max_num_seqs=4, num_state_pages=3, **F32)
     pool = KVCacheManager([ATTN], 4, 0, enable_prefix_caching=True)
     assert pool.find_prefix_hit([], 1) is None
+
+
+def test_the_cache_report_lists_blocks_checkpoints_holders_and_eviction_order():
+    llm = LLM("tiny-bamba", enable_prefix_caching=True, **ENGINE)
+    assert "prefix caching is off" in repr(LLM("tiny-bamba", **ENGINE).prefix_cache)
+    assert "Nothing cached yet" in llm.prefix_cache._repr_html_()
+    serve(llm, [SHARED], SamplingParams(max_tokens=2, temperature=0.0), ["a"])
+    llm.add_request({"prompt_token_ids": SHARED + [40, 41, 42]}, SamplingParams(max_tokens=3), request_id="b")
+    llm.step()                                      # b hit 12 and holds blocks 0-2 and the checkpoint at 12
+    report = llm.prefix_cache
+    kv = [e for e in report.entries if e.kind == "kv block"]
+    pages = [e for e in report.entries if e.kind == "state page"]
+    assert [e.block for e in kv] == [0, 1, 2, 3] and kv[0].tokens == (0, 4)   # 0-2 a's, 3 b's own
+    assert [e.holders for e in kv] == [["b"]] * 4 and all(e.evict_rank is None for e in kv)
+    assert pages[0].block == 2 and pages[0].holders == ["b"]      # a's state after 12: b copies it
+    html = report._repr_html_()
+    assert "Prefix cache" in html and "[8, 12)" in html and "1 of 2 requests hit" in html
+    assert "KV blocks" in repr(report) and "12 prompt tokens skipped" in repr(report)
+    while llm.has_unfinished_requests():
+        llm.step()
+    kv = [e for e in llm.prefix_cache.entries if e.kind == "kv block"]
+    assert [e.evict_rank for e in kv] == [4, 3, 2, 1] and not any(e.holders for e in kv)  # the tail first

@@ -62,6 +62,7 @@ class BlockPool:
         self.holders: dict[int, set[str]] = {}       # id -> requests holding it (ref count = size)
         self.hash_of: dict[int, BlockHash] = {}      # registered ids (prefix cache)
         self.cached: dict[BlockHash, int] = {}       # hash -> id
+        self.block_index: dict[int, int] = {}        # registered id -> the block of the prompt it holds
         self.num_evictions = 0
 
     @property
@@ -81,6 +82,7 @@ class BlockPool:
             h = self.hash_of.pop(i, None)
             if h is not None:                        # a cached id is reused: its hash goes
                 del self.cached[h]
+                del self.block_index[i]
                 self.num_evictions += 1
             self.holders[i] = {holder}
             ids.append(i)
@@ -106,11 +108,13 @@ class BlockPool:
             if i not in self.hash_of:
                 self._free.move_to_end(i, last=False)
 
-    def register(self, i: int, h: BlockHash) -> None:
-        """Id i now holds the content named by h (the first id registered under a hash keeps it)."""
+    def register(self, i: int, h: BlockHash, index: int) -> None:
+        """Id i now holds the content named by h, block `index` of its prefix (the first id
+        registered under a hash keeps it)."""
         if h not in self.cached and i not in self.hash_of:
             self.cached[h] = i
             self.hash_of[i] = h
+            self.block_index[i] = index
 
     def hand_over(self, ids: list[int], from_holder: str, to_holder: str) -> None:
         for i in ids:
@@ -325,9 +329,9 @@ class KVCacheManager:
             full = min(num_computed // group.block_size, len(hashes))
             if group.kind == "attention":
                 for i in range(full):
-                    self.kv_pool.register(ids[i], hashes[i])
+                    self.kv_pool.register(ids[i], hashes[i], i)
             elif num_computed % group.block_size == 0 and 0 < full <= len(ids) and ids[full - 1]:
-                self.state_pool.register(ids[full - 1], hashes[full - 1])
+                self.state_pool.register(ids[full - 1], hashes[full - 1], full - 1)
 
 
 def prefix_cache_stats(kv: KVCacheManager) -> dict[str, int | float]:

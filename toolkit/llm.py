@@ -17,6 +17,7 @@ from toolkit.inspect.capture import LayerSpec, RequestSpec, check_capture_mode
 from toolkit.inspect.memory import MemoryMarks, MemoryReport, collect, resolve_trace_budget
 from toolkit.inspect.recorder import MODES, Recorder, StepOutcome, step_record
 from toolkit.inspect.step_record import StepRecord
+from toolkit.inspect.prefix_cache import PrefixCacheReport, prefix_cache_report
 from toolkit.inspect.trace import Trace
 from toolkit.kv_cache_manager import CacheGroupKind, prefix_cache_stats
 from toolkit.models import load_model
@@ -369,6 +370,12 @@ class LLM:
         self._memory.mark("shutdown")
         if self.checks:
             checks.raise_if_any(checks.check_shutdown(runner))
+
+    @property
+    def prefix_cache(self) -> PrefixCacheReport:
+        """What the prefix cache holds now (`enable_prefix_caching=True`): every cached KV block and
+        state page (checkpoint), the prompt block it stands for, who shares it, and the counts."""
+        return prefix_cache_report(self.scheduler.kv)
 
     def memory_report(self) -> MemoryReport:
         """Bytes by category (weights, kv_cache, state_cache, persistent_buffers, graphs, trace;
