@@ -15,9 +15,9 @@ from toolkit.errors import EngineClosedError, InvalidRequestError, ToolkitError
 from toolkit.inspect import checks
 from toolkit.inspect.capture import LayerSpec, RequestSpec, check_capture_mode
 from toolkit.inspect.memory import MemoryMarks, MemoryReport, collect, resolve_trace_budget
+from toolkit.inspect.prefix_cache import PrefixCacheReport, prefix_cache_report
 from toolkit.inspect.recorder import MODES, Recorder, StepOutcome, step_record
 from toolkit.inspect.step_record import StepRecord
-from toolkit.inspect.prefix_cache import PrefixCacheReport, prefix_cache_report
 from toolkit.inspect.trace import Trace
 from toolkit.kv_cache_manager import CacheGroupKind, prefix_cache_stats
 from toolkit.models import load_model
