@@ -279,3 +279,36 @@ def test_the_cache_report_lists_blocks_checkpoints_holders_and_eviction_order():
         llm.step()
     kv = [e for e in llm.prefix_cache.entries if e.kind == "kv block"]
     assert [e.evict_rank for e in kv] == [4, 3, 2, 1] and not any(e.holders for e in kv)  # the tail first
+
+
+def test_records_show_the_hits_and_where_each_state_came_from():
+    llm = LLM("tiny-bamba", enable_prefix_caching=True, **ENGINE)
+    serve(llm, [SHARED], SamplingParams(max_tokens=1, temperature=0.0), ["a"])
+    steps_a = list(llm.trace)
+    assert steps_a[0].state_copies[0].src_page == 0 and steps_a[0].state_copies[0].from_tokens == 0   # zeroed
+    assert [c.from_tokens for r in steps_a for c in r.state_copies] == [0, 12]   # [0,12), then [12,13)
+    llm.add_request({"prompt_token_ids": SHARED + [40]}, SamplingParams(max_tokens=1), request_id="b")
+    rec = llm.step()
+    checkpoint = next(e for e in llm.prefix_cache.entries if e.kind == "state page" and e.block == 2)
+    assert rec.prefix_hits == {"b": 12}
+    (copy,) = rec.state_copies
+    assert (copy.request_id, copy.from_tokens, copy.src_page) == ("b", 12, checkpoint.id)
+    assert copy.dst_page not in (0, copy.src_page)
+    html = rec._repr_html_()
+    assert "Prefix cache" in html and f"page {checkpoint.id} (state after 12 tokens)" in html
+
+
+def test_a_step_writing_a_cached_page_is_caught():
+    """A planted bookkeeping bug: the page a request is about to write is also registered as a
+    checkpoint (as if a stale hash had survived a reuse); the check names the request and page."""
+    from toolkit.errors import InvariantError
+    llm = LLM("tiny-bamba", enable_prefix_caching=True, **ENGINE)
+    llm.add_request({"prompt_token_ids": SHARED}, SamplingParams(max_tokens=4), request_id="a")
+    llm.step()                                                     # [0, 12): its running page is column 2
+    page = llm.scheduler.kv.block_ids("a")[1][-1]
+    llm.step()                                                     # [12, 13): a new page, column 3
+    running = llm.scheduler.kv.block_ids("a")[1][-1]
+    assert running != page
+    llm.scheduler.kv.state_pool.register(running, b"stale", 5)
+    with pytest.raises(InvariantError, match=rf"cached_ids_not_written.*request 'a'.*writes id {running}"):
+        llm.step()

@@ -49,6 +49,7 @@ class NewRequestData:
                                                     # that the runner copies into the first of its own
     inherits_state: bool = False        # an n > 1 child that took its parent's ids over: its state slot
                                         # holds its computed tokens' state (not zeroed)
+    num_cached_tokens: int = 0          # prefix caching: the computed tokens it took from the cache
 
 
 @dataclass
@@ -272,9 +273,9 @@ class Scheduler:
                     self.kv.free(req.request_id)
                     req.num_computed_tokens = 0
                 break
+            req.num_cached_tokens = hit.num_tokens if hit else 0
             if self.caching and req.fork_from is None:
                 self.kv.count_lookup(req.num_tokens, hit)
-                req.num_cached_tokens = hit.num_tokens if hit else 0
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -297,7 +298,7 @@ class Scheduler:
                 sampling_seed=req.sampling_seed, num_prompt_tokens=len(req.prompt_token_ids),
                 min_tokens_stop_ids=stop_ids,
                 num_prompt_logprobs=params.prompt_logprobs if want_prompt_logprobs else None,
-                fork_src=fork_src, inherits_state=inherits))
+                fork_src=fork_src, inherits_state=inherits, num_cached_tokens=req.num_cached_tokens))
             self._known_to_runner.add(req.request_id)
         return budget
 

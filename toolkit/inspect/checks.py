@@ -10,7 +10,10 @@ state cache) and returns `Violation`s; it never changes them. What each one guar
 - `initial_state_flag`    has_initial_states_p is True exactly for rows with computed tokens (#43090);
 - `fresh_slot_is_zero`    a request's slot reads zero before its first prefill (#56524 / #35219);
 - `padded_rows_on_null`   dummy / padded rows point at the null slot and block, and write nothing;
-- `logits_finite`         no NaN / Inf in the logits.
+- `logits_finite`         no NaN / Inf in the logits;
+- `cached_ids_not_written`  prefix caching: no row writes a cached KV block or state page (a checkpoint
+                          another request may read; the forward writes only a row's running page and
+                          the blocks past its hit).
 
 Some checks read device tensors (a host sync): they run only when checks are on.
 """
@@ -175,6 +178,32 @@ def check_fresh_slots(runner, state, where: str,
                             "fresh_slot_is_zero", f"{where}, request {batch.req_ids[row]!r}, layer {name}",
                             f"{label} at slot {slot}",
                             f"max |value| {value:.3g} before the request's first prefill (a reused slot not zeroed)"))
+    return out
+
+
+def check_cached_not_written(scheduler, runner, state, where: str) -> list[Violation]:
+    """Before the forward, prefix caching on: the pages and blocks this step writes hold no cached
+    content. Read on the host from the runner's tables (no device read)."""
+    kv = scheduler.kv
+    out: list[Violation] = []
+    batch = state.input_batch
+    start = batch.num_computed_tokens_np.astype(np.int64)
+    end = start + batch.num_scheduled_tokens
+    bt = runner.block_tables
+    for group in runner.kv_cache_groups:
+        g, bs = group.group_id, group.block_size
+        pool = kv.pool(g)
+        for row, rid in enumerate(batch.req_ids):
+            idx = batch.idx_mapping_np[row]
+            if group.kind == "mamba":
+                written = {int(bt.state_pages(g, idx[None], end[row:row + 1])[0])}
+            else:
+                written = {int(i) for i in bt.tables[g][idx, start[row] // bs:-(-end[row] // bs)]}
+            for i in sorted(written & set(pool.hash_of)):
+                b = pool.block_index[i]
+                out.append(Violation("cached_ids_not_written", f"{where}, request {rid!r}, group {g} ({group.kind})",
+                                     "block table", f"writes id {i}, cached as block {b} (tokens "
+                                     f"[{b * bs}, {(b + 1) * bs})) that other requests may read"))
     return out
 
 

@@ -35,7 +35,15 @@ from toolkit.inspect.capture import (
     resolve_layers,
     resolve_requests,
 )
-from toolkit.inspect.step_record import TOP_K_LOGITS, LayerState, StepRecord, Violation, scheduled_rows, snapshot
+from toolkit.inspect.step_record import (
+    TOP_K_LOGITS,
+    LayerState,
+    StateCopy,
+    StepRecord,
+    Violation,
+    scheduled_rows,
+    snapshot,
+)
 from toolkit.inspect.trace import Trace
 from toolkit.layers.state_mixer import StateSlotMixer
 from toolkit.request import Request, RequestOutput
@@ -79,7 +87,17 @@ def step_record(step: StepOutcome, backend: str, logits: torch.Tensor | None = N
                  "update": step.timings["update"]},
         device_timings=dict(state.device_timings) if state else {},
         logprobs=dict(state.sampled_logprobs) if state else {},
-        prompt_logprobs=dict(state.prompt_logprobs) if state else {})
+        prompt_logprobs=dict(state.prompt_logprobs) if state else {},
+        prefix_hits={new.req_id: new.num_cached_tokens for new in step.sched_out.scheduled_new_reqs
+                     if new.num_cached_tokens},
+        state_copies=state_copies(state.state_copies) if state else [])
+
+
+def state_copies(copies) -> list[StateCopy]:
+    if copies is None:
+        return []
+    return [StateCopy(r, int(n), int(s), int(d))
+            for r, n, s, d in zip(copies.request_ids, copies.from_tokens, copies.src, copies.dst)]
 
 
 class Recorder:
@@ -155,6 +173,8 @@ class Recorder:
         if self.checks_on:
             names = {layer: info[1] for layer, info in self._layer_info.items()}
             self._pending += checks.check_fresh_slots(runner, state, self.where, names)
+            if self.scheduler.kv.caching:
+                self._pending += checks.check_cached_not_written(self.scheduler, runner, state, self.where)
 
     def after_forward(self, runner, state) -> None:
         if self._before is not None:

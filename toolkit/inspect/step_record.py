@@ -111,6 +111,15 @@ class Violation:
 
 
 @dataclass
+class StateCopy:
+    """One row's running state moved to a new page before the forward (prefix caching)."""
+    request_id: str
+    from_tokens: int      # tokens the source state covers: a checkpoint at a block end; 0: zeroed
+    src_page: int         # 0 when zeroed (the request starts from scratch)
+    dst_page: int
+
+
+@dataclass
 class StepRecord:
     step_index: int | None                       # the user's step counter; None for warmup
     scheduled: list[ScheduledRequest]            # in batch order (decodes first)
@@ -143,6 +152,10 @@ class StepRecord:
     # per prefill row whose request asked (SamplingParams.prompt_logprobs): the prompt tokens its
     # chunk predicts, with their logprobs, ranks and top k
     prompt_logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # prefix caching: per request admitted this step with a hit, the prompt tokens it took from the
+    # cache; and the state copies before the forward (a row entering a new block: page src -> dst)
+    prefix_hits: dict[str, int] = field(default_factory=dict)
+    state_copies: list[StateCopy] = field(default_factory=list)
 
     @property
     def is_warmup(self) -> bool:

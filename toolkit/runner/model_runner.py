@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import gc
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -58,6 +58,7 @@ class ExecuteModelState:
                                                                      # stages, from events (StageClock)
     graph: str = "eager"                 # what ran the forward: "eager", "padded eager", "graph"
     padded_size: int | None = None       # P: rows the forward ran (padded decode batch), else None
+    state_copies: Any = None             # prefix caching: model_state.preprocess_state's StateCopies
     # set by sample_tokens (host, after the sync): each row's sampled token with its logprob and rank
     # (the top k its request asked for; every row while an observer records), and the prompt
     # logprobs of the prefill chunks whose request asked
@@ -183,11 +184,11 @@ class ModelRunner:
         if input_batch.input_ids_sampled:
             gather_sampled_input_ids(self.input_buffers, self.req_states, n)
         clock.mark("prepare_inputs")
-        self.model_state.preprocess_state(input_batch, self.block_tables)
+        state_copies = self.model_state.preprocess_state(input_batch, self.block_tables)
         attn_metadata = self.model_state.prepare_attn(forward_batch, block_tables, slot_mappings,
                                                       self.attn_groups)
         state = ExecuteModelState(input_batch, attn_metadata, None, block_tables=block_tables,
-                                  graph=graphs.label(padded), padded_size=padded)
+                                  graph=graphs.label(padded), padded_size=padded, state_copies=state_copies)
         clock.mark("build_metadata")
         if self.observer is not None:
             self.observer.before_forward(self, state)

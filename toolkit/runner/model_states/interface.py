@@ -40,8 +40,10 @@ class ModelState(ABC):
     def remove_request(self, req_id: str) -> None:
         """A request finished or was preempted."""
 
-    def preprocess_state(self, input_batch: InputBatch, block_tables: BlockTables) -> None:
-        """Before metadata is built (vLLM: Mamba align-mode state copies). Real rows only."""
+    def preprocess_state(self, input_batch: InputBatch, block_tables: BlockTables):
+        """Before metadata is built (vLLM: Mamba align-mode state copies). Real rows only; returns
+        what it did, for the step's record (None: nothing)."""
+        return None
 
     def postprocess_state(self, input_batch: InputBatch, sampled: torch.Tensor) -> None:
         """After sampling."""

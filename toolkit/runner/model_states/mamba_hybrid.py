@@ -13,6 +13,8 @@ What it adds over the default state (vLLM `model_states/mamba_hybrid.py`):
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -22,6 +24,18 @@ from toolkit.runner.input_batch import InputBatch
 from toolkit.runner.kv_cache import KVCacheGroup
 from toolkit.runner.model_states.default import DefaultModelState
 from toolkit.scheduler import NewRequestData
+
+
+@dataclass
+class StateCopies:
+    """What `preprocess_state` did this step ("align" mode), one entry per row that entered a new
+    block: its running state went from page `src` (the checkpoint after `from_tokens` tokens: the
+    page of the column it left, or a prefix hit's page; 0 = none, the new page was zeroed) to page
+    `dst` before the forward."""
+    request_ids: list[str]
+    from_tokens: np.ndarray      # int64 [R]: tokens the source state covers (a block multiple; 0: zeroed)
+    src: np.ndarray              # int64 [R]
+    dst: np.ndarray              # int64 [R]
 
 
 class MambaHybridModelState(DefaultModelState):
@@ -41,9 +55,9 @@ class MambaHybridModelState(DefaultModelState):
             for t in self.state_tensors:
                 t.index_fill_(0, index, 0)
 
-    def preprocess_state(self, input_batch: InputBatch, block_tables: BlockTables) -> None:
+    def preprocess_state(self, input_batch: InputBatch, block_tables: BlockTables) -> StateCopies | None:
         if not self.cfg.enable_prefix_caching or not self.mamba_groups:
-            return
+            return None
         group = self.mamba_groups[0]
         bs, table = group.block_size, block_tables.tables[group.group_id]
         start = input_batch.num_computed_tokens_np.astype(np.int64)
@@ -51,7 +65,7 @@ class MambaHybridModelState(DefaultModelState):
         old, new = -(-start // bs) - 1, -(-end // bs) - 1
         rows = np.nonzero(new != old)[0]
         if not len(rows):
-            return
+            return None
         idx = input_batch.idx_mapping_np[rows]
         dst = table[idx, new[rows]]
         if (dst == 0).any():
@@ -59,6 +73,9 @@ class MambaHybridModelState(DefaultModelState):
                                f"(rows {rows[dst == 0].tolist()})")
         has_src = old[rows] >= 0
         src = table[idx[has_src], old[rows][has_src]]
+        if (src == 0).any():
+            raise RuntimeError("prefix caching: a row's state to copy from has no page (rows "
+                               f"{rows[has_src][src == 0].tolist()})")
         copy = to_device(np.stack([src, dst[has_src]]).astype(np.int64), self.device) if len(src) else None
         zero = to_device(dst[~has_src].astype(np.int64), self.device) if (~has_src).any() else None
         for t in self.state_tensors:
@@ -66,6 +83,10 @@ class MambaHybridModelState(DefaultModelState):
                 t.index_copy_(0, copy[1], t.index_select(0, copy[0]))
             if zero is not None:
                 t.index_fill_(0, zero, 0)
+        source = np.zeros(len(rows), dtype=np.int64)
+        source[has_src] = src
+        return StateCopies([input_batch.req_ids[r] for r in rows], (old[rows] + 1) * bs, source,
+                           dst.astype(np.int64))
 
     def attn_metadata_kwargs(self, input_batch: InputBatch, for_capture: bool) -> dict:
         kwargs = super().attn_metadata_kwargs(input_batch, for_capture)
