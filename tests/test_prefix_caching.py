@@ -1,7 +1,7 @@
 """Prefix caching (`LLM(enable_prefix_caching=True)`): the hit rules of kv_cache_manager.py, the
 "align" chunking of scheduler.py, and outputs equal to a cold engine's on every preset.
 
-Hit rules (vLLM 0.33.0, ../shared/design/prefix-caching-and-spec.md): a hit is capped at N - 1
+Hit rules (vLLM 0.33.0: `kv_cache_manager.get_computed_blocks`, `HybridKVCacheCoordinator`): a hit is capped at N - 1
 tokens; attention hits the longest run of cached full blocks; a Mamba group needs a checkpoint (a
 state saved at exactly that block end), searched right to left within the attention hit; the hit
 is the minimum over groups.
