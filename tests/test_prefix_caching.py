@@ -1,10 +1,10 @@
 """Prefix caching (`LLM(enable_prefix_caching=True)`): the hit rules of kv_cache_manager.py, the
 "align" chunking of scheduler.py, and outputs equal to a cold engine's on every preset.
 
-Hit rules (vLLM 0.33.0: `kv_cache_manager.get_computed_blocks`, `HybridKVCacheCoordinator`): a hit is capped at N - 1
-tokens; attention hits the longest run of cached full blocks; a Mamba group needs a checkpoint (a
-state saved at exactly that block end), searched right to left within the attention hit; the hit
-is the minimum over groups.
+Hit rules (vLLM 0.33.0: `KVCacheManager.get_computed_blocks`, `HybridKVCacheCoordinator`): a hit
+is capped at N - 1 tokens; attention hits the longest run of cached full blocks; a Mamba group
+needs a checkpoint (a state saved at exactly that block end), searched right to left within the
+attention hit; the hit is the minimum over groups.
 """
 from __future__ import annotations
 
