@@ -51,7 +51,8 @@ def test_notebooks_exist():
     names = [p.name for p in notebook_paths()]
     for expected in ("01_quickstart.ipynb", "02_hybrid_warmup_and_inference.ipynb",
                      "03_attention_free_models.ipynb", "04_debugging_a_warmup_crash.ipynb",
-                     "05_cuda_graphs_and_shutdown.ipynb", "06_compare_with_transformers.ipynb"):
+                     "05_cuda_graphs_and_shutdown.ipynb", "06_compare_with_transformers.ipynb",
+                     "07_prefix_caching_on_a_hybrid.ipynb"):
         assert expected in names, f"notebooks/{expected} is missing (found {names})"
     assert SANITIZE.is_file()
 
