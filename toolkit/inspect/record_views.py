@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from toolkit.inspect import html as H
 from toolkit.inspect.step_record import DROPPED
 from toolkit.inspect.summaries import (
@@ -82,8 +84,9 @@ def _prefill_lens(rec: Any) -> dict[str, int]:
 
 
 def row_holdings(rec: Any, row: int) -> tuple[int | None, list[int] | None]:
-    """(state slot, KV block ids) of a batch row, read from the block tables the runner used
-    (the first Mamba and attention groups); None where the model has no such group. Trailing
+    """(state slot, KV block ids) of a batch row: the state index the Mamba builder handed the
+    layers (its running page with prefix caching) and the attention block-table row the runner
+    used (the first Mamba and attention groups); None where the model has no such group. Trailing
     null entries of a block-table row are unused columns."""
     slot, blocks = None, None
     for gm in rec.attn_metadata:
@@ -91,7 +94,10 @@ def row_holdings(rec: Any, row: int) -> tuple[int | None, list[int] | None]:
         if row >= table.shape[0]:
             continue
         if gm.kind == "mamba" and slot is None:
-            slot = int(table[row, 0])
+            md = gm.metadata                        # rows are decodes first, as the batch
+            parts = [t for t in (md.state_indices_tensor_d, md.state_indices_tensor_p) if t is not None]
+            indices = torch.cat(parts).tolist() if parts else []
+            slot = int(indices[row]) if row < len(indices) else None
         elif gm.kind == "attention" and blocks is None:
             ids = table[row].tolist()
             while ids and ids[-1] == 0:

@@ -169,9 +169,13 @@ def block_tables_html(record: Any) -> str:
     for gm in record.attn_metadata:
         table = gm.common.block_table_tensor
         labels = [s.request_id for s in record.scheduled] or [f"pad {i}" for i in range(table.shape[0])]
-        if gm.kind == "mamba":
-            png = plots.block_grid_png(table[:, :1].tolist(), labels,
+        if gm.kind == "mamba" and table.shape[1] == 1:
+            png = plots.block_grid_png(table.tolist(), labels,
                                        f"group {gm.group_id}: state slot per row (grey = null slot 0)")
+        elif gm.kind == "mamba":                    # prefix caching: a page per block column
+            png = plots.block_grid_png(table.tolist(), labels,
+                                       f"group {gm.group_id}: state pages by block column, the last one running "
+                                       "(grey = no page)", used=_used_blocks(table))
         else:
             png = plots.block_grid_png(table.tolist(), labels,
                                        f"group {gm.group_id}: block table (grey = null block 0, "
