@@ -347,9 +347,12 @@ class Scheduler:
         step's admissions see it, never this step's)."""
         for req_id in sched_out.num_scheduled_tokens:
             req = self.requests.get(req_id)
-            if req is not None:
-                hashes = block_hashes(req.all_token_ids, self.block_size, req.block_hashes)
-                self.kv.cache_computed(req_id, hashes, req.num_computed_tokens)
+            if req is None:
+                continue
+            hashes = req.block_hashes
+            if len(hashes) < req.num_computed_tokens // self.block_size:   # a block filled: hash it
+                hashes = block_hashes(req.all_token_ids, self.block_size, hashes)
+            self.kv.cache_computed(req_id, hashes, req.num_computed_tokens)
 
     def update_from_output(self, sched_out: SchedulerOutput, sampled: dict[str, int],
                            logprobs: dict[str, TokenLogprobs] | None = None,
