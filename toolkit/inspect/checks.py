@@ -199,7 +199,7 @@ def check_cached_not_written(scheduler, runner, state, where: str) -> list[Viola
                 written = {int(bt.state_pages(g, idx[None], end[row:row + 1])[0])}
             else:
                 written = {int(i) for i in bt.tables[g][idx, start[row] // bs:-(-end[row] // bs)]}
-            for i in sorted(written & set(pool.hash_of)):
+            for i in sorted(written & pool.hash_of.keys()):
                 b = pool.block_index[i]
                 out.append(Violation("cached_ids_not_written", f"{where}, request {rid!r}, group {g} ({group.kind})",
                                      "block table", f"writes id {i}, cached as block {b} (tokens "
