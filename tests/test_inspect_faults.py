@@ -9,8 +9,10 @@ from toolkit.inspect import faults
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 FAULT_NAMES = [f.name for f in faults.catalogue()]
-# presets on which a fault is a fault (routing an attention-free model wrongly needs one)
-PRESETS = {"attention_free_default_state": ["tiny-mamba2", "tiny-mamba"]}
+# presets on which a fault is a fault (routing an attention-free model wrongly needs one; a hit
+# decided by attention alone needs attention layers)
+PRESETS = {"attention_free_default_state": ["tiny-mamba2", "tiny-mamba"],
+           "hit_counted_without_checkpoint": ["tiny-bamba", "tiny-lfm2"]}
 
 
 def workload(preset: str) -> None:
@@ -29,6 +31,29 @@ def workload(preset: str) -> None:
         llm.shutdown()
 
 
+SHARED = list(range(3, 51))                      # 48 tokens: three blocks of 16
+
+
+def prefix_workload(preset: str, **engine) -> None:
+    """Prefix caching ("align", block 16, 40-token steps): A (48 shared + 32 own tokens) prefills in
+    chunks [0, 32), [32, 64), [64, 80), leaving checkpoints at 32 and 64; then B (the same 48 + 32
+    others) hits 32 tokens (A's checkpoint at 48 does not exist: attention alone would claim 48)."""
+    llm = LLM(preset, device="cpu", dtype="float32", max_num_seqs=2, max_num_batched_tokens=40, block_size=16,
+              max_model_len=128, enable_prefix_caching=True, **engine)
+    try:
+        for own in (range(60, 92), range(100, 132)):
+            llm.add_request({"prompt_token_ids": SHARED + list(own)}, GREEDY)
+            while llm.has_unfinished_requests():
+                llm.step()
+        assert llm.stats()["prompt_tokens_skipped"] == 32
+    finally:
+        llm.shutdown()
+
+
+def run_workload(fault: faults.Fault, preset: str) -> None:
+    (prefix_workload if fault.needs == "prefix caching" else workload)(preset)
+
+
 def cases():
     for name in FAULT_NAMES:
         for preset in PRESETS.get(name, ["tiny-bamba", "tiny-mamba2"]):
@@ -40,7 +65,7 @@ def test_each_fault_is_detected_and_located(name, preset):
     fault = faults.get(name)
     with faults.inject(name):
         with pytest.raises(ToolkitError) as err:
-            workload(preset)
+            run_workload(fault, preset)
     e = err.value
     if fault.detected_by == "MetadataContractError":
         assert isinstance(e, MetadataContractError)
@@ -56,7 +81,7 @@ def test_each_fault_is_detected_and_located(name, preset):
         if name != "graph_manager_kept_on_shutdown":
             assert ("step" in v.where or "warmup" in v.where) and ("request" in v.where or "group" in v.where)
     # the fault is gone after the block
-    workload(preset)
+    run_workload(fault, preset)
 
 
 def test_every_fault_has_a_detection_and_a_description():
@@ -71,6 +96,12 @@ def test_every_fault_has_a_detection_and_a_description():
 @pytest.mark.parametrize("preset", ["tiny-bamba", "tiny-mamba2", "tiny-jamba", "tiny-lfm2", "tiny-mamba"])
 def test_workload_without_faults_raises_nothing(preset):
     workload(preset)
+
+
+@pytest.mark.parametrize("preset", ["tiny-bamba", "tiny-mamba2", "tiny-lfm2", "tiny-mamba", "tiny-qwen3-next"])
+def test_prefix_workload_without_faults_raises_nothing_in_full_mode(preset):
+    """Every prefix-caching check on, the cold-state oracle included, on each recurrent family."""
+    prefix_workload(preset, inspect="full")
 
 
 def test_violations_are_in_the_trace_and_the_step_completes():

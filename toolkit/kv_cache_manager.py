@@ -73,6 +73,10 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self._free)
 
+    def is_free(self, i: int) -> bool:
+        """Id i waits in the free queue (held by nobody; cached or not)."""
+        return i in self._free
+
     def allocate(self, n: int, holder: str) -> list[int]:
         if n > len(self._free):
             raise RuntimeError(f"{self.name}: asked for {n}, {len(self._free)} free")

@@ -192,7 +192,7 @@ class LLM:
         sched_out = self.scheduler.schedule()
         scheduled_at = time.perf_counter()
         if self._recorder is not None:
-            self._recorder.begin(f"{stage} step" if warm else f"step {self._step_index}")
+            self._recorder.begin(f"{stage} step" if warm else f"step {self._step_index}", sched_out)
         try:
             state = self.model_runner.execute_model(sched_out)
             sampled = self.model_runner.sample_tokens()

@@ -13,7 +13,17 @@ state cache) and returns `Violation`s; it never changes them. What each one guar
 - `logits_finite`         no NaN / Inf in the logits;
 - `cached_ids_not_written`  prefix caching: no row writes a cached KV block or state page (a checkpoint
                           another request may read; the forward writes only a row's running page and
-                          the blocks past its hit).
+                          the blocks past its hit);
+- `held_ids_not_free`     prefix caching: an id a request holds is not in its pool's free queue (an
+                          allocation would evict it under the request);
+- `hit_backed_by_every_group`  prefix caching: a hit of H tokens holds, in every group, the blocks or
+                          the checkpoint of the prompt's first H tokens (the silent "hits" of #45238);
+- `state_copied_before_forward`  prefix caching: a row entering a new block's column holds there the
+                          state of the column it left (a checkpoint, or a hit's page), or zeros;
+- `checkpoint_at_block_end`  prefix caching: a state page registered as block b's checkpoint holds
+                          the state after exactly (b + 1) * block_size tokens;
+- `checkpoint_equals_cold_state`  prefix caching, inspect="full": the state a hit's request starts
+                          from equals the state a cold prefill of those tokens computes (inspect/cold_state.py).
 
 Some checks read device tensors (a host sync): they run only when checks are on.
 """
@@ -57,6 +67,10 @@ def check_ledger(scheduler, runner, where: str) -> list[Violation]:
                                          f"id {i} is held by both {sorted(seen[i])[0]!r} and {rid!r}"))
                 seen.setdefault(i, set()).add(rid)
         pool = kv.pool(g)
+        for i in sorted(i for i in seen if pool.is_free(i)):
+            out.append(Violation("held_ids_not_free", f"{where}, group {g} ({group.kind}), id {i}", "free queue",
+                                 f"held by {sorted(seen[i])} but waiting in the free queue: the next "
+                                 "allocation may evict it (a checkpoint page evicted while still referenced)"))
         for i in sorted(set(seen) | set(pool.holders)):
             if seen.get(i, set()) != pool.holders.get(i, set()):
                 out.append(Violation("ref_counts_match_rows", f"{where}, group {g} ({group.kind}), id {i}",
@@ -204,6 +218,107 @@ def check_cached_not_written(scheduler, runner, state, where: str) -> list[Viola
                 out.append(Violation("cached_ids_not_written", f"{where}, request {rid!r}, group {g} ({group.kind})",
                                      "block table", f"writes id {i}, cached as block {b} (tokens "
                                      f"[{b * bs}, {(b + 1) * bs})) that other requests may read"))
+    return out
+
+
+def check_hits_backed(scheduler, sched_out, where: str) -> list[Violation]:
+    """After scheduling, prefix caching on: each request admitted with a hit of H tokens holds what
+    the hit claims in every group: its first H / bs attention blocks registered under its own block
+    hashes, and in each recurrent group the checkpoint of block H / bs - 1 (the state after H tokens)
+    in that column. Host only."""
+    kv = scheduler.kv
+    out: list[Violation] = []
+    for new in sched_out.scheduled_new_reqs:
+        hit = new.num_cached_tokens
+        req = scheduler.requests.get(new.req_id)
+        if not hit or req is None:
+            continue
+        for g, group in enumerate(kv.groups):
+            pool, bs, ids = kv.pool(g), group.block_size, kv.block_ids(new.req_id)[g]
+            label = f"{where}, request {new.req_id!r}, group {g} ({group.kind})"
+            wanted = range(hit // bs) if group.kind == "attention" else [hit // bs - 1]
+            for b in wanted:
+                i = ids[b] if b < len(ids) else 0
+                if pool.hash_of.get(i) == req.block_hashes[b]:
+                    continue
+                what = (f"id {i}, cached as block {pool.block_index[i]}" if i in pool.hash_of
+                        else f"id {i}, which caches nothing" if i else "no id")
+                state = " (the state it starts from is not the state after those tokens)" \
+                    if group.kind == "mamba" else ""
+                out.append(Violation("hit_backed_by_every_group", label,
+                                     f"column {b} (tokens [{b * bs}, {(b + 1) * bs}))",
+                                     f"a hit of {hit} tokens was counted, but the column holds {what}{state}"))
+                break
+    return out
+
+
+def _column_moves(runner, state, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of an aligned Mamba group g whose last scheduled token lies in a new column: (rows,
+    source pages (0: none, the row starts from scratch), destination pages)."""
+    batch, bs = state.input_batch, runner.block_tables.block_sizes[g]
+    start = batch.num_computed_tokens_np.astype(np.int64)
+    end = start + batch.num_scheduled_tokens
+    old, new = -(-start // bs) - 1, -(-end // bs) - 1
+    rows = np.nonzero(new != old)[0]
+    table, idx = runner.block_tables.tables[g], batch.idx_mapping_np[rows]
+    src = np.where(old[rows] >= 0, table[idx, np.maximum(old[rows], 0)], 0)
+    return rows, src.astype(np.int64), table[idx, new[rows]].astype(np.int64)
+
+
+def check_state_copies(runner, state, where: str, state_names: dict[str, list[str]] | None = None
+                       ) -> list[Violation]:
+    """Before the forward (after `preprocess_state`), prefix caching on: each row that entered a
+    new block's column holds in that column's page exactly the state of the column it left (a
+    checkpoint or a hit's page), or zeros when it starts from scratch. Derived from the batch and the
+    block tables, not from what preprocess_state reports; reads the state cache (a device read)."""
+    out: list[Violation] = []
+    batch = state.input_batch
+    for group in runner.kv_cache_groups:
+        if group.kind != "mamba" or not runner.block_tables.aligned[group.group_id]:
+            continue
+        rows, src, dst = _column_moves(runner, state, group.group_id)
+        if not len(rows):
+            continue
+        has_src = torch.as_tensor(src != 0).to(runner.device)
+        src_i, dst_i = (torch.as_tensor(a).to(runner.device) for a in (src, dst))
+        for name in group.layer_names:
+            for i, tensor in enumerate(runner.kv_caches[name]):
+                names = (state_names or {}).get(name, [])
+                label = names[i] if i < len(names) else f"state tensor {i}"
+                copied = tensor.index_select(0, src_i)
+                want = torch.where(has_src.view(-1, *[1] * (tensor.dim() - 1)), copied, torch.zeros_like(copied))
+                diff = (tensor.index_select(0, dst_i) - want).flatten(1).abs().amax(dim=1)
+                for row, s, d, value in zip(rows.tolist(), src.tolist(), dst.tolist(), diff.tolist()):
+                    if value != 0:
+                        source = f"page {s} (the state of the column it left)" if s else "zeros (a fresh start)"
+                        out.append(Violation(
+                            "state_copied_before_forward", f"{where}, request {batch.req_ids[row]!r}, layer {name}",
+                            f"{label} at page {d}", f"differs from {source} by max |diff| {value:.3g} before "
+                            "the forward: the pre-copy was skipped, the request starts from a stale or zero state"))
+    return out
+
+
+def check_checkpoints_at_block_end(scheduler, runner, state, where: str) -> list[Violation]:
+    """After the step, prefix caching on: a row's running page, which holds the state after the
+    row's last token of this step, is registered as a checkpoint only as the block that token ends
+    (a page cached as block b must hold the state after exactly (b + 1) * bs tokens). Host only."""
+    kv, batch = scheduler.kv, state.input_batch
+    out: list[Violation] = []
+    end = batch.num_computed_tokens_np.astype(np.int64) + batch.num_scheduled_tokens
+    for group in runner.kv_cache_groups:
+        g, bs = group.group_id, group.block_size
+        if group.kind != "mamba" or not runner.block_tables.aligned[g]:
+            continue
+        pool = kv.pool(g)
+        pages = runner.block_tables.state_pages(g, batch.idx_mapping_np, end)
+        for row, page in enumerate(pages.tolist()):
+            b = pool.block_index.get(page)
+            if b is not None and (b + 1) * bs != end[row]:
+                out.append(Violation(
+                    "checkpoint_at_block_end", f"{where}, request {batch.req_ids[row]!r}, group {g} (mamba)",
+                    f"state page {page}", f"registered as the checkpoint of block {b} (the state after "
+                    f"{(b + 1) * bs} tokens) but holds the state after {end[row]} tokens: the step's chunk "
+                    f"ended at token {end[row]}, not on a block boundary"))
     return out
 
 

@@ -15,6 +15,7 @@ by replacing one method or function for the duration of the `with` block, never 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -24,10 +25,12 @@ import toolkit.runner.model_runner as model_runner
 from toolkit.attention.mamba_base import BaseMambaMetadataBuilder
 from toolkit.errors import ToolkitError
 from toolkit.inspect import html as H
+from toolkit.kv_cache_manager import KVCacheManager
 from toolkit.runner.block_table import BlockTables
 from toolkit.runner.input_batch import runs_as_decode
 from toolkit.runner.model_runner import ModelRunner
 from toolkit.runner.model_states import DefaultModelState, MambaHybridModelState
+from toolkit.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class Fault:
     detection: str          # how the toolkit reports it
     detected_by: str        # the exception type (or check name) a test expects
     plant: Callable[[contextlib.ExitStack], None]
+    needs: str = ""         # what the engine must run with for the fault to matter ("prefix caching")
 
     def _repr_html_(self) -> str:
         return catalogue_html([self])
@@ -157,6 +161,68 @@ def _plant_prefill_before_decode(stack: contextlib.ExitStack) -> None:
     _patch(stack, model_runner, "sort_batch", prefills_first)
 
 
+# ---- prefix caching ("align" mode) --------------------------------------------------------------
+def _plant_misaligned_checkpoint(stack: contextlib.ExitStack) -> None:
+    def plain_chunks(self, req, budget):               # no block-aligned split of prefills
+        return min(req.num_tokens_to_compute - req.num_computed_tokens, budget)
+
+    original = KVCacheManager.cache_computed
+
+    def registers_running_page(self, req_id, hashes, num_computed):
+        original(self, req_id, hashes, num_computed)
+        held = self._ids.get(req_id)
+        for g, (group, ids) in enumerate(zip(self.groups, held or ())):
+            full = min(num_computed // group.block_size, len(hashes))
+            pages = [i for i in ids if i]
+            if self.aligned(g) and full and pages:   # the running page, wherever the chunk ended
+                self.state_pool.register(pages[-1], hashes[full - 1], full - 1)
+    _patch(stack, Scheduler, "_num_new_tokens", plain_chunks)
+    _patch(stack, KVCacheManager, "cache_computed", registers_running_page)
+
+
+def _plant_precopy_skipped(stack: contextlib.ExitStack) -> None:
+    original = MambaHybridModelState.preprocess_state
+
+    def bookkeeping_only(self, input_batch, block_tables):
+        tensors, self.state_tensors = self.state_tensors, []      # the copies and zeroing touch nothing
+        try:
+            return original(self, input_batch, block_tables)
+        finally:
+            self.state_tensors = tensors
+    _patch(stack, MambaHybridModelState, "preprocess_state", bookkeeping_only)
+
+
+def _plant_checkpoint_left_free(stack: contextlib.ExitStack) -> None:
+    original = KVCacheManager.adopt
+
+    def adopt_leaving_free(self, req_id, hit):
+        waiting = {g: [i for i in ids if i and self.pool(g).is_free(i)]
+                   for g, ids in enumerate(hit.ids) if self.aligned(g)}
+        original(self, req_id, hit)
+        for g, ids in waiting.items():                 # touched, but never taken off the free queue
+            for i in ids:
+                self.pool(g)._free[i] = None
+    _patch(stack, KVCacheManager, "adopt", adopt_leaving_free)
+
+
+def _plant_hit_without_checkpoint(stack: contextlib.ExitStack) -> None:
+    original = KVCacheManager.find_prefix_hit
+
+    def attention_decides(self, hashes, num_tokens):
+        hit = original(self, hashes, num_tokens)
+        bs = self.groups[0].block_size
+        bound = 0
+        while bound < min((num_tokens - 1) // bs, len(hashes)) and hashes[bound] in self.kv_pool.cached:
+            bound += 1
+        if hit is None or bound * bs <= hit.num_tokens:
+            return hit
+        ids = tuple([self.kv_pool.cached[h] for h in hashes[:bound]] if self.groups[g].kind == "attention"
+                    else [0] * (bound - 1) + row[-1:]             # the older checkpoint's page
+                    for g, row in enumerate(hit.ids))
+        return dataclasses.replace(hit, num_tokens=bound * bs, ids=ids, blocks_hit=(bound,) * len(ids))
+    _patch(stack, KVCacheManager, "find_prefix_hit", attention_decides)
+
+
 _CATALOGUE = [
     Fault("missing_seq_lens_cpu_upper_bound",
           "the hybrid model state computes seq_lens_cpu_upper_bound but does not forward it to the "
@@ -209,6 +275,33 @@ _CATALOGUE = [
           "vLLM's decodes-first batch order contract (reorder_batch_to_split_decodes_and_prefills)",
           "MetadataContractError from the Mamba builder: 'breaks the decodes-first batch order'",
           "MetadataContractError", _plant_prefill_before_decode),
+    Fault("checkpoint_at_misaligned_position",
+          "prefill chunks are not split at block boundaries, and the running state page is still "
+          "registered as the checkpoint of the last full block: the page holds the state after the "
+          "chunk's end (e.g. token 40), not after the block's last token (32); a later hit starts from it",
+          "vLLM align-mode chunking (_mamba_block_aligned_split; #40696, #45238)",
+          "InvariantError (checkpoint_at_block_end) after the step, naming the request, page, block and "
+          "the token the chunk ended at", "checkpoint_at_block_end", _plant_misaligned_checkpoint,
+          "prefix caching"),
+    Fault("precopy_skipped",
+          "preprocess_state does its bookkeeping but not the copy: a row entering a new block's column "
+          "(a prefix hit's first step, or a chunk crossing a boundary) starts from whatever its new page "
+          "holds (zeros or another request's stale state)",
+          "MRV2 preprocess_state's pre-copy (vLLM #43559 / #53912 class: silently wrong outputs)",
+          "InvariantError (state_copied_before_forward) before the forward, naming request, layer and page",
+          "state_copied_before_forward", _plant_precopy_skipped, "prefix caching"),
+    Fault("checkpoint_evicted_while_referenced",
+          "a request adopting a cached checkpoint page counts it but leaves it in the free queue: the "
+          "next allocation evicts and overwrites the state the request is about to copy",
+          "vLLM block-pool touch / free-queue bookkeeping (a freed Mamba checkpoint still referenced)",
+          "InvariantError (held_ids_not_free) after the step, naming the group, page and its holders",
+          "held_ids_not_free", _plant_checkpoint_left_free, "prefix caching"),
+    Fault("hit_counted_without_checkpoint",
+          "the hit length is taken from the attention blocks alone: a request whose recurrent checkpoint "
+          "at that position is missing starts from an older checkpoint's state, and the hit is counted",
+          "vLLM #45238 (hits silently wrong or 0% when the checkpoint lies in request-unique tokens)",
+          "InvariantError (hit_backed_by_every_group) at the step admitting it, naming request, group and "
+          "column", "hit_backed_by_every_group", _plant_hit_without_checkpoint, "prefix caching"),
 ]
 
 

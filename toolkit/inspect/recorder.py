@@ -35,6 +35,7 @@ from toolkit.inspect.capture import (
     resolve_layers,
     resolve_requests,
 )
+from toolkit.inspect.cold_state import ColdReplay, check_hit_states
 from toolkit.inspect.step_record import (
     TOP_K_LOGITS,
     LayerState,
@@ -134,6 +135,8 @@ class Recorder:
         self._slot_bytes = {n: sum(t[0].nbytes for t in runner.kv_caches[n]) for n in specs}
         self._states_refused = False
         self.capture = self.make_filter(layers, requests)
+        # prefix caching in full mode: the oracle of `checkpoint_equals_cold_state`
+        self.cold = ColdReplay(runner) if mode == "full" and scheduler.kv.caching else None
         runner.observer = self
 
     def make_filter(self, layers: LayerSpec = None, requests: RequestSpec = None,
@@ -146,12 +149,15 @@ class Recorder:
                              len(recurrent))
 
     # ---- a step -------------------------------------------------------------------------------
-    def begin(self, where: str) -> None:
-        """Called after scheduling: the ledger `check_metadata` compares the step with."""
+    def begin(self, where: str, sched_out: SchedulerOutput | None = None) -> None:
+        """Called after scheduling: the ledger `check_metadata` compares the step with, and (prefix
+        caching) whether each hit admitted holds what it claims."""
         self.where, self._before, self._after, self._pending = where, None, None, []
         self._logits = self._top = None
         self._states_refused = False
         self._ledger_at_schedule = checks.ledger_of(self.scheduler) if self.checks_on else None
+        if self.checks_on and self.scheduler.kv.caching and sched_out is not None:
+            self._pending += checks.check_hits_backed(self.scheduler, sched_out, where)
 
     def before_forward(self, runner, state) -> None:
         if self.mode == "full" and self.capture.layers:
@@ -175,6 +181,10 @@ class Recorder:
             self._pending += checks.check_fresh_slots(runner, state, self.where, names)
             if self.scheduler.kv.caching:
                 self._pending += checks.check_cached_not_written(self.scheduler, runner, state, self.where)
+                self._pending += checks.check_state_copies(runner, state, self.where, names)
+        if self.cold is not None:
+            names = {layer: info[1] for layer, info in self._layer_info.items()}
+            self._pending += check_hit_states(self.cold, self.scheduler, runner, state, self.where, names)
 
     def after_forward(self, runner, state) -> None:
         if self._before is not None:
@@ -203,6 +213,9 @@ class Recorder:
                                                        self._ledger_at_schedule, self.where)
             if state.logits is not None:
                 record.violations += checks.check_logits(state.logits, state.input_batch.req_ids, self.where)
+            if self.scheduler.kv.caching:
+                record.violations += checks.check_checkpoints_at_block_end(self.scheduler, self.runner, state,
+                                                                           self.where)
         if self.checks_on:
             record.violations += checks.check_ledger(self.scheduler, self.runner, self.where)
         self._before = self._after = self._logits = self._top = None

@@ -1,0 +1,118 @@
+"""The state a cold run computes: the oracle of the prefix-cache check `checkpoint_equals_cold_state`.
+
+`ColdReplay(runner).states(token_ids)` prefills `token_ids` from zero state in one chunk on a scratch
+runner (the engine's own model and ops, its own small caches, no prefix caching, eager) and returns
+each recurrent layer's state after the last token. The model's layers are bound to the scratch
+caches for that forward and bound back to the engine's caches before it returns, even on error.
+
+With `LLM(inspect="full", enable_prefix_caching=True)` the recorder compares, before the forward,
+the state a request admitted with a prefix hit starts from (copied from a checkpoint) with the cold
+state at the hit's position, within `STATE_TOLERANCE` of the state's dtype: a checkpoint saved at
+the wrong position, a skipped pre-copy or a stale page all show up there. It costs one prefill of the
+hit's tokens per distinct prefix (cached), so it runs only in full mode.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+
+import torch
+
+from toolkit.inspect.step_record import Violation
+from toolkit.inspect.tolerance import exceeds
+from toolkit.kv_cache_manager import CacheGroupKind
+from toolkit.layers.ops import set_ops
+from toolkit.request import Request
+from toolkit.runner.model_runner import ModelRunner
+from toolkit.sampling import SamplingParams
+from toolkit.scheduler import Scheduler
+
+# (atol, rtol) per state dtype: a checkpoint reached through other chunk boundaries than the cold
+# run's single chunk differs by rounding only
+STATE_TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
+    torch.float32: (1e-4, 1e-3),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (5e-2, 5e-2),
+}
+CACHED_PREFIXES = 8          # cold states kept (the same shared prefix is hit again and again)
+
+
+class ColdReplay:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._cache: OrderedDict[tuple[int, ...], dict[str, list[torch.Tensor]]] = OrderedDict()
+
+    def states(self, token_ids: list[int]) -> dict[str, list[torch.Tensor]]:
+        """{recurrent layer name: its state tensors (one per state name, per-slot shape)} after a
+        cold prefill of `token_ids` (at least one token)."""
+        key = tuple(token_ids)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        out = self._replay(list(token_ids))
+        self._cache[key] = out
+        if len(self._cache) > CACHED_PREFIXES:
+            self._cache.popitem(last=False)
+        return out
+
+    def _replay(self, token_ids: list[int]) -> dict[str, list[torch.Tensor]]:
+        main = self.runner
+        n = len(token_ids)
+        cfg = dataclasses.replace(main.cfg, max_num_seqs=1, max_num_batched_tokens=n, max_model_len=n + 1,
+                                  num_kv_blocks=None, enable_prefix_caching=False, cudagraph_mode="none",
+                                  num_state_pages=None)
+        try:
+            scratch = ModelRunner(main.model, cfg)          # binds the model to its own caches
+            groups = scratch.kv_cache_groups
+            attn = [g for g in groups if g.kind == "attention"]
+            scheduler = Scheduler(max_num_seqs=1, max_num_batched_tokens=n, max_model_len=n + 1,
+                                  groups=[CacheGroupKind(g.kind, g.block_size) for g in groups],
+                                  num_kv_blocks=attn[0].num_blocks if attn else 0, decode=lambda ids: "",
+                                  enable_prefix_caching=False, num_state_slots=cfg.state_pages)
+            scheduler.add_request(Request("cold", token_ids, SamplingParams(max_tokens=1), frozenset()))
+            sched_out = scheduler.schedule()
+            if sched_out.num_scheduled_tokens.get("cold") != n:
+                raise RuntimeError(f"cold replay: scheduled {sched_out.num_scheduled_tokens} of {n} tokens")
+            scratch.execute_model(sched_out)
+            held = scheduler.kv.block_ids("cold")
+            return {name: [t[held[g.group_id][0]].clone() for t in scratch.kv_caches[name]]
+                    for g in groups if g.kind == "mamba" for name in g.layer_names}
+        finally:
+            main.model.bind_kv_cache(main.kv_caches)
+            set_ops(main.model, main.ops)
+
+
+def check_hit_states(replay: ColdReplay, scheduler, runner, state, where: str,
+                     state_names: dict[str, list[str]] | None = None) -> list[Violation]:
+    """Before the forward, prefix caching on, inspect="full": each row starting right after its
+    prefix hit (computed tokens = the hit) holds in its running page the state a cold prefill of its
+    first `hit` tokens computes, within STATE_TOLERANCE of the state's dtype."""
+    batch = state.input_batch
+    out: list[Violation] = []
+    for row, rid in enumerate(batch.req_ids):
+        req = scheduler.requests.get(rid)
+        start = int(batch.num_computed_tokens_np[row])
+        if req is None or not req.num_cached_tokens or start != req.num_cached_tokens:
+            continue
+        cold = replay.states(req.all_token_ids[:start])
+        end = batch.num_computed_tokens_np[row:row + 1] + batch.num_scheduled_tokens[row:row + 1]
+        idx = batch.idx_mapping_np[row:row + 1]
+        for group in runner.kv_cache_groups:
+            if group.kind != "mamba":
+                continue
+            page = int(runner.block_tables.state_pages(group.group_id, idx, end)[0])
+            for name in group.layer_names:
+                names = (state_names or {}).get(name, [])
+                for i, (ours, ref) in enumerate(zip(runner.kv_caches[name], cold[name])):
+                    ours = ours[page].float()
+                    atol, rtol = STATE_TOLERANCE.get(runner.kv_caches[name][i].dtype, STATE_TOLERANCE[torch.float32])
+                    bad = exceeds(ours, ref.float(), atol, rtol)
+                    if bool(bad.any()):
+                        label = names[i] if i < len(names) else f"state tensor {i}"
+                        diff = float((ours - ref.float()).abs().max())
+                        out.append(Violation(
+                            "checkpoint_equals_cold_state", f"{where}, request {rid!r}, layer {name}",
+                            f"{label} at page {page}", f"the state it starts from after a hit of {start} "
+                            f"tokens differs from a cold prefill of those tokens: max |diff| {diff:.3g} "
+                            f"(atol {atol:g} + rtol {rtol:g} * |cold|) in {int(bad.sum())} elements"))
+    return out
