@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .state_slots_ref import initial_states_at, write_states_at
+from .state_slots_ref import Checkpoints, initial_states_at, sequence_of, write_states_at
 
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu}     # HF `hidden_act` names the kernels support
 
@@ -102,13 +102,32 @@ def conv_update_at_slots(x: torch.Tensor, conv_state: torch.Tensor, state_indice
     return torch.where((state_indices >= 0).view(-1, 1), out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
+def conv_windows_at(x: torch.Tensor, initial_states: torch.Tensor, cu_seqlens: torch.Tensor,
+                    token_index: torch.Tensor) -> torch.Tensor:
+    """[M, K-1, Dc] in initial_states' dtype: the conv state after each token of `token_index`
+    (the K-1 inputs ending at it, reaching into its sequence's initial state near the start).
+    x [T, Dc]; initial_states [S, K-1, Dc]; cu_seqlens int [S+1]; token_index int64 [M]."""
+    km1 = initial_states.shape[1]
+    seq = sequence_of(cu_seqlens, token_index)
+    cu = cu_seqlens.to(device=x.device, dtype=torch.int64)
+    rel = (token_index - cu[seq])[:, None] - km1 + 1 + torch.arange(km1, device=x.device)[None, :]   # [M, K-1]
+    from_x = x[(cu[seq][:, None] + rel).clamp(min=0)]
+    from_init = initial_states[seq[:, None], (km1 + rel).clamp(min=0, max=km1 - 1)]
+    return torch.where((rel >= 0)[..., None], from_x.to(initial_states.dtype), from_init)
+
+
 def conv_prefill_at_slots(x: torch.Tensor, conv_state: torch.Tensor, state_indices: torch.Tensor,
                           has_initial_state: torch.Tensor, cu_seqlens: torch.Tensor, weight: torch.Tensor,
-                          bias: torch.Tensor | None, activation: str | None = "silu") -> torch.Tensor:
+                          bias: torch.Tensor | None, activation: str | None = "silu",
+                          checkpoints: Checkpoints | None = None) -> torch.Tensor:
     """x [T, Dc] (P sequences back to back, cu_seqlens int [P+1]); sequence i starts from
     conv_state[state_indices[i]] if has_initial_state[i] else zeros, and its final state (the last
-    K-1 inputs of [initial; x_i]) is written back there. Returns out [T, Dc] in x.dtype."""
+    K-1 inputs of [initial; x_i]) is written back there; with `checkpoints`, the state after each
+    of their tokens goes to their slots. Returns out [T, Dc] in x.dtype."""
     init = initial_states_at(conv_state, state_indices, has_initial_state)
     out, final = causal_conv1d_varlen(x, weight, bias, cu_seqlens, init, activation)
     write_states_at(conv_state, state_indices, final)
+    if checkpoints is not None:
+        write_states_at(conv_state, checkpoints.slots,
+                        conv_windows_at(x, init, cu_seqlens, checkpoints.token_index))
     return out

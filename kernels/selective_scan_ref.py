@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .state_slots_ref import initial_states_at, write_states_at
+from .state_slots_ref import Checkpoints, initial_states_at, write_states_at
 
 
 def selective_state_update(
@@ -48,6 +48,8 @@ def selective_scan_varlen(
     D: torch.Tensor | None,
     cu_seqlens: torch.Tensor,
     initial_states: torch.Tensor | None = None,
+    save_slots: torch.Tensor | None = None,
+    cache: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Selective scan of S concatenated sequences, each continuing from an initial state.
 
@@ -56,7 +58,8 @@ def selective_scan_varlen(
     The recurrence of `selective_state_update`, token by token; the S sequences advance together
     (padded to the longest; padding steps have decay 1 and no input, so they leave the state as is).
     Returns (y [T, Di] fp32, final_states [S, Di, N] fp32); a zero-length sequence's final state is
-    its initial state.
+    its initial state. With `save_slots` (int [T], -1 = none) the state after token t is also
+    written to cache[save_slots[t]] (internal checkpoints).
     """
     f32 = torch.float32
     dev = u.device
@@ -90,6 +93,8 @@ def selective_scan_varlen(
         state = torch.where(vm, dA, one) * state + torch.where(vm, dBu, zero)
         ys = torch.matmul(state, Cf[ti][:, :, None])[..., 0]                 # [S, Di]
         y[ti[v]] = ys[v]
+        if save_slots is not None:
+            write_states_at(cache, torch.where(v, save_slots[ti], -1), state)
     if D is not None:
         y = y + uf * D.to(f32)[None]
     return y, state
@@ -107,11 +112,17 @@ def mamba1_update_at_slots(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.T
 
 def mamba1_scan_at_slots(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                          D: torch.Tensor | None, cu_seqlens: torch.Tensor, ssm_state: torch.Tensor,
-                         state_indices: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
+                         state_indices: torch.Tensor, has_initial_state: torch.Tensor,
+                         checkpoints: Checkpoints | None = None) -> torch.Tensor:
     """`selective_scan_varlen` in place at state indices: sequence i starts from
     ssm_state[state_indices[i]] if has_initial_state[i] else zeros; its final state is written
-    back there. Returns y fp32 [T, Di]."""
+    back there; with `checkpoints`, the state after each of their tokens goes to their slots.
+    Returns y fp32 [T, Di]."""
     init = initial_states_at(ssm_state, state_indices, has_initial_state)
-    y, final = selective_scan_varlen(x, dt, A, B, C, D, cu_seqlens, init)
+    save = None
+    if checkpoints is not None:
+        save = torch.full((x.shape[0],), -1, dtype=torch.int64, device=x.device)
+        save[checkpoints.token_index] = checkpoints.slots.to(torch.int64)
+    y, final = selective_scan_varlen(x, dt, A, B, C, D, cu_seqlens, init, save, ssm_state)
     write_states_at(ssm_state, state_indices, final)
     return y

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .selective_state_update_ref import heads_from_groups, ssm_step
-from .state_slots_ref import initial_states_at, write_states_at
+from .state_slots_ref import Checkpoints, initial_states_at, write_states_at
 
 
 def ssm_scan_sequential_ref(
@@ -73,7 +73,8 @@ def ssd_chunk_scan_varlen(
     last_chunk_indices: torch.Tensor,
     chunk_size: int,
     initial_states: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_chunk_states: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Chunked SSD (state-space duality) scan over a varlen chunk layout.
 
     x [T, H, P]; dt [T, H] (processed, fp32); A [H]; B, C [T, G, N]; D [H] | None;
@@ -87,7 +88,8 @@ def ssd_chunk_scan_varlen(
     sequence (state_after = exp(sum dA over chunk) * state_before + chunk_state), and adds
     exp(cumsum dA)_l * C_l . state_before. Chunks shorter than chunk_size are zero-padded with dt = 0,
     which makes padding exact (decay 1, no input).
-    Returns (y [T, H, P] fp32, final_states [S, H, P, N] fp32).
+    Returns (y [T, H, P] fp32, final_states [S, H, P, N] fp32), and with `return_chunk_states`
+    also the state after each chunk [C, H, P, N] fp32.
     """
     t, h, p = x.shape
     n = B.shape[-1]
@@ -98,7 +100,8 @@ def ssd_chunk_scan_varlen(
     num_seqs = last_chunk_indices.numel()
     L = int(chunk_size)
     if nc == 0:
-        return torch.zeros(t, h, p, device=dev, dtype=f32), torch.zeros(num_seqs, h, p, n, device=dev, dtype=f32)
+        empty = (torch.zeros(t, h, p, device=dev, dtype=f32), torch.zeros(num_seqs, h, p, n, device=dev, dtype=f32))
+        return (*empty, torch.zeros(0, h, p, n, device=dev, dtype=f32)) if return_chunk_states else empty
 
     lens = cu[1:] - cu[:-1]
     ar = torch.arange(L, device=dev)
@@ -152,18 +155,32 @@ def ssd_chunk_scan_varlen(
             f"(chunks must tile [0, T) and be at most chunk_size={L} long)"
         )
     finals = states_after[last_chunk_indices.to(device=dev, dtype=torch.int64)]
+    if return_chunk_states:
+        return y_tok, finals, states_after
     return y_tok, finals
+
+
+def chunk_ending_at(cu_chunk_seqlens: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
+    """int64 [M]: the chunk whose last token is each token of `token_index` (a checkpoint must be
+    the last token of a chunk: chunks end at multiples of chunk_size, and so does every block
+    boundary when chunk_size divides the block size)."""
+    cu = cu_chunk_seqlens.to(device=token_index.device, dtype=torch.int64)
+    return torch.searchsorted(cu[1:], token_index.to(torch.int64) + 1)
 
 
 def ssd_scan_at_slots(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                       D: torch.Tensor | None, cu_chunk_seqlens: torch.Tensor, seq_idx: torch.Tensor,
                       last_chunk_indices: torch.Tensor, chunk_size: int, ssm_state: torch.Tensor,
-                      state_indices: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
+                      state_indices: torch.Tensor, has_initial_state: torch.Tensor,
+                      checkpoints: Checkpoints | None = None) -> torch.Tensor:
     """`ssd_chunk_scan_varlen` in place at state indices: sequence i starts from
     ssm_state[state_indices[i]] if has_initial_state[i] else zeros; its final state is written
-    back there. Returns y fp32 [T, H, P]."""
+    back there; with `checkpoints` (each the last token of a chunk), the state after each of their
+    tokens goes to their slots. Returns y fp32 [T, H, P]."""
     init = initial_states_at(ssm_state, state_indices, has_initial_state)
-    y, final = ssd_chunk_scan_varlen(x, dt, A, B, C, D, cu_chunk_seqlens, seq_idx, last_chunk_indices,
-                                     chunk_size, init)
+    y, final, after = ssd_chunk_scan_varlen(x, dt, A, B, C, D, cu_chunk_seqlens, seq_idx, last_chunk_indices,
+                                            chunk_size, init, return_chunk_states=True)
     write_states_at(ssm_state, state_indices, final)
+    if checkpoints is not None:
+        write_states_at(ssm_state, checkpoints.slots, after[chunk_ending_at(cu_chunk_seqlens, checkpoints.token_index)])
     return y

@@ -4,7 +4,24 @@ writes its new state back there; PAD_SLOT_ID (-1) marks a padded row, which read
 nothing). The `*_ref.py` references build on these helpers."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+
+class Checkpoints(NamedTuple):
+    """States a prefill op also saves from inside its sequences (prefix caching's internal
+    checkpoints, `LLM(mamba_cache_mode="all")`): after token `token_index[m]` (an index among the
+    op's tokens, never the last token of its sequence) the layer's state goes to cache slot
+    `slots[m]`, besides the sequence's final state going to its own slot. M = 0 is allowed."""
+    token_index: torch.Tensor     # int64 [M], increasing
+    slots: torch.Tensor           # int [M]; PAD_SLOT_ID (-1): nothing is written
+
+
+def sequence_of(cu_seqlens: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
+    """int64 [M]: the sequence holding each token (cu_seqlens int [S+1]), without a host sync."""
+    cu = cu_seqlens.to(device=token_index.device, dtype=torch.int64)
+    return torch.searchsorted(cu[1:], token_index.to(torch.int64), right=True)
 
 
 def padded_rows_redirected(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
