@@ -158,6 +158,7 @@ def base_mamba_fields(rows: list[SeqChunk], *, device: torch.device | str = "cpu
         has_initial_states_p=torch.tensor([r.num_computed > 0 for r in pre], device=dev) if pre else None,
         state_indices_tensor_p=torch.tensor([r.state_slot for r in pre], **i32) if pre else None,
         state_indices_tensor_d=torch.tensor([r.state_slot for r in dec], **i32) if dec else None,
+        checkpoint_token_index_p=None, checkpoint_slots_p=None,
     )
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_inspect_faults import GREEDY, SHARED
+
 from toolkit import LLM, InvariantError
 from toolkit.inspect import faults
 from toolkit.inspect.cold_state import ColdReplay

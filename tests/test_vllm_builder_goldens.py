@@ -137,6 +137,8 @@ BASE_ABSENT = {
     "replayssm_scratch": REPLAYSSM, "replayssm_state_indices_d": REPLAYSSM,
 }
 BASE_FROM_INPUT = {"seq_lens": "seq_lens"}       # vLLM: "only used for prefix caching in align mode"
+CHECKPOINTS_ONLY = {f: "internal checkpoints of cache mode \"all\" (vLLM 0.33's MRV2 has align only); None here"
+                    for f in ("checkpoint_token_index_p", "checkpoint_slots_p")}
 BASE_NOT_COMPARED = {"nums_dict": CONV_LAUNCH, "batch_ptr": CONV_LAUNCH, "token_chunk_offset_ptr": CONV_LAUNCH}
 
 # vLLM 0.33 builds prefill checkpoints only in align mode, for layers that declare checkpoint blocks, once an
@@ -147,14 +149,14 @@ MAMBA1_LIKE = dict(
     absent={**BASE_ABSENT,
             "cu_chunk_seqlen_p": "vLLM's Mamba1 / ShortConv builders leave them None in both cache modes",
             "last_chunk_indices_p": "vLLM's Mamba1 / ShortConv builders leave them None in both cache modes"},
-    from_input=BASE_FROM_INPUT, not_compared=BASE_NOT_COMPARED, project_only={})
+    from_input=BASE_FROM_INPUT, not_compared=BASE_NOT_COMPARED, project_only=CHECKPOINTS_ONLY)
 
 MAMBA2 = dict(
     compared={**BASE_COMPARED, "prep_initial_states": "prep_initial_states", "chunk_size": "chunk_size",
               "seq_idx_p": "seq_idx_p", "cu_chunk_seqlen_p": "cu_chunk_seqlen_p",
               "last_chunk_indices_p": "last_chunk_indices_p"},
     absent={**BASE_ABSENT, "checkpoint_chunk_idx": CHECKPOINTS, "checkpoint_meta": CHECKPOINTS},
-    from_input=BASE_FROM_INPUT, not_compared=BASE_NOT_COMPARED, project_only={})
+    from_input=BASE_FROM_INPUT, not_compared=BASE_NOT_COMPARED, project_only=CHECKPOINTS_ONLY)
 
 GDN = dict(
     compared={
@@ -186,7 +188,8 @@ GDN = dict(
     from_input={"num_actual_tokens": "num_actual_tokens"},
     not_compared=BASE_NOT_COMPARED,
     # the project's GDN metadata has num_reqs (vLLM's GDN metadata does not; its rows are the input's)
-    project_only={"num_reqs": "vLLM's GDN metadata has no num_reqs; checked == the input's num_reqs"})
+    project_only={"num_reqs": "vLLM's GDN metadata has no num_reqs; checked == the input's num_reqs",
+                  **CHECKPOINTS_ONLY})
 
 FAMILIES = {  # vLLM builder class -> (this project's metadata class, factory(chunk_size, mamba_block_size), map)
     "Mamba1AttentionMetadataBuilder": (Mamba1AttentionMetadata,

@@ -21,6 +21,9 @@ class RunnerConfig:
     cudagraph_mode: str = "none"    # "full_decode", "padded_eager" or "none" (runner/cudagraph.py)
     enable_prefix_caching: bool = False   # reuse computed prefixes (kv_cache_manager.py); Mamba: "align"
     num_state_pages: int | None = None    # Mamba state pages; None: max_num_seqs, or 3x with prefix caching
+    # recurrent layers with prefix caching: "align" (a checkpoint where a chunk ends on a block
+    # boundary) or "all" (also at every block boundary inside a prefill chunk); "none" without caching
+    mamba_cache_mode: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
@@ -38,9 +41,18 @@ class RunnerConfig:
             per = "2 per running request with prefix caching" if self.enable_prefix_caching else "1 per running request"
             raise ValueError(f"num_state_pages={self.num_state_pages!r}: must be an int >= "
                              f"{self.min_state_pages} ({per}, max_num_seqs={self.max_num_seqs})")
+        want = ("align", "all") if self.enable_prefix_caching else ("none",)
+        if self.mamba_cache_mode not in want:
+            raise ValueError(f"mamba_cache_mode={self.mamba_cache_mode!r} with enable_prefix_caching="
+                             f"{self.enable_prefix_caching}: use {' or '.join(map(repr, want))}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
                              f"max_num_seqs={self.max_num_seqs} so every running request can decode")
+
+    @property
+    def prefill_checkpoints(self) -> bool:
+        """Cache mode "all": prefills save the states at the block boundaries inside their chunks."""
+        return self.mamba_cache_mode == "all"
 
     @property
     def max_blocks_per_req(self) -> int:
@@ -59,6 +71,15 @@ class RunnerConfig:
         if self.num_state_pages is not None:
             return self.num_state_pages
         return self.max_num_seqs * (3 if self.enable_prefix_caching else 1)
+
+
+def resolve_mamba_cache_mode(mode: str | None, enable_prefix_caching: bool) -> str:
+    """None: "align" with prefix caching (vLLM's MRV2 mode), else "none"."""
+    if mode is None:
+        return "align" if enable_prefix_caching else "none"
+    if mode not in ("none", "align", "all"):
+        raise ValueError(f"mamba_cache_mode={mode!r}: use None, 'align' or 'all'")
+    return mode
 
 
 def resolve_max_model_len(max_model_len: int | None, hf_config) -> int:

@@ -172,6 +172,7 @@ class KVCacheManager:
         # (its "junction"), even when no checkpoint is there yet
         self.known_hashes: OrderedDict[BlockHash, None] = OrderedDict()
         self._hashed_upto: dict[str, int] = {}      # per request: blocks registered so far
+        self._pages_registered_upto: dict[str, int] = {}   # per request: Mamba columns registered so far
 
     def pool(self, g: int) -> BlockPool:
         return self.kv_pool if self.groups[g].kind == "attention" else self.state_pool
@@ -259,8 +260,23 @@ class KVCacheManager:
         self._ids[req_id] = tuple(rows)
         return tuple(added)
 
+    def add_state_pages(self, req_id: str, columns: list[int]) -> bool:
+        """Cache mode "all": give the request's aligned Mamba rows a page at each of `columns` that has
+        none, while the state pool has free pages (evicting the least recently used checkpoints, as
+        any allocation does). Returns whether any row changed."""
+        changed = False
+        for g, row in enumerate(self._ids.get(req_id, ())):
+            if not self.aligned(g):
+                continue
+            for col in columns:
+                if col < len(row) and not row[col] and self.state_pool.num_free:
+                    row[col] = self.state_pool.allocate(1, req_id)[0]
+                    changed = True
+        return changed
+
     def free(self, req_id: str) -> None:
         self._hashed_upto.pop(req_id, None)
+        self._pages_registered_upto.pop(req_id, None)
         held = self._ids.pop(req_id, None)
         if held is None:
             return
@@ -329,13 +345,19 @@ class KVCacheManager:
             if len(self.known_hashes) > KNOWN_HASHES:
                 self.known_hashes.popitem(last=False)
         self._hashed_upto[req_id] = full
-        for group, ids in zip(self.groups, held):
+        for g, (group, ids) in enumerate(zip(self.groups, held)):
             full = min(num_computed // group.block_size, len(hashes))
             if group.kind == "attention":
                 for i in range(full):
                     self.kv_pool.register(ids[i], hashes[i], i)
-            elif num_computed % group.block_size == 0 and 0 < full <= len(ids) and ids[full - 1]:
-                self.state_pool.register(ids[full - 1], hashes[full - 1], full - 1)
+            elif self.aligned(g):
+                # the pages of the blocks finished since the last call: the running page when the step
+                # ended on its block's last token, and ("all") the pages of the boundaries inside the chunk
+                done = self._pages_registered_upto.get(req_id, 0)
+                for c in range(done, min(full, len(ids))):
+                    if ids[c]:
+                        self.state_pool.register(ids[c], hashes[c], c)
+                self._pages_registered_upto[req_id] = max(done, full)
 
 
 def prefix_cache_stats(kv: KVCacheManager) -> dict[str, int | float]:

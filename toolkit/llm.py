@@ -10,7 +10,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from toolkit.config import RunnerConfig, resolve_backend, resolve_device_dtype, resolve_max_model_len
+from toolkit.config import (
+    RunnerConfig,
+    resolve_backend,
+    resolve_device_dtype,
+    resolve_mamba_cache_mode,
+    resolve_max_model_len,
+)
 from toolkit.errors import EngineClosedError, InvalidRequestError, ToolkitError
 from toolkit.inspect import checks
 from toolkit.inspect.capture import LayerSpec, RequestSpec, check_capture_mode
@@ -51,7 +57,8 @@ class LLM:
                  trace_max_bytes: int | str | None = "auto", inspect_layers: LayerSpec = None,
                  inspect_requests: RequestSpec = None, checks: bool | None = None, backend: str = "auto",
                  enforce_eager: bool = False, cudagraph_mode: str = "auto",
-                 enable_prefix_caching: bool = False, num_state_pages: int | None = None):
+                 enable_prefix_caching: bool = False, num_state_pages: int | None = None,
+                 mamba_cache_mode: str | None = None):
         # what Reset in the StepInspector (or a user) needs to build the same engine again
         self.init_args: dict[str, Any] = dict(
             model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
@@ -60,7 +67,7 @@ class LLM:
             trace_capacity=trace_capacity, trace_max_bytes=trace_max_bytes, inspect_layers=inspect_layers,
             inspect_requests=inspect_requests, checks=checks, backend=backend, enforce_eager=enforce_eager,
             cudagraph_mode=cudagraph_mode, enable_prefix_caching=enable_prefix_caching,
-            num_state_pages=num_state_pages)
+            num_state_pages=num_state_pages, mamba_cache_mode=mamba_cache_mode)
         # arguments first, so that a bad one fails before the model loads
         if inspect not in MODES:
             raise ValueError(f"inspect={inspect!r}: use one of {MODES}")
@@ -77,7 +84,8 @@ class LLM:
                                 max_model_len=resolve_max_model_len(max_model_len, loaded.config),
                                 num_kv_blocks=num_kv_blocks, seed=seed, backend=self.backend,
                                 cudagraph_mode=self.cudagraph_mode, enable_prefix_caching=enable_prefix_caching,
-                                num_state_pages=num_state_pages)
+                                num_state_pages=num_state_pages,
+                                mamba_cache_mode=resolve_mamba_cache_mode(mamba_cache_mode, enable_prefix_caching))
         self.model_name = model
         self.vocab_size = int(loaded.config.vocab_size)
         self.tokenizer_dir = loaded.tokenizer_dir       # save_hf_folder(llm, ...) copies it
@@ -92,7 +100,8 @@ class LLM:
             max_model_len=self.cfg.max_model_len,
             groups=[CacheGroupKind(g.kind, g.block_size) for g in groups],
             num_kv_blocks=attn[0].num_blocks if attn else 0, decode=self.tokenizer.decode,
-            enable_prefix_caching=enable_prefix_caching, num_state_slots=self.cfg.state_pages)
+            enable_prefix_caching=enable_prefix_caching, num_state_slots=self.cfg.state_pages,
+            prefill_checkpoints=self.cfg.prefill_checkpoints)
         self.limits = RequestLimits(self.vocab_size, self.cfg.max_model_len, block_size,
                                     self.scheduler.kv.kv_pool.num_total if attn else None)
         self._request_ids = RequestIds()

@@ -74,7 +74,8 @@ class Scheduler:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  groups: list[CacheGroupKind], num_kv_blocks: int,
                  decode: Callable[[list[int]], str] | None = None,
-                 enable_prefix_caching: bool = False, num_state_slots: int | None = None):
+                 enable_prefix_caching: bool = False, num_state_slots: int | None = None,
+                 prefill_checkpoints: bool = False):
         self.decode = decode                # token ids -> text, for stop strings
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -85,8 +86,11 @@ class Scheduler:
                                  enable_prefix_caching=enable_prefix_caching)
         self.caching = enable_prefix_caching
         self.block_size = groups[0].block_size if groups else 1
-        # "align": prefill chunks end on block boundaries, so Mamba states land on checkpoints
-        self.align = enable_prefix_caching and any(g.kind == "mamba" for g in groups)
+        # "align": prefill chunks end on block boundaries, so Mamba states land on checkpoints;
+        # "all" (prefill_checkpoints): the layers save the states at the boundaries inside a chunk
+        has_mamba = any(g.kind == "mamba" for g in groups)
+        self.prefill_checkpoints = enable_prefix_caching and has_mamba and prefill_checkpoints
+        self.align = enable_prefix_caching and has_mamba and not self.prefill_checkpoints
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -247,6 +251,8 @@ class Scheduler:
             if stalled:
                 budget = self._admit_waiting(budget, num_scheduled, new_reqs, preempted)
 
+        if self.prefill_checkpoints:
+            self._give_checkpoint_pages(num_scheduled, cached)
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
         for req_id, n in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
@@ -303,6 +309,19 @@ class Scheduler:
         return budget
 
     # ---- prefix caching ------------------------------------------------------------------------
+    def _give_checkpoint_pages(self, num_scheduled: dict[str, int], cached: CachedRequestData) -> None:
+        """Cache mode "all", once every scheduled row has its pages: free state pages go to the block
+        boundaries inside this step's prefill chunks, in batch order while the pool has any, and the
+        layers save the states there (checkpoints; a boundary left without a page saves nothing)."""
+        bs = self.block_size
+        for req_id, n in num_scheduled.items():
+            start = self.requests[req_id].num_computed_tokens
+            columns = [b // bs - 1 for b in range((start // bs + 1) * bs, start + n, bs)]
+            if columns and self.kv.add_state_pages(req_id, columns) and req_id in cached.req_ids:
+                i = cached.req_ids.index(req_id)        # a new request's rows are the manager's own lists
+                cached.new_block_ids[i] = tuple(list(row) if self.kv.aligned(g) else ids for g, (row, ids)
+                                                in enumerate(zip(self.kv.block_ids(req_id), cached.new_block_ids[i])))
+
     def _adopt_prefix_hit(self, req: Request):
         """A request about to be admitted from scratch takes the longest cached prefix of its tokens
         (not with prompt logprobs, which need every prompt position computed, as in vLLM)."""

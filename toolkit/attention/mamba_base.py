@@ -16,6 +16,11 @@ State index of a row (`mamba_block_size`, keyword-only on every Mamba-family bui
         `block_table_tensor` (no host read, no host-to-device copy), into a buffer the builder
         keeps per batch size: a CUDA graph captured for a decode batch of B rows reads the same
         address that every later B-row step rewrites (metadata is built outside the graph).
+Internal checkpoints (`prefill_checkpoints=True`, cache mode "all", align only): every block boundary
+b strictly inside a prefill row's chunk (computed < b < seq_len) saves the state after token b - 1
+into the row's page for column b / bs - 1, if the scheduler gave it one (a 0 there, no free page, is
+handed on as PAD_SLOT_ID: nothing written). The token indices come from the host lengths, the pages
+from a gather on the block table's device.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from toolkit.attention.common import CommonAttentionMetadata
 from toolkit.attention.contracts import FieldSpec
 from toolkit.errors import MetadataContractError
 from toolkit.host import to_device
+from toolkit.kv_cache_spec import PAD_SLOT_ID
 
 MAMBA_REQUIRED_FIELDS = (
     FieldSpec("query_start_loc", torch.int32, shape="[B+1]"),
@@ -58,6 +64,11 @@ class BaseMambaAttentionMetadata:
     state_indices_tensor_p: torch.Tensor | None  # device int32 [P]: state slot per prefill row
     # decode-only; None when num_decodes == 0
     state_indices_tensor_d: torch.Tensor | None  # device int32 [D]: state slot per decode row
+    # internal checkpoints (cache mode "all"); None otherwise or when the prefill rows cross no
+    # block boundary inside their chunk. M = checkpoints in the step.
+    checkpoint_token_index_p: torch.Tensor | None  # device int64 [M]: index among the prefill tokens of
+                                                    # the token after which a state is saved
+    checkpoint_slots_p: torch.Tensor | None        # device int32 [M]: its page (PAD_SLOT_ID: none free)
 
 
 @dataclass
@@ -102,8 +113,11 @@ def align_state_indices(block_table: torch.Tensor, seq_lens: torch.Tensor, mamba
 class BaseMambaMetadataBuilder(AttentionMetadataBuilder):
     required_fields = MAMBA_REQUIRED_FIELDS
 
-    def __init__(self, *, mamba_block_size: int | None = None):
+    def __init__(self, *, mamba_block_size: int | None = None, prefill_checkpoints: bool = False):
         self.mamba_block_size = check_mamba_block_size(mamba_block_size)
+        if prefill_checkpoints and self.mamba_block_size is None:
+            raise ValueError("prefill_checkpoints (cache mode \"all\") needs mamba_block_size (align mode)")
+        self.prefill_checkpoints = prefill_checkpoints
         # align mode: (device, B) -> the persistent int32 [B] the state indices of a B-row batch
         # are gathered into (one per batch size seen: at most max_num_reqs of them, B ints each)
         self._align_buffers: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -144,10 +158,34 @@ class BaseMambaMetadataBuilder(AttentionMetadataBuilder):
                       num_decodes=s.num_decodes, num_decode_tokens=s.num_decode_tokens,
                       num_reqs=common.num_reqs,
                       state_indices_tensor_d=state_indices[:s.num_decodes] if s.num_decodes else None,
-                      state_indices_tensor_p=None, query_start_loc_p=None, has_initial_states_p=None)
+                      state_indices_tensor_p=None, query_start_loc_p=None, has_initial_states_p=None,
+                      checkpoint_token_index_p=None, checkpoint_slots_p=None)
         if s.num_prefills:
             fields.update(
                 state_indices_tensor_p=state_indices[s.num_decodes:],
                 query_start_loc_p=common.query_start_loc[s.num_decodes:] - s.num_decode_tokens,
                 has_initial_states_p=to_device(s.num_computed_p > 0, device))
+            if self.prefill_checkpoints:
+                fields.update(self.checkpoint_fields(common, s))
         return fields
+
+    def checkpoint_fields(self, common: CommonAttentionMetadata, s: MambaSplit) -> dict:
+        """The internal checkpoints of the prefill rows (see the module docstring), or Nones."""
+        bs = self.mamba_block_size
+        lens = s.query_lens[s.num_decodes:].astype(np.int64)
+        start = s.num_computed_p.astype(np.int64)
+        first = (start // bs + 1) * bs                       # the first boundary after `start`
+        counts = np.maximum(-(-(start + lens) // bs) - first // bs, 0)   # boundaries b < start + len
+        if not counts.sum():
+            return {}
+        rows = np.repeat(np.arange(len(lens)), counts)
+        k = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        boundary = first[rows] + k * bs
+        token_start = np.concatenate([[0], np.cumsum(lens)[:-1]])
+        token_index = token_start[rows] + boundary - start[rows] - 1
+        device = common.block_table_tensor.device
+        table_rows = to_device((rows + s.num_decodes).astype(np.int64), device)
+        cols = to_device(boundary // bs - 1, device)
+        pages = common.block_table_tensor[table_rows, cols]
+        return dict(checkpoint_token_index_p=to_device(token_index.astype(np.int64), device),
+                    checkpoint_slots_p=torch.where(pages == 0, PAD_SLOT_ID, pages).to(torch.int32))

@@ -110,6 +110,9 @@ class Mamba1Mixer(StateSlotMixer):
             self.c_layernorm = RMSNorm(n, eps=self.bcdt_norm_eps)
 
     # -- cache plumbing (bind_kv_cache / unbind_kv_cache: StateSlotMixer) --------------------
+    def prefill_checkpoint_alignment(self) -> int | None:
+        return 1                      # its conv and scan run token by token
+
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
         """conv_state [K-1, Di], ssm_state [Di, N] per slot."""
         return (self.conv_kernel - 1, self.intermediate_size), (self.intermediate_size, self.state_size)
@@ -167,9 +170,12 @@ class Mamba1Mixer(StateSlotMixer):
         def prefill(tok: slice, states: States, idx: torch.Tensor, has_init: torch.Tensor,
                     cu: torch.Tensor, md) -> torch.Tensor:
             conv_state, ssm_state = states
-            xc = self.ops.conv_prefill(x[tok], conv_state, idx, has_init, cu, weight, bias, self.activation)
+            checkpoints = self.checkpoints(md)
+            xc = self.ops.conv_prefill(x[tok], conv_state, idx, has_init, cu, weight, bias, self.activation,
+                                       checkpoints=checkpoints)
             dt, B, C = self._ssm_params(xc)
-            return self.ops.mamba1_scan(xc, dt, A, B, C, self.D, cu, ssm_state, idx, has_init)
+            return self.ops.mamba1_scan(xc, dt, A, B, C, self.D, cu, ssm_state, idx, has_init,
+                                        checkpoints=checkpoints)
 
         y = self.run_state_slots(attn_metadata, (t, di), torch.float32, decode, prefill)
         return self.out_proj(self.ops.silu_and_mul(z, y, out_dtype=dtype))     # y * silu(z) in fp32, then dtype

@@ -116,6 +116,9 @@ class Mamba2Mixer(StateSlotMixer):
         self._proj_mult_cache: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     # -- cache plumbing (bind_kv_cache / unbind_kv_cache: StateSlotMixer) --------------------
+    def prefill_checkpoint_alignment(self) -> int | None:
+        return self.chunk_size        # its SSD scan saves states at chunk ends
+
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
         """conv_state [K-1, Dc], ssm_state [H, P, N] per slot."""
         return (self.conv_kernel - 1, self.conv_dim), (self.num_heads, self.head_dim, self.state_size)
@@ -169,8 +172,9 @@ class Mamba2Mixer(StateSlotMixer):
         def prefill(tok: slice, states: States, idx: torch.Tensor, has_init: torch.Tensor,
                     cu_seqlens: torch.Tensor, md) -> torch.Tensor:
             conv_state, ssm_state = states
+            checkpoints = self.checkpoints(md)
             xbc_p = self.ops.conv_prefill(xbc[tok], conv_state, idx, has_init, cu_seqlens, weight, bias,
-                                          self.activation)
+                                          self.activation, checkpoints=checkpoints)
             x, B, C = self._split_xbc(xbc_p)
             if md is None:  # profile run: one sequence
                 cu, sidx, last = (torch.from_numpy(a).to(hidden.device) for a in
@@ -179,7 +183,8 @@ class Mamba2Mixer(StateSlotMixer):
             else:
                 chunks = (md.cu_chunk_seqlen_p, md.seq_idx_p, md.last_chunk_indices_p, int(md.chunk_size))
             dt = self.ops.mamba2_dt(dt_raw[tok], self.dt_bias, self.time_step_limit)
-            return self.ops.ssd_scan(x, dt, A, B, C, self.D, *chunks, ssm_state, idx, has_init)
+            return self.ops.ssd_scan(x, dt, A, B, C, self.D, *chunks, ssm_state, idx, has_init,
+                                     checkpoints=checkpoints)
 
         y = self.run_state_slots(attn_metadata, (t, self.num_heads, self.head_dim), torch.float32, decode, prefill)
         y = y.reshape(t, self.intermediate_size)

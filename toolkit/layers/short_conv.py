@@ -42,6 +42,9 @@ class ShortConv(StateSlotMixer):
         self.out_proj = nn.Linear(hidden_size, hidden_size, bias=bias)
 
     # -- cache plumbing (bind_kv_cache / unbind_kv_cache: StateSlotMixer) --------------------
+    def prefill_checkpoint_alignment(self) -> int | None:
+        return 1                      # a conv window ends at any token
+
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
         """conv_state [L-1, D] per slot."""
         return ((self.conv_kernel - 1, self.hidden_size),)
@@ -72,7 +75,8 @@ class ShortConv(StateSlotMixer):
 
         def prefill(tok: slice, states: States, idx: torch.Tensor, has_init: torch.Tensor,
                     cu_seqlens: torch.Tensor, md) -> torch.Tensor:
-            return self.ops.conv_prefill(u[tok], states[0], idx, has_init, cu_seqlens, weight, bias, None)
+            return self.ops.conv_prefill(u[tok], states[0], idx, has_init, cu_seqlens, weight, bias, None,
+                                         checkpoints=self.checkpoints(md))
 
         v = self.run_state_slots(attn_metadata, tuple(u.shape), u.dtype, decode, prefill)
         return self.out_proj(C * v)

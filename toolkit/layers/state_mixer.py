@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from toolkit.kernels.state_slots_ref import Checkpoints
 from toolkit.layers.ops import TORCH_OPS
 
 States = tuple[torch.Tensor, ...]
@@ -65,6 +66,19 @@ class StateSlotMixer(nn.Module, ABC):
     @abstractmethod
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
         """Per-slot shape of each state tensor, in `state_names` order."""
+
+    def prefill_checkpoint_alignment(self) -> int | None:
+        """Positions a prefill can save its state at from inside a chunk (`Checkpoints`): a
+        multiple of this many tokens (1: any token), or None when its prefill op cannot (vLLM
+        `get_prefill_checkpoint_alignment`). Cache mode "all" needs it to divide the block size."""
+        return None
+
+    @staticmethod
+    def checkpoints(md) -> Checkpoints | None:
+        """The internal checkpoints the layer's metadata asks its prefill to save (cache mode "all")."""
+        if md is None or getattr(md, "checkpoint_token_index_p", None) is None:
+            return None
+        return Checkpoints(md.checkpoint_token_index_p, md.checkpoint_slots_p)
 
     def state_dtypes(self) -> tuple[torch.dtype, ...]:
         """Cache dtype of each state tensor, in `state_names` order."""

@@ -32,13 +32,16 @@ class AttentionGroup:
         return self.kv_cache_group.layer_names
 
 
-def make_builder(group: KVCacheGroup, align: bool = False) -> AttentionMetadataBuilder:
+def make_builder(group: KVCacheGroup, align: bool = False, checkpoints: bool = False) -> AttentionMetadataBuilder:
     """`align`: prefix caching's Mamba mode, where a row's state page is the column of its last
-    scheduled token (`mamba_block_size` = the group's block size)."""
+    scheduled token (`mamba_block_size` = the group's block size); `checkpoints`: cache mode "all",
+    which also saves the states at the block boundaries inside prefill chunks (not GDN)."""
     spec = group.spec
     if isinstance(spec, AttentionSpec):
         return PagedAttentionMetadataBuilder(group.block_size)
     kw = {"mamba_block_size": group.block_size} if align else {}
+    if checkpoints and not (isinstance(spec, MambaSpec) and spec.mamba_type == "gdn"):
+        kw["prefill_checkpoints"] = True
     if isinstance(spec, MambaSpec) and spec.mamba_type == "mamba2":
         return Mamba2MetadataBuilder(spec.chunk_size, **kw)
     if isinstance(spec, MambaSpec) and spec.mamba_type == "mamba1":
@@ -50,8 +53,9 @@ def make_builder(group: KVCacheGroup, align: bool = False) -> AttentionMetadataB
     raise ValueError(f"no metadata builder for cache spec {spec}")
 
 
-def init_attn_groups(kv_cache_groups: list[KVCacheGroup], align: bool = False) -> list[AttentionGroup]:
-    return [AttentionGroup(g, make_builder(g, align)) for g in kv_cache_groups]
+def init_attn_groups(kv_cache_groups: list[KVCacheGroup], align: bool = False,
+                     checkpoints: bool = False) -> list[AttentionGroup]:
+    return [AttentionGroup(g, make_builder(g, align, checkpoints)) for g in kv_cache_groups]
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from toolkit.config import RunnerConfig
 from toolkit.kv_cache_spec import AttentionSpec, KVCacheSpec, MambaSpec
@@ -49,6 +50,20 @@ def make_kv_cache_groups(specs: dict[str, KVCacheSpec], cfg: RunnerConfig) -> li
                 groups.append(KVCacheGroup(len(groups), kind, spec, list(members), cfg.max_model_len,
                                            cfg.state_pages + 1, 1))
     return groups
+
+
+def check_prefill_checkpoints(model: nn.Module, block_size: int) -> None:
+    """Cache mode "all": every recurrent layer must be able to save its state at each block
+    boundary inside a prefill chunk (its `prefill_checkpoint_alignment` divides the block size)."""
+    for name, layer in model.cache_layers().items():
+        if not hasattr(layer, "prefill_checkpoint_alignment"):
+            continue                                   # attention
+        step = layer.prefill_checkpoint_alignment()
+        if step is None or block_size % step:
+            why = ("its prefill saves no state from inside a chunk yet" if step is None else
+                   f"it can save states every {step} tokens, which does not divide block_size={block_size}")
+            raise ValueError(f"mamba_cache_mode='all' needs a checkpoint at every block boundary, but layer "
+                             f"{name} ({type(layer).__name__}) cannot: {why}. Use mamba_cache_mode='align'.")
 
 
 def allocate_kv_caches(groups: list[KVCacheGroup], device: torch.device

@@ -36,7 +36,7 @@ from toolkit.runner.input_batch import (
     sort_batch,
 )
 from toolkit.runner.input_batch import staging_regions as input_regions
-from toolkit.runner.kv_cache import allocate_kv_caches, make_kv_cache_groups
+from toolkit.runner.kv_cache import allocate_kv_caches, check_prefill_checkpoints, make_kv_cache_groups
 from toolkit.runner.model_states import init_model_state
 from toolkit.runner.request_states import RequestStates
 from toolkit.runner.sampler import Sampler, compute_logprobs
@@ -87,11 +87,14 @@ class ModelRunner:
         self.ops = TORCH_OPS if cfg.backend == "torch" else triton_ops(cfg.device)
         set_ops(model, self.ops)
         self.model_state = init_model_state(model, cfg)
+        if cfg.prefill_checkpoints:
+            check_prefill_checkpoints(model, cfg.block_size)
         self.kv_cache_groups = make_kv_cache_groups(model.kv_cache_specs(), cfg)
         self.kv_caches = allocate_kv_caches(self.kv_cache_groups, cfg.device)
         model.bind_kv_cache(self.kv_caches)
         self.model_state.initialize_kv_cache(self.kv_cache_groups, self.kv_caches)
-        self.attn_groups = init_attn_groups(self.kv_cache_groups, align=cfg.enable_prefix_caching)
+        self.attn_groups = init_attn_groups(self.kv_cache_groups, align=cfg.enable_prefix_caching,
+                                            checkpoints=cfg.prefill_checkpoints)
         self.req_states = RequestStates(cfg.max_num_seqs, cfg.max_model_len, cfg.device)
         widths = [g.width for g in self.kv_cache_groups]
         inputs32, inputs64 = input_regions(cfg.max_num_seqs, cfg.max_num_batched_tokens)
