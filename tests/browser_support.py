@@ -34,7 +34,7 @@ SETUP = "scripts/setup_browser_test.sh"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
 # the kernel of a notebook: CPU Triton and no hub access, as in tests/conftest.py
 KERNEL_ENV = {"TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-TABS = ("Batch", "Metadata", "Blocks", "State", "Timeline", "Warmup")
+TABS = ("Batch", "Metadata", "Blocks", "State", "Timeline", "Warmup", "Prefix cache")
 
 
 class MissingBrowserTools(RuntimeError):
@@ -314,6 +314,17 @@ class LabNotebook:
         """Click the inspector's button labelled `button` (Step, Run N, Run to end, Reset, ...)."""
         self.inspector.locator("button.jupyter-button:visible",
                                has_text=re.compile(rf"^\s*{re.escape(button)}\s*$")).click()
+
+    def add_request(self, prompt: str) -> str:
+        """Type `prompt` into the inspector's request box, click Add request and wait until the
+        status line says the request was added; returns that line."""
+        box = self.inspector.locator("input[type='text'][placeholder^='text, or token ids']")
+        box.fill(prompt)
+        self.click_button("Add request")
+        self.wait_text(self.status_line, "added request")
+        line = self.status_line.inner_text()
+        self.page.wait_for_function("el => el.value === ''", arg=box.element_handle(), timeout=self.timeout)
+        return line
 
     @property
     def status_line(self):

@@ -5,7 +5,10 @@
   notebook's last cell, run again after the clicks, prints them); then pick a Mamba layer in the
   State view and wait for its heatmaps; then plant a fault (the next step raises a RuntimeError,
   as a bug would), click Step and find the error, and its traceback behind a toggle, in the
-  inspector's status line; the Step after it runs;
+  inspector's status line; the Step after it runs; last (the notebook's engine caches prefixes),
+  type a 20-token prompt into the request box, Run to end, add it again, Step, and find in the
+  Prefix cache tab the second request's hit of 16 tokens: its one block chip marked hit and
+  checkpointed, the reason, where its state came from and what the cache holds now;
 - the notebook exported by nbconvert (widget state stored, widget JS from the local npm install),
   opened from file:// with every other request aborted: the rendered widget shows the Metadata tab.
 
@@ -28,6 +31,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
 
 OUTPUT = Path(__file__).resolve().parent / "output"
 VIEWPORT = {"width": 1400, "height": 1800}
+PREFIX_PROMPT = ", ".join(str(t) for t in range(5, 25))     # 20 token ids: one full block of 16
 
 
 def _tools() -> str:
@@ -131,6 +135,27 @@ def test_inspector_live_in_jupyterlab(lab, tmp_path):
             after = nb.click_step()                              # the engine still serves
             assert re.search(r"step \d+ \(by step\(\)\)", after) and after != before, after
             assert nb.status_line.inner_text().strip() == ""
+
+            # prefix caching: a prompt served twice; the step admitting the second shows its hit
+            first = nb.add_request(PREFIX_PROMPT)
+            nb.click_and_follow("Run to end")
+            assert "no request left" in nb.status_line.inner_text(), nb.status_line.inner_text()
+            second = nb.add_request(PREFIX_PROMPT)
+            rid = re.search(r"added request '([^']+)'", second).group(1)
+            assert rid not in first, (first, second)
+            nb.click_step()
+            panel = nb.open_tab("Prefix cache")
+            nb.wait_text(panel, f"request '{rid}': 20 tokens")
+            text = panel.inner_text()
+            assert "hit 16 of 20 tokens: every full block before the last token is cached" in text, text[:2000]
+            assert panel.locator(".pc-block").count() == 1
+            chip = panel.locator(".pc-block.pc-hit.pc-checkpoint")
+            assert chip.count() == 1 and chip.get_attribute("title").startswith("block 0: tokens [0, 16)")
+            assert "(the checkpoint after 16 tokens, its prefix hit) -> page" in text, text[:2000]
+            assert "below, what the prefix cache holds now" in text and "eviction rank" in text
+            shot = tmp_path / "lab_5_prefix_cache.png"
+            nb.inspector.screenshot(path=shot)
+            _keep(shot, "test_browser_lab_prefix_cache.png")
             assert not errors, errors
         except Exception:
             page.screenshot(path=tmp_path / "lab_failure.png")

@@ -295,7 +295,10 @@ def test_records_show_the_hits_and_where_each_state_came_from():
     assert (copy.request_id, copy.from_tokens, copy.src_page) == ("b", 12, checkpoint.id)
     assert copy.dst_page not in (0, copy.src_page)
     html = rec._repr_html_()
-    assert "Prefix cache" in html and f"page {checkpoint.id} (state after 12 tokens)" in html
+    assert "Prefix cache" in html
+    assert f"page {checkpoint.id} (the checkpoint after 12 tokens, its prefix hit) -&gt; page {copy.dst_page}" in html
+    assert rec.prefix_lookups["b"].reason in html      # "hit 12 of 14 tokens: every full block before ..."
+    assert rec.prefix_lookups["b"].hit_tokens == 12
 
 
 def test_a_step_writing_a_cached_page_is_caught():

@@ -17,14 +17,16 @@ from toolkit.widgets import (
     BatchView,
     BlockTableView,
     MetadataView,
+    PrefixCacheView,
     StateView,
     StepInspector,
     TimelineView,
     WarmupMemoryView,
     plots,
 )
+from toolkit.widgets.views import view_names
 
-TABS = {"Batch": 0, "Metadata": 1, "Blocks": 2, "State": 3, "Timeline": 4, "Warmup": 5}
+TABS = {"Batch": 0, "Metadata": 1, "Blocks": 2, "State": 3, "Timeline": 4, "Warmup": 5, "Prefix cache": 6}
 
 
 def make(preset="tiny-bamba", **kw) -> StepInspector:
@@ -253,7 +255,7 @@ def test_every_tab_of_an_empty_trace_says_there_are_no_records():
               inspect="full")
     ins = StepInspector(llm)
     views = {"Batch": ins.batch, "Metadata": ins.metadata, "Blocks": ins.blocks, "State": ins.state,
-             "Timeline": ins.timeline}
+             "Timeline": ins.timeline, "Prefix cache": ins.prefix}
     for tab, view in views.items():
         show(ins, tab)
         assert_says_why(view, "no records yet: add a request and step the engine")
@@ -310,3 +312,48 @@ def test_an_image_needs_a_picture():
     with pytest.raises(ValueError, match="no PNG data"):
         H.img(b"", "nothing")
     assert H.img(b"\x89PNG", "x").startswith('<img alt="x" src="data:image/png;base64,')
+
+
+# ---- the Prefix cache tab ------------------------------------------------------------------------------
+REPEATED = ", ".join(str(t) for t in range(5, 25))        # 20 token ids: one full block of 16
+
+
+def test_prefix_cache_tab_shows_the_steps_lookup_and_the_cache_now():
+    """A prompt served twice with the cache on: the step admitting the second shows its hash chain
+    (block 0 hit, the checkpoint at 16 marked), its hit and why, where its state came from, and what
+    the cache holds now; on an older record, the step part alone, saying why."""
+    ins = make(enable_prefix_caching=True)
+    assert list(view_names()) == [ins.tabs.get_title(i) for i in range(len(ins.tabs.children))]
+    assert view_names()[TABS["Prefix cache"]] == "Prefix cache"
+    first = ins.add_request(REPEATED)
+    ins.run_all_button.click()
+    second = ins.add_request(REPEATED)
+    ins.step_button.click()
+    rec = ins.record
+    lookup = rec.prefix_lookups[second]
+    assert ins.prefix.html.value == ""                           # not drawn until its tab is shown
+    show(ins, "Prefix cache")
+    text = view_text(ins.prefix)
+    assert lookup.hit_tokens == 16 and first != second
+    assert f"request {second!r}: 20 tokens, 1 full block of 16; hit 16 tokens (1 block, cap 1)" in text
+    assert "hit 16 of 20 tokens: every full block before the last token is cached" in text
+    assert re.findall(r'class="pc-block pc-(\w+) pc-checkpoint" title="block (\d+)', ins.prefix.html.value) == \
+        [("hit", "0")]
+    (copy,) = rec.state_copies
+    assert f"page {copy.src_page} (the checkpoint after 16 tokens, its prefix hit) -> page {copy.dst_page}" in text
+    assert "below, what the prefix cache holds now" in text and "eviction rank" in text
+    st = ins.llm.stats()                          # warmup's requests and make()'s two were looked up too
+    assert (st["prefix_cache_hits"], st["prompt_tokens_skipped"]) == (1, 16)
+    assert (f"1 of {st['prefix_cache_queries']} requests hit, 16 of {st['prompt_tokens_queried']} prompt "
+            "tokens skipped") in text
+    ins.slider.value = ins.slider.max - 1                        # an older record: no report of now
+    text = view_text(ins.prefix)
+    assert "what the cache holds now is left out" in text and "eviction rank" not in text
+    assert PrefixCacheView(rec).html.value == PrefixCacheView(rec, None, False).html.value
+
+
+def test_prefix_cache_tab_of_an_engine_without_the_cache():
+    ins = make()
+    ins.step_button.click()
+    show(ins, "Prefix cache")
+    assert_says_why(ins.prefix, "prefix caching is off: build the engine with LLM(..., enable_prefix_caching=True)")

@@ -18,15 +18,18 @@ hittable, until it is handed out again (least recently freed first; unregistered
 A new request's hit (`find_prefix_hit`, vLLM's `HybridKVCacheCoordinator`) is capped at N - 1
 tokens (the last prompt token is always computed, for its logits); attention hits the longest run
 of cached blocks; a Mamba group hits the rightmost checkpoint within that run (a checkpoint at 2*bs
-says nothing about bs); the hit is the minimum over groups. A ledger records the holders of every
-id handed out, so leaks, double frees and wrong sharing are caught.
+says nothing about bs); the hit is the minimum over groups. The search (`lookup`) returns a
+`PrefixLookup`: per full block what each group holds, the cap, the hit and, in words, why the hit is
+what it is; the scheduler keeps it on the request and the StepRecord of the admitting step holds it.
+A ledger records the holders of every id handed out, so leaks, double frees and wrong sharing are
+caught.
 """
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -142,6 +145,116 @@ class PrefixHit:
     num_tokens: int                                   # computed tokens it starts with (a block multiple)
     ids: tuple[list[int], ...]                        # per group: the ids it adopts (Mamba: the row)
     blocks_hit: tuple[int, ...] = ()                  # per group: attention blocks / checkpoint column + 1
+
+
+@dataclass
+class PrefixLookup:
+    """What the prefix cache held for one request when the scheduler looked it up (at admission;
+    again at each re-admission after a preemption). Block b is tokens [b*bs, (b+1)*bs) of the
+    request's tokens (its prompt, plus its outputs when resumed); only full blocks have a hash.
+    `not_searched` says why the cache was not searched (the other fields then stay empty)."""
+    num_tokens: int                          # N: the request's tokens when looked up
+    block_size: int                          # bs: tokens per block
+    hashes: list[str] = field(default_factory=list)   # per full block (N // bs): its chained hash,
+                                             # first 12 hex digits (as llm.prefix_cache shows them)
+    attention_cached: list[bool] | None = None   # per full block: its attention KV block is cached
+                                                 # (None: the model has no attention group)
+    checkpoint_cached: list[bool] | None = None  # per full block: a recurrent checkpoint (a state
+                                                 # page saved after exactly (b+1)*bs tokens) is cached
+                                                 # (None: the model has no Mamba group)
+    cap_blocks: int = 0                      # floor((N - 1) / bs): a hit leaves the last token to compute
+    attention_blocks: int | None = None      # the longest run of cached attention blocks within the cap
+                                             # (None: no attention group)
+    hit_blocks: int = 0                      # the hit (what `find_prefix_hit` returns), in blocks
+    known_blocks: int = 0                    # the longest prefix (within the cap) some request computed
+                                             # lately, cached or not: the shared-prefix junction
+    not_searched: str = ""                   # why the cache was not searched; "" when it was
+
+    def __repr__(self) -> str:
+        return (f"PrefixLookup({self.num_tokens} tokens, {self.num_blocks} full blocks of {self.block_size}: "
+                f"{self.reason})")
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.hit_blocks * self.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        """Full blocks of the request's tokens."""
+        return len(self.hashes)
+
+    @property
+    def junction(self) -> int:
+        """Tokens: where a recurrent request's prefill stops a chunk, so that a checkpoint lands at
+        the end of the prefix it shares with earlier requests (vLLM `shared_prefix_boundary`,
+        #45238); 0 without a Mamba group or when the hit reaches that far."""
+        if self.checkpoint_cached is None or self.known_blocks <= self.hit_blocks:
+            return 0
+        return self.known_blocks * self.block_size
+
+    def block_state(self, b: int) -> str:
+        """Block b: "hit" (taken from the cache), "capped" (past floor((N-1)/bs): never hit),
+        "cached" (some group holds it, but the hit stops before it) or "missing"."""
+        if b < self.hit_blocks:
+            return "hit"
+        if b >= self.cap_blocks:
+            return "capped"
+        held = [flags[b] for flags in (self.attention_cached, self.checkpoint_cached) if flags is not None]
+        return "cached" if any(held) else "missing"
+
+    @property
+    def reason(self) -> str:
+        """Why the hit is what it is, in one sentence."""
+        if self.not_searched:
+            return self.not_searched
+        if not self.cap_blocks:
+            return (f"the prompt has no full block before its last token (a hit covers at most N - 1 = "
+                    f"{self.num_tokens - 1} tokens; block size {self.block_size})")
+        if self.hit_blocks:
+            return self._hit_reason()
+        return self._miss_reason()
+
+    def _hit_reason(self) -> str:
+        bs, hit = self.block_size, self.hit_tokens
+        head = f"hit {hit} of {self.num_tokens} tokens: "
+        if self.hit_blocks == self.cap_blocks:
+            return head + ("every full block before the last token is cached (a hit covers at most "
+                           f"N - 1 = {self.num_tokens - 1} tokens)")
+        if self.checkpoint_cached is None:
+            return head + f"the longest run of cached attention blocks (block {self.hit_blocks} is not cached)"
+        if self.attention_cached is None:
+            return head + "the rightmost recurrent checkpoint before the last token"
+        why = head + "the longest prefix with attention blocks and a checkpoint at its end"
+        if self.attention_blocks > self.hit_blocks:
+            why += (f" (attention blocks are cached up to token {self.attention_blocks * bs}, "
+                    f"with no checkpoint after token {hit})")
+        return why
+
+    def _miss_reason(self) -> str:
+        bs = self.block_size
+        attn = self.attention_blocks
+        if attn == 0 or (attn is None and not self.known_blocks):
+            if not self.known_blocks:
+                return "no block of this prompt was computed before"
+            return (f"block 0 (tokens [0, {bs})) was computed before but its attention KV block is no "
+                    "longer cached (evicted)")
+        if attn is None:
+            shared = (f"tokens [0, {self.known_blocks * bs}) were computed before but no recurrent "
+                      "checkpoint is cached at a block end within them")
+        else:
+            shared = (f"attention blocks cached for tokens [0, {attn * bs}) but no recurrent checkpoint "
+                      "at a block end within them")
+        why = (shared + ": the request(s) that computed this prefix saved their state only at their own "
+               "chunk ends, which lie past the shared tokens (or those checkpoints were evicted)")
+        if self.junction:
+            why += (f"; this request stops a chunk at the junction (token {self.junction}) so the next "
+                    "one can hit")
+        return why
+
+
+def lookup_not_searched(num_tokens: int, block_size: int, why: str) -> PrefixLookup:
+    """The lookup of a request whose prefix the scheduler did not search, and why."""
+    return PrefixLookup(num_tokens, block_size, not_searched=why)
 
 
 @dataclass
@@ -284,37 +397,42 @@ class KVCacheManager:
             self.pool(g).free(self._live(g, ids), req_id)
 
     # ---- the prefix cache ---------------------------------------------------------------------------
-    def find_prefix_hit(self, hashes: list[BlockHash], num_tokens: int) -> PrefixHit | None:
-        """The longest prefix of a new request's `num_tokens` tokens (hashes: its full blocks')
-        that every group holds: attention blocks for each block, a Mamba checkpoint at its end.
-        None without a hit. Nothing changes (see `adopt`, `count_lookup`)."""
+    def lookup(self, hashes: list[BlockHash], num_tokens: int) -> PrefixLookup:
+        """What the cache holds for a new request's `num_tokens` tokens (hashes: its full blocks'),
+        per block and group, and the hit: the longest prefix (at most N - 1 tokens) that every group
+        holds, attention blocks for each block and a Mamba checkpoint at its end. Nothing changes."""
         bs = self.groups[0].block_size
-        bound = min((num_tokens - 1) // bs, len(hashes))     # the last token is always computed
+        cap = max(min((num_tokens - 1) // bs, len(hashes)), 0)   # the last token is always computed
+        attn = ckpt = run = None
         if any(g.kind == "attention" for g in self.groups):
-            n = 0
-            while n < bound and hashes[n] in self.kv_pool.cached:
-                n += 1
-            bound = n
-        blocks = bound
+            attn = [h in self.kv_pool.cached for h in hashes]
+            run = next((i for i in range(cap) if not attn[i]), cap)
+        blocks = cap if run is None else run
         if any(g.kind == "mamba" for g in self.groups):      # the rightmost checkpoint within it
-            blocks = next((i + 1 for i in range(bound - 1, -1, -1) if hashes[i] in self.state_pool.cached), 0)
+            ckpt = [h in self.state_pool.cached for h in hashes]
+            blocks = next((i + 1 for i in range(blocks - 1, -1, -1) if ckpt[i]), 0)
+        known = next((i for i in range(cap) if hashes[i] not in self.known_hashes), cap)
+        return PrefixLookup(num_tokens, bs, [h.hex()[:12] for h in hashes], attn, ckpt, cap, run, blocks, known)
+
+    def prefix_hit(self, lookup: PrefixLookup, hashes: list[BlockHash]) -> PrefixHit | None:
+        """The ids a lookup's hit adopts (None without a hit)."""
+        blocks = lookup.hit_blocks
         if not blocks:
             return None
         ids = tuple([self.kv_pool.cached[h] for h in hashes[:blocks]] if g.kind == "attention"
                     else [0] * (blocks - 1) + [self.state_pool.cached[hashes[blocks - 1]]]
                     for g in self.groups)
-        return PrefixHit(blocks * bs, ids, tuple(blocks for _ in self.groups))
+        return PrefixHit(blocks * lookup.block_size, ids, tuple(blocks for _ in self.groups))
+
+    def find_prefix_hit(self, hashes: list[BlockHash], num_tokens: int) -> PrefixHit | None:
+        """The hit of `lookup` with its ids; None without a hit. Nothing changes (see `adopt`,
+        `count_lookup`)."""
+        return self.prefix_hit(self.lookup(hashes, num_tokens), hashes)
 
     def known_prefix(self, hashes: list[BlockHash], num_tokens: int) -> int:
         """Tokens of the longest prefix of full blocks (at most N - 1 tokens) that some request
-        computed lately, with or without a checkpoint at its end: the shared-prefix junction (vLLM
-        `shared_prefix_boundary`), where a recurrent request's chunk stops so that the next request
-        sharing the prefix finds a checkpoint there (vLLM #45238)."""
-        bs = self.groups[0].block_size
-        n, bound = 0, min((num_tokens - 1) // bs, len(hashes))
-        while n < bound and hashes[n] in self.known_hashes:
-            n += 1
-        return n * bs
+        computed lately, with or without a checkpoint at its end (`PrefixLookup.known_blocks`)."""
+        return self.lookup(hashes, num_tokens).known_blocks * self.groups[0].block_size
 
     def count_lookup(self, num_tokens: int, hit: PrefixHit | None) -> None:
         """A looked-up request was admitted: count it in `stats`."""

@@ -11,11 +11,15 @@ import dataclasses
 import enum
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from toolkit.errors import InvalidRequestError
 from toolkit.sampling import SamplingParams, child_seed
+
+if TYPE_CHECKING:       # a sibling floor: request.py does not import the KV manager at run time
+    from toolkit.kv_cache_manager import PrefixLookup
 
 Prompt = str | dict     # a text, or {"prompt_token_ids": [...]}
 
@@ -114,6 +118,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list, repr=False, compare=False)
     num_cached_tokens: int = 0
     prefix_junction: int = 0                  # "align": where its prefix shared with earlier requests ends
+    # what the prefix cache held for it when last looked up (admission; again after a preemption)
+    prefix_lookup: PrefixLookup | None = field(default=None, repr=False, compare=False)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -28,7 +28,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from toolkit.kv_cache_manager import CacheGroupKind, KVCacheManager, block_hashes
+from toolkit.kv_cache_manager import (
+    CacheGroupKind,
+    KVCacheManager,
+    PrefixHit,
+    PrefixLookup,
+    block_hashes,
+    lookup_not_searched,
+)
 from toolkit.request import Request, RequestStatus, TokenLogprobs, check_stop_strings, make_children
 from toolkit.sampling import SamplingParams
 
@@ -50,6 +57,8 @@ class NewRequestData:
     inherits_state: bool = False        # an n > 1 child that took its parent's ids over: its state slot
                                         # holds its computed tokens' state (not zeroed)
     num_cached_tokens: int = 0          # prefix caching: the computed tokens it took from the cache
+    prefix_lookup: PrefixLookup | None = None   # what the prefix cache held for it at this admission
+                                                # (the Request's `prefix_lookup`, the same object)
 
 
 @dataclass
@@ -304,7 +313,8 @@ class Scheduler:
                 sampling_seed=req.sampling_seed, num_prompt_tokens=len(req.prompt_token_ids),
                 min_tokens_stop_ids=stop_ids,
                 num_prompt_logprobs=params.prompt_logprobs if want_prompt_logprobs else None,
-                fork_src=fork_src, inherits_state=inherits, num_cached_tokens=req.num_cached_tokens))
+                fork_src=fork_src, inherits_state=inherits, num_cached_tokens=req.num_cached_tokens,
+                prefix_lookup=req.prefix_lookup))
             self._known_to_runner.add(req.request_id)
         return budget
 
@@ -322,21 +332,36 @@ class Scheduler:
                 cached.new_block_ids[i] = tuple(list(row) if self.kv.aligned(g) else ids for g, (row, ids)
                                                 in enumerate(zip(self.kv.block_ids(req_id), cached.new_block_ids[i])))
 
-    def _adopt_prefix_hit(self, req: Request):
-        """A request about to be admitted from scratch takes the longest cached prefix of its tokens
-        (not with prompt logprobs, which need every prompt position computed, as in vLLM)."""
-        if (not self.caching or req.num_computed_tokens or req.fork_from is not None
-                or req.sampling_params.prompt_logprobs is not None):
-            return None
-        hashes = block_hashes(req.all_token_ids, self.block_size, req.block_hashes)
-        hit = self.kv.find_prefix_hit(hashes, req.num_tokens)
+    def _adopt_prefix_hit(self, req: Request) -> PrefixHit | None:
+        """A request about to be admitted from scratch takes the longest cached prefix of its tokens.
+        Its lookup (what the cache held, and why the hit is what it is) stays on the request
+        (`prefix_lookup`), as does, in "align" mode, the junction its prefill stops at."""
+        lookup = self._lookup(req)
+        req.prefix_lookup = lookup
+        # a shared prefix without a checkpoint at its end: the prefill makes one there
+        req.prefix_junction = lookup.junction if self.align else 0
+        hit = self.kv.prefix_hit(lookup, req.block_hashes) if lookup.hit_blocks else None
         if hit is not None:
             self.kv.adopt(req.request_id, hit)
             req.num_computed_tokens = hit.num_tokens
-        if self.align:                  # a shared prefix without a checkpoint at its end: make one
-            junction = self.kv.known_prefix(hashes, req.num_tokens)
-            req.prefix_junction = junction if junction > req.num_computed_tokens else 0
         return hit
+
+    def _lookup(self, req: Request) -> PrefixLookup:
+        """The request's prefix lookup; not searched with caching off, for a request that starts
+        with computed tokens, or with prompt logprobs (every prompt position must be computed, as
+        in vLLM)."""
+        why = ""
+        if not self.caching:
+            why = "prefix caching is off"
+        elif req.num_computed_tokens or req.fork_from is not None:
+            why = "not searched: the request starts with its parent's computed tokens (an n > 1 child)"
+        elif req.sampling_params.prompt_logprobs is not None:
+            why = ("not searched: the request asks for prompt logprobs, which need every prompt "
+                   "position computed (as in vLLM)")
+        if why:
+            return lookup_not_searched(req.num_tokens, self.block_size, why)
+        hashes = block_hashes(req.all_token_ids, self.block_size, req.block_hashes)
+        return self.kv.lookup(hashes, req.num_tokens)
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         """Tokens the request runs this step. In "align" mode (prefix caching on a model with Mamba

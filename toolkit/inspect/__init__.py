@@ -8,7 +8,8 @@
 - `check_logprobs_close` (logprobs.py): two runs are the same model by vLLM's top-k logprob rule
 - `MemoryReport` (`llm.memory_report()`, memory.py); kernel launch counts (launches.py)
 - views: html.py (the one HTML style), summaries.py (tensors and values in a few words),
-  record_views.py (StepRecord, Trace, ... as text and HTML), reprs.py (`install_reprs()`,
+  record_views.py (StepRecord, Trace, ... as text and HTML), prefix_views.py (a step's prefix-cache
+  lookups and state copies), prefix_cache.py (`llm.prefix_cache`), reprs.py (`install_reprs()`,
   called once below, attaches them as the records' `__repr__` / `_repr_html_`)
 """
 from toolkit.inspect import faults

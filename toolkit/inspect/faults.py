@@ -25,7 +25,7 @@ import toolkit.runner.model_runner as model_runner
 from toolkit.attention.mamba_base import BaseMambaMetadataBuilder
 from toolkit.errors import ToolkitError
 from toolkit.inspect import html as H
-from toolkit.kv_cache_manager import KVCacheManager
+from toolkit.kv_cache_manager import KVCacheManager, PrefixHit
 from toolkit.runner.block_table import BlockTables
 from toolkit.runner.input_batch import runs_as_decode
 from toolkit.runner.model_runner import ModelRunner
@@ -206,21 +206,24 @@ def _plant_checkpoint_left_free(stack: contextlib.ExitStack) -> None:
 
 
 def _plant_hit_without_checkpoint(stack: contextlib.ExitStack) -> None:
-    original = KVCacheManager.find_prefix_hit
+    original_lookup, original_hit = KVCacheManager.lookup, KVCacheManager.prefix_hit
 
     def attention_decides(self, hashes, num_tokens):
-        hit = original(self, hashes, num_tokens)
-        bs = self.groups[0].block_size
-        bound = 0
-        while bound < min((num_tokens - 1) // bs, len(hashes)) and hashes[bound] in self.kv_pool.cached:
-            bound += 1
-        if hit is None or bound * bs <= hit.num_tokens:
-            return hit
-        ids = tuple([self.kv_pool.cached[h] for h in hashes[:bound]] if self.groups[g].kind == "attention"
-                    else [0] * (bound - 1) + row[-1:]             # the older checkpoint's page
-                    for g, row in enumerate(hit.ids))
-        return dataclasses.replace(hit, num_tokens=bound * bs, ids=ids, blocks_hit=(bound,) * len(ids))
-    _patch(stack, KVCacheManager, "find_prefix_hit", attention_decides)
+        found = original_lookup(self, hashes, num_tokens)
+        if found.hit_blocks and found.attention_blocks and found.attention_blocks > found.hit_blocks:
+            found = dataclasses.replace(found, hit_blocks=found.attention_blocks)    # counted as a hit
+        return found
+
+    def from_older_checkpoint(self, lookup, hashes):
+        blocks = lookup.hit_blocks
+        if not blocks or hashes[blocks - 1] in self.state_pool.cached:
+            return original_hit(self, lookup, hashes)
+        older = next(i for i in range(blocks - 1, -1, -1) if hashes[i] in self.state_pool.cached)
+        ids = tuple([self.kv_pool.cached[h] for h in hashes[:blocks]] if g.kind == "attention"
+                    else [0] * (blocks - 1) + [self.state_pool.cached[hashes[older]]] for g in self.groups)
+        return PrefixHit(blocks * lookup.block_size, ids, tuple(blocks for _ in self.groups))
+    _patch(stack, KVCacheManager, "lookup", attention_decides)
+    _patch(stack, KVCacheManager, "prefix_hit", from_older_checkpoint)
 
 
 _CATALOGUE = [

@@ -55,6 +55,18 @@ PRE = (f"background:{HEAD_BG};color:{FG};border:1px solid {ROW_LINE};padding:4px
        f"white-space:pre;overflow:auto;max-height:24em;font-size:11px;{MONO}")
 VERDICT_OK = (f"background:{GOOD_BG};color:{GOOD_FG};border:1px solid {GOOD_LINE};font-weight:600;"
               "padding:2px 8px;margin:2px 0 4px 0;border-radius:4px")
+# a block of a prompt's hash chain (the Prefix cache tab): one chip per block, coloured by its state
+CHIP = ("display:inline-block;min-width:30px;padding:1px 3px;margin:1px;border-radius:3px;"
+        f"text-align:center;font-size:10px;line-height:1.25;vertical-align:top;{MONO}")
+CHIP_STATES = {
+    "hit": f"background:{GOOD_BG};color:{GOOD_FG};border:1px solid {GREEN}",
+    "cached": f"background:#fff8c5;color:{AMBER};border:1px solid #d4a72c",
+    "missing": f"background:{BG};color:{FG};border:1px solid {LINE}",
+    "capped": f"background:{HEAD_BG};color:#8c959f;border:1px dashed {LINE}",
+}
+JUNCTION = (f"display:inline-block;padding:1px 3px;margin:1px;border-left:3px solid #0969da;color:#0969da;"
+            f"font-size:10px;font-weight:600;vertical-align:top;{MONO}")
+CHIP_ROW = "display:flex;flex-wrap:wrap;align-items:flex-start;margin:2px 0 4px 0"
 VERDICT_BAD = (f"background:{BAD_BG};color:{BAD_FG};border:1px solid {BAD_LINE};font-weight:600;"
                "padding:2px 8px;margin:2px 0 4px 0;border-radius:4px")
 
@@ -79,6 +91,13 @@ def title(text: str, style: str = TITLE) -> str:
 def verdict(text: str, ok: bool) -> str:
     """A one-line outcome on a green (ok) or red background: "no divergence", "traces part"."""
     return div(text, VERDICT_OK if ok else VERDICT_BAD)
+
+
+def chip(lines: Sequence[str], style: str, hover: str, cls: str) -> str:
+    """A small labelled box (one line per entry of `lines`, escaped) with a tooltip (`hover`) and a
+    class naming what it stands for (tests and browser tests find it by that class; no styling)."""
+    body = "<br>".join(escape(line) for line in lines)
+    return f'<span class="{escape(cls)}" title="{escape(hover)}" style="{style}">{body}</span>'
 
 
 def muted_none() -> str:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from toolkit.inspect import html as H
+from toolkit.inspect.prefix_views import prefix_cache_table_html
 from toolkit.inspect.step_record import DROPPED
 from toolkit.inspect.summaries import (
     array_label,
@@ -199,7 +200,7 @@ def step_record_html(rec: Any) -> str:
     else:
         parts.append(H.div(why_no_rows(rec), H.MUTED))
     parts.append(_outputs_html(rec))
-    parts.append(_prefix_cache_html(rec))
+    parts.append(prefix_cache_table_html(rec))
     parts += [H.section(_group_summary(g), _group_body(g)) for g in rec.attn_metadata]
     parts.append(_violations_html(rec.violations))
     parts.append(_dropped_html(rec))
@@ -208,21 +209,6 @@ def step_record_html(rec: Any) -> str:
         parts.append(H.section("InputBatch", fields_table(rec.input_batch), open_=False))
     parts.append(H.section("All record fields", fields_table(rec), open_=False))
     return H.wrap("".join(parts))
-
-
-def _prefix_cache_html(rec: Any) -> str:
-    """Prefix caching in this step: the hits of the requests admitted, and where each recurrent
-    state came from (a checkpoint or a hit's page, copied into the row's new running page)."""
-    hits = getattr(rec, "prefix_hits", {})
-    copies = getattr(rec, "state_copies", [])
-    if not hits and not copies:
-        return ""
-    rows = [[H.escape(c.request_id), str(hits.get(c.request_id, 0)) if c.request_id in hits else "",
-             f"page {c.src_page} (state after {c.from_tokens} tokens)" if c.src_page else "zeroed (from scratch)",
-             f"page {c.dst_page}"] for c in copies]
-    rows += [[H.escape(r), str(n), H.muted_none(), H.muted_none()] for r, n in hits.items()
-             if r not in {c.request_id for c in copies}]
-    return H.title("Prefix cache") + H.table(["request", "tokens hit", "state from", "into"], rows)
 
 
 # ---- GroupMetadata, Violation, LayerState, InputBatch -----------------------------------------------

@@ -91,6 +91,8 @@ def step_record(step: StepOutcome, backend: str, logits: torch.Tensor | None = N
         prompt_logprobs=dict(state.prompt_logprobs) if state else {},
         prefix_hits={new.req_id: new.num_cached_tokens for new in step.sched_out.scheduled_new_reqs
                      if new.num_cached_tokens},
+        prefix_lookups={new.req_id: new.prefix_lookup for new in step.sched_out.scheduled_new_reqs
+                        if new.prefix_lookup is not None},
         state_copies=state_copies(state.state_copies) if state else [])
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from toolkit.kv_cache_manager import PrefixLookup
 from toolkit.request import RequestOutput, TokenLogprobs
 from toolkit.runner.attn_utils import GroupMetadata
 from toolkit.runner.input_batch import InputBatch
@@ -156,6 +157,12 @@ class StepRecord:
     # cache; and the state copies before the forward (a row entering a new block: page src -> dst)
     prefix_hits: dict[str, int] = field(default_factory=dict)
     state_copies: list[StateCopy] = field(default_factory=list)
+    # per request admitted this step (new, or resumed after a preemption): the scheduler's lookup of
+    # its prefix, the object it made at admission (not recomputed): per full block whether its
+    # attention KV block and a recurrent checkpoint were cached, the N - 1 cap, the hit, the
+    # shared-prefix junction and why the hit is what it is (`.reason`). With prefix caching off,
+    # a lookup that says so (`not_searched`).
+    prefix_lookups: dict[str, PrefixLookup] = field(default_factory=dict)
 
     @property
     def is_warmup(self) -> bool:

@@ -9,7 +9,9 @@ Controls: Step, Run N, Run to end, Reset (a new LLM from the same arguments), ad
 a text box (text, or token ids as "5, 6, 7"); with inspect="full", Capture: which recurrent layers
 and requests the next steps record (`llm.set_inspect_filter`); a line with the trace's records and
 bytes against its budget; a history slider over `llm.trace` (warmup stages included and labelled).
-Tabs: Batch, Metadata, Blocks (KV blocks and state slots), State, Timeline, Warmup (and memory).
+Tabs: Batch, Metadata, Blocks (KV blocks and state slots), State, Timeline, Warmup (and memory),
+Prefix cache (the step's lookups: each admitted request's hash chain block by block, its hit and
+why; where each recurrent state came from; and, on the latest record, what the cache holds now).
 The widget tree is built once; moving the slider or stepping sets values, and only the visible tab
 is redrawn (the others when they are opened).
 
@@ -35,6 +37,7 @@ from toolkit.widgets.views import (
     BatchView,
     BlockTableView,
     MetadataView,
+    PrefixCacheView,
     StateView,
     TimelineView,
     WarmupMemoryView,
@@ -84,7 +87,9 @@ class StepInspector:
         self.state = StateView(inspect=llm.inspect)
         self.timeline = TimelineView()
         self.warmup = WarmupMemoryView()
-        self._views = [self.batch, self.metadata, self.blocks, self.state, self.timeline, self.warmup]
+        self.prefix = PrefixCacheView()
+        self._views = [self.batch, self.metadata, self.blocks, self.state, self.timeline, self.warmup,
+                       self.prefix]
         self.tabs = W.Tab(children=[v.widget for v in self._views])
         for i, name in enumerate(view_names()):
             self.tabs.set_title(i, name)
@@ -268,7 +273,8 @@ class StepInspector:
             [lambda: self.batch.show(rec), lambda: self.metadata.show(rec, prev),
              lambda: self.blocks.show(rec), lambda: self.state.show(trace, rec),
              lambda: self.timeline.show(trace),
-             lambda: self.warmup.show(trace, self.llm.memory_report())][index]()
+             lambda: self.warmup.show(trace, self.llm.memory_report()),
+             lambda: self.prefix.show(rec, self.llm.prefix_cache, self.slider.value == len(trace) - 1)][index]()
         except Exception as err:                      # not marked drawn: the next visit tries again
             self.status.value = self._said + H.exception(err, f"raised while drawing the {view_names()[index]} tab")
             return

@@ -17,7 +17,15 @@ from toolkit.attention.mamba2 import Mamba2MetadataBuilder
 from toolkit.attention.paged_attn import PagedAttentionMetadataBuilder
 from toolkit.attention.short_conv import ShortConvMetadataBuilder
 from toolkit.inspect import html as H
-from toolkit.inspect.record_views import batch_table_html, step_record_repr, violation_html, why_no_metadata
+from toolkit.inspect.prefix_cache import prefix_cache_html
+from toolkit.inspect.prefix_views import prefix_cache_step_html
+from toolkit.inspect.record_views import (
+    batch_table_html,
+    step_name,
+    step_record_repr,
+    violation_html,
+    why_no_metadata,
+)
 from toolkit.inspect.serialize import equal
 from toolkit.inspect.step_record import DROPPED
 from toolkit.inspect.summaries import (
@@ -221,6 +229,31 @@ def state_caption(record: Any, layer: str, request_id: str) -> str:
     st = record.state(layer)
     return (f"{layer}, request {request_id!r}, step {record.step_index} ({record.stage}): "
             f"state slot {st.slots[st.request_ids.index(request_id)]}")
+
+
+# ---- Prefix cache --------------------------------------------------------------------------------
+def prefix_cache_caption(record: Any, latest: bool) -> str:
+    """Which moment the Prefix cache tab shows: the record's step, and what the cache holds now
+    only when the record is the latest one (the report is of now, not of an older step)."""
+    if latest:
+        return (f"{step_name(record)}: the lookups of the requests it admitted and where its recurrent "
+                "states came from; below, what the prefix cache holds now, after it (llm.prefix_cache)")
+    return (f"{step_name(record)}: the lookups of the requests it admitted and where its recurrent states "
+            "came from; what the cache holds now is left out, as it belongs to the latest record, not "
+            "to this older one (move the slider to the end to see it)")
+
+
+def prefix_cache_pane_html(record: Any, report: Any = None, latest: bool = True) -> str:
+    """The Prefix cache tab: the record's prefix-cache facts (`prefix_cache_step_html`) and, when
+    the record is the latest one, `report` (llm.prefix_cache: what is cached now) below them."""
+    if record is None:
+        return H.note(NO_RECORDS)
+    enabled = None if report is None else report.enabled
+    step = prefix_cache_step_html(record, enabled)
+    if report is None or not report.enabled:
+        return step
+    caption = H.wrap(H.span(prefix_cache_caption(record, latest), H.SOFT))
+    return caption + step + (prefix_cache_html(report) if latest else "")
 
 
 # ---- Warmup --------------------------------------------------------------------------------------

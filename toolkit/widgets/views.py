@@ -1,7 +1,8 @@
 """The StepInspector's views, each usable alone on a record or a (loaded) Trace:
 
     BatchView(record), MetadataView(record, previous), BlockTableView(record),
-    StateView(trace, layer, request, record, inspect), TimelineView(trace), WarmupMemoryView(trace, memory)
+    StateView(trace, layer, request, record, inspect), TimelineView(trace), WarmupMemoryView(trace, memory),
+    PrefixCacheView(record, report, latest)
 
 A view is built once (`self.widget`, an ipywidgets box) and updated by setting values
 (`show(...)`); its content comes from pure functions (`toolkit.widgets.panes`,
@@ -196,6 +197,19 @@ class TimelineView(_View):
         return H.img(self.png, "timeline") if self.png else self.note.value
 
 
+class PrefixCacheView(_HtmlView):
+    """Prefix caching at the record's step: each admitted request's lookup (its hash chain, block
+    by block: hit, cached but unused, missing, past the cap; checkpoints and the junction marked),
+    the hit and why, where each recurrent state came from; and, when `latest`, what the cache holds
+    now (`report`: llm.prefix_cache)."""
+
+    def __init__(self, record=None, report=None, latest: bool = True):
+        super().__init__(record, report, latest)
+
+    def render(self, record, report=None, latest: bool = True) -> str:
+        return panes.prefix_cache_pane_html(record, report, latest)
+
+
 class WarmupMemoryView(_HtmlView):
     def __init__(self, trace=None, memory: Any = None):
         super().__init__(trace, memory)
@@ -205,4 +219,4 @@ class WarmupMemoryView(_HtmlView):
 
 
 def view_names() -> Sequence[str]:
-    return ("Batch", "Metadata", "Blocks", "State", "Timeline", "Warmup")
+    return ("Batch", "Metadata", "Blocks", "State", "Timeline", "Warmup", "Prefix cache")
