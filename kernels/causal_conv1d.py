@@ -24,12 +24,22 @@ init = conv_state[state_indices[i]] if has_initial_state[i] and state_indices[i]
 A padded sequence (state index -1) still gets outputs, from a zero initial state (as the reference
 does: the profile run passes one), and writes no state. Rows of x past cu_seqlens[P] get no output
 (out there is uninitialised).
+checkpoints (state_slots_ref.Checkpoints or None; prefix caching's internal checkpoints):
+token_index int64 [M] (increasing, never a sequence's last token), slots int [M] (-1: write nothing).
+Besides the final states, conv_state[slots[m]] = the conv state after token token_index[m] (the K-1
+inputs of [init; x_i] ending at it, as `causal_conv1d_ref.conv_windows_at` gathers them). The windows
+depend only on x and the initial states, so the launcher gathers the initial states (torch) before
+the kernel overwrites the slots, and writes the windows with torch after it: no host sync.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from .causal_conv1d_ref import conv_windows_at
+from .launcher_checks import check_checkpoints
+from .state_slots_ref import Checkpoints, initial_states_at, write_states_at
 
 
 @triton.jit
@@ -172,9 +182,11 @@ def _conv_prefill_kernel(x_ptr, state_ptr, idx_ptr, has_init_ptr, cu_ptr, w_ptr,
 def causal_conv1d_prefill(x: torch.Tensor, conv_state: torch.Tensor, state_indices: torch.Tensor,
                           has_initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor,
                           weight: torch.Tensor, bias: torch.Tensor | None,
-                          activation: str | None = "silu") -> torch.Tensor:
+                          activation: str | None = "silu",
+                          checkpoints: Checkpoints | None = None) -> torch.Tensor:
     """Launcher: checks shapes, dtypes, devices and strides; writes the P final states into
-    `conv_state` in place; returns out [T, Dc] in x.dtype."""
+    `conv_state` in place (and, with `checkpoints`, the state after each checkpoint token to its
+    slot); returns out [T, Dc] in x.dtype."""
     if x.dim() != 2:
         raise ValueError(f"x must be [T, Dc], got {tuple(x.shape)}")
     t, dim = x.shape
@@ -214,9 +226,13 @@ def causal_conv1d_prefill(x: torch.Tensor, conv_state: torch.Tensor, state_indic
                     ("has_initial_state", has_initial_state)):
         if v is not None and v.numel() > 1 and v.stride(0) != 1:
             raise ValueError(f"{name} must be contiguous, stride {v.stride(0)}")
+    check_checkpoints(checkpoints, x.device)
     out = torch.empty(t, dim, dtype=x.dtype, device=x.device)
     if p == 0 or t == 0:
         return out
+    # checkpoint windows read the initial states, which the kernel overwrites in place: gather them first
+    saving = checkpoints is not None and checkpoints.token_index.numel() > 0
+    init = initial_states_at(conv_state, state_indices, has_initial_state) if saving else None
     block_d = min(triton.next_power_of_2(dim), 128)
     n_d = triton.cdiv(dim, block_d)
     splits = max(1, min(triton.cdiv(t, _PREFILL_BLOCK_T), _PREFILL_MAX_PROGRAMS // (p * n_d)))
@@ -226,4 +242,7 @@ def causal_conv1d_prefill(x: torch.Tensor, conv_state: torch.Tensor, state_indic
         x.stride(0), conv_state.stride(0), conv_state.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
         KM1=km1, BLOCK_KM1=triton.next_power_of_2(km1), HAS_INIT_FLAGS=has_initial_state is not None,
         HAS_BIAS=bias is not None, SILU=activation is not None, BLOCK_T=_PREFILL_BLOCK_T, BLOCK_D=block_d)
+    if saving:
+        write_states_at(conv_state, checkpoints.slots,
+                        conv_windows_at(x, init, cu_seqlens, checkpoints.token_index))
     return out

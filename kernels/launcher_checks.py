@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from .state_slots_ref import Checkpoints
+
 INT_DTYPES = (torch.int32, torch.int64)
 
 
@@ -32,6 +34,24 @@ def check_chunk_layout(chunk_size: int, cu_chunk_seqlens: torch.Tensor, seq_idx:
     check_index("state_indices", state_indices, rows, f"R={rows}")
     check_index("has_initial_state", has_initial_state, rows, f"R={rows}", (torch.bool, *INT_DTYPES))
     return nc, rows
+
+
+def check_checkpoints(checkpoints: Checkpoints | None, device: torch.device) -> int:
+    """A prefill op's `checkpoints` (None, or state_slots_ref.Checkpoints: token_index int64 [M],
+    slots int32/int64 [M], both on `device`) -> M (0 when None)."""
+    if checkpoints is None:
+        return 0
+    if not isinstance(checkpoints, Checkpoints):
+        raise ValueError(f"checkpoints must be a state_slots_ref.Checkpoints (token_index, slots) or None, "
+                         f"got {type(checkpoints).__name__}")
+    token_index, slots = checkpoints
+    check_index("checkpoints.token_index", token_index, None, "M", (torch.int64,))
+    m = token_index.shape[0]
+    check_index("checkpoints.slots", slots, m, f"M={m}")
+    for name, v in (("checkpoints.token_index", token_index), ("checkpoints.slots", slots)):
+        if v.device != device:
+            raise ValueError(f"{name} is on {v.device}, x on {device}: all inputs must share a device")
+    return m
 
 
 def rows_view(name: str, t: torch.Tensor) -> torch.Tensor:

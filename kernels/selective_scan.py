@@ -19,6 +19,12 @@ selective_scan (varlen prefill, P sequences back to back):
     if has_initial_state[i] (and its slot is not -1) else from zeros, runs the recurrence above token
     by token (y for every token), and writes its final state back to its slot (not for slot -1; a
     zero-length sequence writes its initial state). Returns y fp32 [T, Di].
+    checkpoints (state_slots_ref.Checkpoints or None; prefix caching's internal checkpoints):
+    token_index int64 [M] (increasing, never a sequence's last token), slots int [M] (-1: write
+    nothing). Besides the final states, ssm_state[slots[m]] = the state after token token_index[m].
+    The launcher scatters them into a per-token save-slot array (int32 [T], -1 = none; on the
+    device, no host sync) and the kernel (HAS_CKPT) stores its state tile to a token's save slot
+    right after advancing it by that token.
 
 x, B, C may be row-strided views (the conv output; B and C column slices of the x_proj output) in
 fp32 / fp16 / bf16; every input is read as fp32 and all math is fp32. Each last dimension must be
@@ -30,6 +36,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .launcher_checks import check_checkpoints
+from .state_slots_ref import Checkpoints
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INTS = (torch.int32, torch.int64)
@@ -65,12 +74,13 @@ def _update_kernel(state_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, idx_ptr
 
 
 @triton.jit
-def _scan_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, cu_ptr, state_ptr, idx_ptr, init_ptr, y_ptr,
+def _scan_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, cu_ptr, state_ptr, idx_ptr, init_ptr, save_ptr, y_ptr,
                  dim, d_state, x_t, dt_t, a_d, b_t, c_t, s_slot, s_sd, y_t,
-                 HAS_D: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
+                 HAS_D: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, HAS_CKPT: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program (sequence, block of channels): a [BLOCK_D, N] state tile in registers, carried through
-    the sequence's tokens one by one (the next token's inputs loaded ahead), then written back once."""
+    the sequence's tokens one by one (the next token's inputs loaded ahead), then written back once.
+    With HAS_CKPT, a token whose save slot (save_ptr [T]) is >= 0 also stores the tile there."""
     seq = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     n = tl.arange(0, BLOCK_N)
@@ -110,6 +120,10 @@ def _scan_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, cu_ptr, state_ptr, i
         if HAS_D:
             y += Dv * x
         tl.store(y_ptr + t * y_t + d, y, mask=md)
+        if HAS_CKPT:
+            save = tl.load(save_ptr + t).to(tl.int64)
+            tl.store(state_ptr + tl.maximum(save, 0) * s_slot + d[:, None] * s_sd + n[None, :], h,
+                     mask=(d < tl.where(save >= 0, dim, 0))[:, None] & mn[None, :])
         x, dt, Bv, Cv = x_n, dt_n, B_n, C_n
     tl.store(tile, h, mask=(d < tl.where(has_slot, dim, 0))[:, None] & mn[None, :])
 
@@ -178,9 +192,11 @@ def selective_state_update(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.T
 
 def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                    D: torch.Tensor | None, cu_seqlens: torch.Tensor, ssm_state: torch.Tensor,
-                   state_indices: torch.Tensor, has_initial_state: torch.Tensor | None) -> torch.Tensor:
+                   state_indices: torch.Tensor, has_initial_state: torch.Tensor | None,
+                   checkpoints: Checkpoints | None = None) -> torch.Tensor:
     """Launcher (varlen prefill): checks shapes, dtypes, devices and strides; runs each sequence from its
-    initial state, writes its final state to its slot in place; returns y fp32 [T, Di]."""
+    initial state, writes its final state to its slot in place (and, with `checkpoints`, the state
+    after each checkpoint token to its slot); returns y fp32 [T, Di]."""
     t, di, n = _check_common(ssm_state, x, dt, A, B, C, D, "T")
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
         raise ValueError(f"cu_seqlens must be int32/int64 [P+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
@@ -189,15 +205,20 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     _check_index("state_indices", state_indices, p, "P", _INTS, ssm_state.device)
     if has_initial_state is not None:
         _check_index("has_initial_state", has_initial_state, p, "P", (torch.bool,) + _INTS, ssm_state.device)
+    saving = check_checkpoints(checkpoints, ssm_state.device) > 0
     y = torch.empty(t, di, dtype=torch.float32, device=x.device)
     if p == 0 or di == 0:
         return y
+    save = state_indices                                      # a placeholder pointer when not saving
+    if saving:                                                # per-token save slot, -1 = none (no sync)
+        save = torch.full((t,), -1, dtype=torch.int32, device=x.device)
+        save.scatter_(0, checkpoints.token_index, checkpoints.slots.to(torch.int32))
     block_d = min(triton.next_power_of_2(di), 32)
     _scan_kernel[(p, triton.cdiv(di, block_d))](
         x, dt, A, B, C, D if D is not None else A, cu_seqlens, ssm_state, state_indices,
-        has_initial_state if has_initial_state is not None else state_indices, y,
+        has_initial_state if has_initial_state is not None else state_indices, save, y,
         di, n, x.stride(0), dt.stride(0), A.stride(0), B.stride(0), C.stride(0),
         ssm_state.stride(0), ssm_state.stride(1), y.stride(0),
-        HAS_D=D is not None, HAS_INIT_FLAGS=has_initial_state is not None,
+        HAS_D=D is not None, HAS_INIT_FLAGS=has_initial_state is not None, HAS_CKPT=saving,
         BLOCK_D=block_d, BLOCK_N=triton.next_power_of_2(n))
     return y

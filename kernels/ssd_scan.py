@@ -15,6 +15,12 @@ Sequence i starts from ssm_state[state_indices[i]] if has_initial_state[i] (and 
 else from zeros; per token  state = state * exp(dt*A) + (dt*x) outer B ;  y = state . C + D*x.
 Its final state is written back to its slot. Returns y fp32 [T, H, P] (a padded sequence still gets
 its y, computed from a zero state, as the reference does).
+checkpoints (state_slots_ref.Checkpoints or None; prefix caching's internal checkpoints):
+token_index int64 [M] (increasing; each the last token of a chunk, never a sequence's last token),
+slots int [M] (-1: write nothing). Besides the final states, ssm_state[slots[m]] = the state after
+the chunk ending at token_index[m]. After launch 2, states[c] holds the state before chunk c, so that
+is states[c + 1] (the next chunk of the same sequence): gathered and written with torch after the
+launches (`ssd_scan_ref.chunk_ending_at`), no host sync.
 
 Intermediates, allocated by the launcher from shapes: states fp32 [NC, H, P, N] (each chunk's own
 end state, then the state before it), cum fp32 [H, T] (dA cumsum within each chunk), ends fp32
@@ -35,7 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .launcher_checks import check_chunk_layout
+from .launcher_checks import check_checkpoints, check_chunk_layout
+from .ssd_scan_ref import chunk_ending_at
+from .state_slots_ref import Checkpoints, write_states_at
 
 
 @triton.jit
@@ -173,8 +181,10 @@ def _chunk_scan_kernel(x_ptr, dt_ptr, b_ptr, c_ptr, d_ptr, cu_ptr, cum_ptr, st_p
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
              D: torch.Tensor | None, cu_chunk_seqlens: torch.Tensor, seq_idx: torch.Tensor,
              last_chunk_indices: torch.Tensor, chunk_size: int, ssm_state: torch.Tensor,
-             state_indices: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
-    """Launcher: checks shapes, dtypes, devices and strides; updates `ssm_state` in place; returns y fp32.
+             state_indices: torch.Tensor, has_initial_state: torch.Tensor,
+             checkpoints: Checkpoints | None = None) -> torch.Tensor:
+    """Launcher: checks shapes, dtypes, devices and strides; updates `ssm_state` in place (final states,
+    and with `checkpoints` the state after each checkpoint's chunk); returns y fp32.
 
     Chunk lengths must be 1..chunk_size and the chunks must tile [0, T) (the launcher cannot check
     tensor data without a host sync): a longer chunk leaves rows of y unwritten.
@@ -210,6 +220,7 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
                     ("has_initial_state", has_initial_state)):
         if v is not None and v.device != x.device:
             raise ValueError(f"{name} is on {v.device}, x on {x.device}: all inputs must share a device")
+    check_checkpoints(checkpoints, x.device)
 
     dev, f32 = x.device, torch.float32
     y = torch.empty(t, heads, head_dim, dtype=f32, device=dev)
@@ -256,4 +267,9 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
         y.stride(0), y.stride(1),
         HAS_D=D is not None, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_P=block_p, BLOCK_N=block_n,
         DOT_PRECISION=precision, **launch)
+
+    if checkpoints is not None and checkpoints.token_index.numel() > 0:
+        # states[c + 1] is the state before chunk c + 1, i.e. after the checkpoint's chunk c
+        after = chunk_ending_at(cu_chunk_seqlens, checkpoints.token_index) + 1
+        write_states_at(ssm_state, checkpoints.slots, states[after])
     return y

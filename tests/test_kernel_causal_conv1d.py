@@ -2,7 +2,9 @@
 the CPU (set in conftest before any kernel is defined) or compiled on CUDA (harness.KERNEL_DEVICE): small
 shapes, fp32 / fp16 / bf16. The decode update: padded rows, x a view of a wider projection. The varlen prefill:
 sequence lengths around the kernel's token block, with and without initial state, padded sequences, the views
-the mixers pass (x a column slice of the projection, weight = conv1d.weight[:, 0, :]); real shapes on a GPU."""
+the mixers pass (x a column slice of the projection, weight = conv1d.weight[:, 0, :]); real shapes on a GPU.
+Internal checkpoints (prefix caching): the prefill also saves the state after chosen tokens, as the reference
+does; the reference's checkpoint equals the final state of a prefill of the prefix."""
 from __future__ import annotations
 
 import pytest
@@ -13,6 +15,7 @@ from harness import KERNEL_DEVICE as DEV  # the test device: CPU (interpreter) o
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
 from toolkit.kernels import causal_conv1d as conv
 from toolkit.kernels import causal_conv1d_ref
+from toolkit.kernels.state_slots_ref import Checkpoints
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # both sides compute in fp32 and round once to the output dtype: allow about one ulp of it
@@ -136,6 +139,111 @@ def test_causal_conv1d_prefill_launcher_names_what_is_wrong():
         conv.causal_conv1d_prefill(x, state, idx, has, cu, w, None, "gelu")
     with pytest.raises(ValueError, match="x must be contiguous in its last dimension"):
         conv.causal_conv1d_prefill(torch.zeros(8, 5).t(), state, idx, has, cu, w, None)
+
+
+# ---- internal checkpoints --------------------------------------------------------------------------
+# lens [6, 3, 1, 9]: sequence 0 (initial state, slot 2) saves after its first token (a window reaching
+# into the initial state, which the kernel overwrites with the final state) and after token 3;
+# sequence 1 (no initial state) after its first token and once with PAD_SLOT_ID; sequence 2 is padded;
+# sequence 3 (initial state) after tokens 1 and 5.
+CKPT_LENS = [6, 3, 1, 9]
+CKPT_IDX = [2, 5, -1, 0]
+CKPT_HAS_INIT = [True, False, True, True]
+CKPT_TOKENS = [0, 3, 6, 7, 11, 15]
+CKPT_SLOTS = [7, 8, 9, -1, 3, 10]
+CKPT_UNTOUCHED = [1, 4, 6, 11]           # of 12 slots: no sequence and no checkpoint names these
+
+
+def _checkpoints(tokens, slots, device=DEV):
+    return Checkpoints(torch.tensor(tokens, dtype=torch.int64, device=device),
+                       torch.tensor(slots, dtype=torch.int32, device=device))
+
+
+def _ckpt_case(g, dtype, k_width, state_dtype=None):
+    x, state, weight, bias, cu = _case(g, dtype, 20, k_width, True, CKPT_LENS, 12, state_dtype)
+    idx = torch.tensor(CKPT_IDX, dtype=torch.int32, device=DEV)
+    has_init = torch.tensor(CKPT_HAS_INIT, device=DEV)
+    return x, state, weight, bias, cu, idx, has_init
+
+
+@pytest.mark.parametrize("dtype, state_dtype, k_width",
+                         [(torch.float32, None, 4), (torch.float16, None, 4), (torch.bfloat16, None, 4),
+                          (torch.bfloat16, torch.float32, 4), (torch.float32, None, 2)])
+def test_causal_conv1d_prefill_checkpoints_equal_reference(dtype, state_dtype, k_width):
+    g = torch.Generator().manual_seed(7)
+    x, state, weight, bias, cu, idx, has_init = _ckpt_case(g, dtype, k_width, state_dtype)
+    ckpt = _checkpoints(CKPT_TOKENS, CKPT_SLOTS)
+    ours_state, ref_state = state.clone(), state.clone()
+    ours = conv.causal_conv1d_prefill(x, ours_state, idx, has_init, cu, weight, bias, "silu", checkpoints=ckpt)
+    ref = causal_conv1d_ref.conv_prefill_at_slots(x, ref_state, idx, has_init, cu, weight, bias, "silu",
+                                                  checkpoints=ckpt)
+    torch.testing.assert_close(ours, ref, **TOL[dtype])
+    assert torch.equal(ours_state, ref_state)               # every slot: states are copies, bit-exact
+    assert torch.equal(ours_state[CKPT_UNTOUCHED], state[CKPT_UNTOUCHED])   # the -1 checkpoint wrote nothing
+    for s in [7, 8, 9, 3, 10]:
+        assert not torch.equal(ours_state[s], state[s])
+    # the first-token checkpoint of sequence 0: K-2 rows of its initial state, then x[0]
+    win = ours_state[7]
+    assert torch.equal(win[:k_width - 2], state[2, 1:])
+    assert torch.equal(win[-1], x[0].to(win.dtype))
+
+
+def test_causal_conv1d_prefill_no_checkpoints_m0():
+    """M = 0: the same outputs and states as without checkpoints, and as the reference."""
+    g = torch.Generator().manual_seed(8)
+    x, state, weight, bias, cu, idx, has_init = _ckpt_case(g, torch.float32, 4)
+    empty = _checkpoints([], [])
+    plain_state, ours_state, ref_state = state.clone(), state.clone(), state.clone()
+    plain = conv.causal_conv1d_prefill(x, plain_state, idx, has_init, cu, weight, bias, "silu")
+    ours = conv.causal_conv1d_prefill(x, ours_state, idx, has_init, cu, weight, bias, "silu", checkpoints=empty)
+    ref = causal_conv1d_ref.conv_prefill_at_slots(x, ref_state, idx, has_init, cu, weight, bias, "silu",
+                                                  checkpoints=empty)
+    assert torch.equal(ours, plain) and torch.equal(ours_state, plain_state)
+    torch.testing.assert_close(ours, ref, **TOL[torch.float32])
+    assert torch.equal(ours_state, ref_state)
+
+
+@pytest.mark.parametrize("k_width", [4, 2])
+def test_causal_conv1d_reference_checkpoint_is_the_prefix_final_state(k_width):
+    """The reference's checkpoint after token t of a sequence is the final state the reference leaves
+    after a prefill of that sequence's prefix up to t, from the same initial state."""
+    g = torch.Generator().manual_seed(9)
+    x, state, weight, bias, cu, idx, has_init = _ckpt_case(g, torch.bfloat16, k_width)
+    ref_state = state.clone()
+    causal_conv1d_ref.conv_prefill_at_slots(x, ref_state, idx, has_init, cu, weight, bias, "silu",
+                                            checkpoints=_checkpoints(CKPT_TOKENS, CKPT_SLOTS))
+    starts = cu.tolist()
+    checked = 0
+    for tok, slot in zip(CKPT_TOKENS, CKPT_SLOTS):
+        if slot < 0:
+            continue
+        s = max(i for i in range(len(CKPT_LENS)) if starts[i] <= tok)
+        prefix_state = state.clone()
+        causal_conv1d_ref.conv_prefill_at_slots(
+            x[starts[s]:tok + 1], prefix_state, idx[s:s + 1], has_init[s:s + 1],
+            torch.tensor([0, tok + 1 - starts[s]], dtype=torch.int32, device=DEV), weight, bias, "silu")
+        assert torch.equal(ref_state[slot], prefix_state[CKPT_IDX[s]]), (tok, slot)
+        checked += 1
+    assert checked == 5
+
+
+def test_causal_conv1d_prefill_checkpoints_named_when_wrong():
+    x, state, w = torch.zeros(5, 8), torch.zeros(3, 3, 8), torch.zeros(8, 4)
+    idx, has = torch.zeros(2, dtype=torch.int32), torch.ones(2, dtype=torch.bool)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    tok, slots = torch.tensor([0, 2]), torch.tensor([1, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"checkpoints.token_index must be int64 \[M\], got torch.int32"):
+        conv.causal_conv1d_prefill(x, state, idx, has, cu, w, None, checkpoints=Checkpoints(tok.int(), slots))
+    with pytest.raises(ValueError, match=r"checkpoints.token_index must be int64 \[M\], got torch.int64 \(1, 2\)"):
+        conv.causal_conv1d_prefill(x, state, idx, has, cu, w, None, checkpoints=Checkpoints(tok[None], slots))
+    with pytest.raises(ValueError, match=r"checkpoints.slots must be int32/int64 \[M=2\], got torch.int32 \(1,\)"):
+        conv.causal_conv1d_prefill(x, state, idx, has, cu, w, None, checkpoints=Checkpoints(tok, slots[:1]))
+    with pytest.raises(ValueError, match=r"checkpoints.slots must be int32/int64 \[M=2\], got torch.float32"):
+        conv.causal_conv1d_prefill(x, state, idx, has, cu, w, None, checkpoints=Checkpoints(tok, slots.float()))
+    with pytest.raises(ValueError, match="checkpoints.slots is on meta, x on "):
+        conv.causal_conv1d_prefill(x, state, idx, has, cu, w, None, checkpoints=Checkpoints(tok, slots.to("meta")))
+    with pytest.raises(ValueError, match="checkpoints must be a state_slots_ref.Checkpoints"):
+        conv.causal_conv1d_prefill(x, state, idx, has, cu, w, None, checkpoints=(tok, slots))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: real shapes")

@@ -3,7 +3,8 @@ compiled on CUDA (harness.KERNEL_DEVICE): kernels/selective_state_update.py (the
 in the kernel or before it by `mamba2_dt`) and kernels/ssd_scan.py (the SSD chunked scan of the varlen prefill).
 fp32 / fp16 / bf16 inputs, head_dim / widths not powers of two, padded rows, x / B / C / dt as views of one
 projection; for the scan, chunk_size 8, sequence lengths around it, mixed initial states and a padded sequence;
-real shapes on a GPU."""
+real shapes on a GPU. Internal checkpoints (prefix caching): the scan also saves the state after chosen chunks,
+as the reference does; the reference's checkpoint equals the final state of a scan of the prefix."""
 from __future__ import annotations
 
 import numpy as np
@@ -21,7 +22,7 @@ from toolkit.kernels import (
 )
 from toolkit.kernels import ssd_scan as ssd
 from toolkit.kernels.ssd_scan_ref import ssm_scan_sequential_ref
-from toolkit.kernels.state_slots_ref import initial_states_at
+from toolkit.kernels.state_slots_ref import Checkpoints, initial_states_at
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -200,6 +201,98 @@ def test_ssd_scan_launcher_names_what_is_wrong():
         ssd.ssd_scan(*args, state, idx.float(), has_init)
     with pytest.raises(ValueError, match=r"seq_idx must be int32/int64 \[NC=2\]"):
         ssd.ssd_scan(*args[:7], args[7][:1], *args[8:], state, idx, has_init)
+
+
+# ---- internal checkpoints --------------------------------------------------------------------------
+# chunk_size 8; chunk ends (compute_chunk_metadata): sequence 0 (9 tokens from 0, no initial state)
+# [0, 8) [8, 9); sequence 1 (20 tokens, 3 computed) [9, 14) [14, 22) [22, 29); sequence 2 (4 tokens,
+# 7 computed: its first chunk is its first token) [29, 30) [30, 33); sequence 3 (6, no initial
+# state) [33, 39); sequence 4 padded. Checkpoints at chunk ends that are not a sequence's last token:
+# 7 (sequence 0), 13 with PAD_SLOT_ID, 21 (sequence 1), 29 (sequence 2's first token).
+CKPT_LENS = [9, 20, 4, 6, 3]
+CKPT_COMPUTED = [0, 3, 7, 0, 2]
+CKPT_IDX = [4, 0, 6, 2, -1]
+CKPT_TOKENS = [7, 13, 21, 29]
+CKPT_SLOTS = [8, -1, 9, 10]
+CKPT_UNTOUCHED = [1, 3, 5, 7, 11]        # of 12 slots: no sequence and no checkpoint names these
+
+
+def _checkpoints(tokens, slots):
+    return Checkpoints(torch.tensor(tokens, dtype=torch.int64, device=DEV),
+                       torch.tensor(slots, dtype=torch.int32, device=DEV))
+
+
+def _ckpt_case(dtype, heads, head_dim, d_state, groups, with_d, seed):
+    case = _case(dtype, heads, head_dim, d_state, groups, CKPT_LENS, CKPT_COMPUTED, CKPT_IDX, 12, with_d,
+                 chunk_size=8, seed=seed)
+    ends = case[0][6][1:] - 1                                  # the last token of each chunk
+    assert set(CKPT_TOKENS) <= set(ends.tolist())
+    return case
+
+
+@pytest.mark.parametrize("dtype, heads, head_dim, d_state, groups, with_d",
+                         [(torch.float32, 4, 8, 16, 1, True), (torch.float16, 4, 8, 16, 1, True),
+                          (torch.bfloat16, 4, 8, 16, 1, True), (torch.float32, 4, 12, 8, 2, False)])
+def test_ssd_scan_checkpoints_equal_reference(dtype, heads, head_dim, d_state, groups, with_d):
+    args, state, idx, has_init = _ckpt_case(dtype, heads, head_dim, d_state, groups, with_d, seed=6)
+    ckpt = _checkpoints(CKPT_TOKENS, CKPT_SLOTS)
+    ours_state, ref_state = state.clone(), state.clone()
+    y = ssd.ssd_scan(*args, ours_state, idx, has_init, checkpoints=ckpt)
+    y_ref = ssd_scan_ref.ssd_scan_at_slots(*args, ref_state, idx, has_init, checkpoints=ckpt)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_state, ref_state, atol=1e-5, rtol=1e-5)        # every slot
+    assert torch.equal(ours_state[CKPT_UNTOUCHED], state[CKPT_UNTOUCHED])   # the -1 checkpoint wrote nothing
+    for s in [8, 9, 10]:
+        assert not torch.equal(ours_state[s], state[s])
+
+
+def test_ssd_scan_no_checkpoints_m0():
+    """M = 0: the same outputs and states as without checkpoints, and as the reference."""
+    args, state, idx, has_init = _ckpt_case(torch.float32, 2, 8, 16, 1, True, seed=7)
+    empty = _checkpoints([], [])
+    plain_state, ours_state, ref_state = state.clone(), state.clone(), state.clone()
+    y_plain = ssd.ssd_scan(*args, plain_state, idx, has_init)
+    y = ssd.ssd_scan(*args, ours_state, idx, has_init, checkpoints=empty)
+    y_ref = ssd_scan_ref.ssd_scan_at_slots(*args, ref_state, idx, has_init, checkpoints=empty)
+    assert torch.equal(y, y_plain) and torch.equal(ours_state, plain_state)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_state, ref_state, atol=1e-5, rtol=1e-5)
+
+
+def test_ssd_scan_reference_checkpoint_is_the_prefix_final_state():
+    """The reference's checkpoint after the chunk ending at token t is the final state the reference
+    leaves after a scan of that sequence's prefix up to t (chunked the same way: it ends at a chunk
+    end), from the same initial state."""
+    args, state, idx, has_init = _ckpt_case(torch.bfloat16, 4, 8, 16, 1, True, seed=8)
+    x, dt, A, B, C, D = args[:6]
+    ref_state = state.clone()
+    ssd_scan_ref.ssd_scan_at_slots(*args, ref_state, idx, has_init, checkpoints=_checkpoints(CKPT_TOKENS, CKPT_SLOTS))
+    starts = np.cumsum([0] + CKPT_LENS).tolist()
+    checked = 0
+    for tok, slot in zip(CKPT_TOKENS, CKPT_SLOTS):
+        if slot < 0:
+            continue
+        s = max(i for i in range(len(CKPT_LENS)) if starts[i] <= tok < starts[i + 1])
+        rows = slice(starts[s], tok + 1)
+        chunks = [torch.from_numpy(a).to(DEV) for a in
+                  compute_chunk_metadata(np.array([tok + 1 - starts[s]]), np.array([CKPT_COMPUTED[s]]), 8)]
+        prefix_state = state.clone()
+        ssd_scan_ref.ssd_scan_at_slots(x[rows], dt[rows], A, B[rows], C[rows], D, *chunks, 8, prefix_state,
+                                       idx[s:s + 1], has_init[s:s + 1])
+        torch.testing.assert_close(ref_state[slot], prefix_state[CKPT_IDX[s]], atol=1e-5, rtol=1e-5)
+        checked += 1
+    assert checked == 3
+
+
+def test_ssd_scan_checkpoints_named_when_wrong():
+    args, state, idx, has_init = _case(torch.float32, 2, 8, 8, 1, [3, 5], [0, 0], [0, 1], 2, True, 8)
+    tok, slots = torch.tensor([0]), torch.tensor([1])
+    with pytest.raises(ValueError, match=r"checkpoints.token_index must be int64 \[M\], got torch.float32"):
+        ssd.ssd_scan(*args, state, idx, has_init, checkpoints=Checkpoints(tok.float(), slots))
+    with pytest.raises(ValueError, match=r"checkpoints.slots must be int32/int64 \[M=1\], got torch.int64 \(0,\)"):
+        ssd.ssd_scan(*args, state, idx, has_init, checkpoints=Checkpoints(tok, slots[:0]))
+    with pytest.raises(ValueError, match="checkpoints.slots is on meta, x on "):
+        ssd.ssd_scan(*args, state, idx, has_init, checkpoints=Checkpoints(tok, slots.to("meta")))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: real shapes")

@@ -2,7 +2,8 @@
 references, under TRITON_INTERPRET=1 on the CPU (set in conftest) or compiled on CUDA (harness.KERNEL_DEVICE):
 small shapes, fp32 / fp16 / bf16 inputs (the SSM state cache and the math stay fp32, so tolerances stay tight),
 padded rows, varlen batches mixing sequences with and without initial state, the strided views the runner
-passes."""
+passes. Internal checkpoints (prefix caching): the scan also saves the state after chosen tokens, as the
+reference does; the reference's checkpoint equals the final state of a scan of the prefix."""
 from __future__ import annotations
 
 import pytest
@@ -14,6 +15,7 @@ from harness import KERNEL_DEVICE as DEV  # the test device: CPU (interpreter) o
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
 from toolkit.kernels import selective_scan as ss
 from toolkit.kernels import selective_scan_ref
+from toolkit.kernels.state_slots_ref import Checkpoints
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 FP32 = dict(atol=1e-5, rtol=1e-5)         # fp32 math on both sides, only the summation order differs
@@ -139,6 +141,103 @@ def test_launchers_name_what_is_wrong():
         ss.selective_scan(x, dt, A, BC, BC, None, cu, state, idx.int(), one.bool())
     with pytest.raises(ValueError, match="x must be float32/float16/bfloat16, got torch.int64"):
         ss.selective_scan(x.long(), dt, A, BC, BC, None, cu, state, one, one.bool())
+
+
+# ---- internal checkpoints --------------------------------------------------------------------------
+# lens [5, 1, 7, 0, 4]: sequence 0 (initial state, slot 4) saves after its first token and once with
+# PAD_SLOT_ID; sequence 1 has one token (its last: no checkpoint); sequence 2 (no initial state) saves
+# after its first token and after token 4; sequence 3 is empty; sequence 4 is padded.
+CKPT_LENS = [5, 1, 7, 0, 4]
+CKPT_IDX = [4, 0, 6, 2, -1]
+CKPT_HAS_INIT = [True, False, False, True, True]
+CKPT_TOKENS = [0, 3, 6, 10]
+CKPT_SLOTS = [9, -1, 10, 1]
+CKPT_UNTOUCHED = [3, 5, 7, 8]            # of 11 slots: no sequence and no checkpoint names these
+
+
+def _checkpoints(tokens, slots):
+    return Checkpoints(torch.tensor(tokens, dtype=torch.int64, device=DEV),
+                       torch.tensor(slots, dtype=torch.int32, device=DEV))
+
+
+def _ckpt_case(g, dtype, di, n, with_d):
+    cu = torch.tensor([0] + CKPT_LENS).cumsum(0).to(torch.int32).to(DEV)
+    state = torch.randn(11, di, n, generator=g).to(DEV)
+    x, dt, A, B, C, D = _inputs(g, int(cu[-1]), di, n, dtype, with_d)
+    idx = torch.tensor(CKPT_IDX, device=DEV)
+    has_init = torch.tensor(CKPT_HAS_INIT, device=DEV)
+    return x, dt, A, B, C, D, cu, state, idx, has_init
+
+
+@pytest.mark.parametrize("dtype, di, n, with_d", [(torch.float32, 40, 16, True), (torch.float16, 40, 16, True),
+                                                  (torch.bfloat16, 40, 16, True), (torch.float32, 24, 12, False)])
+def test_selective_scan_checkpoints_equal_reference(dtype, di, n, with_d):
+    g = torch.Generator().manual_seed(15)
+    x, dt, A, B, C, D, cu, state, idx, has_init = _ckpt_case(g, dtype, di, n, with_d)
+    ckpt = _checkpoints(CKPT_TOKENS, CKPT_SLOTS)
+    ours_state, ref_state = state.clone(), state.clone()
+    y = ss.selective_scan(x, dt, A, B, C, D, cu, ours_state, idx, has_init, checkpoints=ckpt)
+    y_ref = selective_scan_ref.mamba1_scan_at_slots(x, dt, A, B, C, D, cu, ref_state, idx, has_init,
+                                                    checkpoints=ckpt)
+    torch.testing.assert_close(y, y_ref, **FP32)
+    torch.testing.assert_close(ours_state, ref_state, **FP32)            # every slot
+    assert torch.equal(ours_state[CKPT_UNTOUCHED], state[CKPT_UNTOUCHED])   # the -1 checkpoint wrote nothing
+    for s in [9, 10, 1]:
+        assert not torch.equal(ours_state[s], state[s])
+
+
+def test_selective_scan_no_checkpoints_m0():
+    """M = 0: the same outputs and states as without checkpoints, and as the reference."""
+    g = torch.Generator().manual_seed(16)
+    x, dt, A, B, C, D, cu, state, idx, has_init = _ckpt_case(g, torch.float32, 24, 12, True)
+    empty = _checkpoints([], [])
+    plain_state, ours_state, ref_state = state.clone(), state.clone(), state.clone()
+    y_plain = ss.selective_scan(x, dt, A, B, C, D, cu, plain_state, idx, has_init)
+    y = ss.selective_scan(x, dt, A, B, C, D, cu, ours_state, idx, has_init, checkpoints=empty)
+    y_ref = selective_scan_ref.mamba1_scan_at_slots(x, dt, A, B, C, D, cu, ref_state, idx, has_init,
+                                                    checkpoints=empty)
+    assert torch.equal(y, y_plain) and torch.equal(ours_state, plain_state)
+    torch.testing.assert_close(y, y_ref, **FP32)
+    torch.testing.assert_close(ours_state, ref_state, **FP32)
+
+
+def test_selective_scan_reference_checkpoint_is_the_prefix_final_state():
+    """The reference's checkpoint after token t of a sequence is the final state the reference leaves
+    after a scan of that sequence's prefix up to t, from the same initial state."""
+    g = torch.Generator().manual_seed(17)
+    x, dt, A, B, C, D, cu, state, idx, has_init = _ckpt_case(g, torch.bfloat16, 24, 12, True)
+    ref_state = state.clone()
+    selective_scan_ref.mamba1_scan_at_slots(x, dt, A, B, C, D, cu, ref_state, idx, has_init,
+                                            checkpoints=_checkpoints(CKPT_TOKENS, CKPT_SLOTS))
+    starts = cu.tolist()
+    checked = 0
+    for tok, slot in zip(CKPT_TOKENS, CKPT_SLOTS):
+        if slot < 0:
+            continue
+        s = max(i for i in range(len(CKPT_LENS)) if starts[i] <= tok < starts[i + 1])
+        rows = slice(starts[s], tok + 1)
+        prefix_state = state.clone()
+        selective_scan_ref.mamba1_scan_at_slots(
+            x[rows], dt[rows], A, B[rows], C[rows], D, torch.tensor([0, tok + 1 - starts[s]], device=DEV),
+            prefix_state, idx[s:s + 1], has_init[s:s + 1])
+        torch.testing.assert_close(ref_state[slot], prefix_state[CKPT_IDX[s]], **FP32)
+        checked += 1
+    assert checked == 3
+
+
+def test_selective_scan_checkpoints_named_when_wrong():
+    state = torch.zeros(3, 8, 16)
+    x, dt, A, BC = torch.zeros(2, 8), torch.zeros(2, 8), torch.zeros(8, 16), torch.zeros(2, 16)
+    cu, one = torch.tensor([0, 2], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    tok, slots = torch.tensor([0]), torch.tensor([1])
+    with pytest.raises(ValueError, match=r"checkpoints.token_index must be int64 \[M\], got torch.int32"):
+        ss.selective_scan(x, dt, A, BC, BC, None, cu, state, one, None, checkpoints=Checkpoints(tok.int(), slots))
+    with pytest.raises(ValueError, match=r"checkpoints.slots must be int32/int64 \[M=1\], got torch.int64 \(2,\)"):
+        ss.selective_scan(x, dt, A, BC, BC, None, cu, state, one, None,
+                          checkpoints=Checkpoints(tok, torch.tensor([1, 2])))
+    with pytest.raises(ValueError, match="checkpoints.token_index is on meta, x on "):
+        ss.selective_scan(x, dt, A, BC, BC, None, cu, state, one, None,
+                          checkpoints=Checkpoints(tok.to("meta"), slots))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: real shapes")

@@ -11,17 +11,21 @@ a padded prefill sequence is computed from a zero state (the profile run relies 
     conv_update(x [B, Dc], conv_state [S, K-1, Dc], state_indices [B], weight [Dc, K], bias, act)
         -> out [B, Dc] (x.dtype)                                      one token per row
     conv_prefill(x [T, Dc], conv_state, state_indices [P], has_initial_state [P], cu_seqlens [P+1],
-                 weight, bias, act) -> out [T, Dc]                    P sequences back to back
+                 weight, bias, act, checkpoints=None) -> out [T, Dc]  P sequences back to back
     mamba1_update(ssm_state [S, Di, N], x [B, Di], dt [B, Di], A [Di, N], B [B, N], C [B, N], D,
                   state_indices) -> y fp32 [B, Di]
     mamba1_scan(x [T, Di], dt [T, Di], A, B [T, N], C [T, N], D, cu_seqlens [P+1],
-                ssm_state, state_indices [P], has_initial_state [P]) -> y fp32 [T, Di]
+                ssm_state, state_indices [P], has_initial_state [P], checkpoints=None) -> y fp32 [T, Di]
     mamba2_update(ssm_state [S, H, P, N], x [B, H, P], dt [B, H], A [H], B [B, G, N], C, D,
                   state_indices, dt_bias [H] | None = None, dt_limit = None) -> y fp32 [B, H, P]
         with dt_bias, dt is raw and prepared inside (mamba2_dt below)
     ssd_scan(x [T, H, P], dt [T, H], A, B [T, G, N], C, D, cu_chunk_seqlens [C+1], seq_idx [C],
              last_chunk_indices [P], chunk_size, ssm_state, state_indices [P],
-             has_initial_state [P]) -> y fp32 [T, H, P]
+             has_initial_state [P], checkpoints=None) -> y fp32 [T, H, P]
+        checkpoints (kernels/state_slots_ref.Checkpoints: token_index int64 [M], slots [M]; prefix
+        caching's internal checkpoints): conv_prefill, mamba1_scan and ssd_scan also write the state
+        after token token_index[m] to slot slots[m] (-1: nothing); for ssd_scan each such token
+        ends a chunk
     write_kv_cache(kv_cache, k [N, Hkv, D], v, slot_mapping [N]) -> None
     paged_attention(q [T, Hq, D], kv_cache, md: PagedAttentionMetadata, scale) -> out [T, Hq, D]
     gumbel_argmax(scaled [B, V] fp32, seeds int64 [B, 2], positions [B]) -> int64 [B]
