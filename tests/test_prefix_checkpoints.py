@@ -125,7 +125,7 @@ def _common(query_lens, computed, table) -> CommonAttentionMetadata:
 def test_builder_lists_every_boundary_inside_each_prefill_chunk():
     """Block size 4. Rows: a decode (none), [2, 11) (boundaries 4 and 8), [0, 4) (4 is its end: none),
     [8, 13) (12, whose column has no page: PAD)."""
-    table = [[9, 0, 0, 0], [1, 2, 3, 0], [4, 0, 0, 0], [0, 5, 6, 0]]
+    table = [[9, 0, 0, 0], [1, 2, 3, 0], [4, 0, 0, 0], [0, 5, 0, 6]]
     md = ShortConvMetadataBuilder(mamba_block_size=4, prefill_checkpoints=True).build(
         _common([1, 9, 4, 5], [6, 2, 0, 8], table), producer="test")
     assert md.num_decodes == 1
