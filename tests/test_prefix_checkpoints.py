@@ -80,6 +80,8 @@ def test_align_mode_misses_where_all_mode_hits():
     for mode in ("align", "all"):
         llm = LLM("tiny-bamba", enable_prefix_caching=True, mamba_cache_mode=mode, **ENGINE)
         hits[mode] = [n for _, n in serve(llm, prompts, [greedy] * 2, ["a", "b"]).values()]
+        lookup = next(r for r in llm.trace if "b" in r.prefix_lookups).prefix_lookups["b"]
+        assert ("stops a chunk at the junction (token 48)" in lookup.reason) == (mode == "align"), lookup.reason
         pages = [e for e in llm.prefix_cache.entries if e.kind == "state page"]
         assert {e.block for e in pages} >= ({0, 1, 2, 3} if mode == "all" else {3}), (mode, pages)
     assert hits == {"align": [0, 0], "all": [0, 48]}

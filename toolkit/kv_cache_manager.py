@@ -169,6 +169,7 @@ class PrefixLookup:
     known_blocks: int = 0                    # the longest prefix (within the cap) some request computed
                                              # lately, cached or not: the shared-prefix junction
     not_searched: str = ""                   # why the cache was not searched; "" when it was
+    internal_checkpoints: bool = False       # cache mode "all": prefills also save states inside chunks
 
     def __repr__(self) -> str:
         return (f"PrefixLookup({self.num_tokens} tokens, {self.num_blocks} full blocks of {self.block_size}: "
@@ -188,7 +189,7 @@ class PrefixLookup:
         """Tokens: where a recurrent request's prefill stops a chunk, so that a checkpoint lands at
         the end of the prefix it shares with earlier requests (vLLM `shared_prefix_boundary`,
         #45238); 0 without a Mamba group or when the hit reaches that far."""
-        if self.checkpoint_cached is None or self.known_blocks <= self.hit_blocks:
+        if self.checkpoint_cached is None or self.known_blocks <= self.hit_blocks or self.internal_checkpoints:
             return 0
         return self.known_blocks * self.block_size
 
@@ -244,6 +245,9 @@ class PrefixLookup:
         else:
             shared = (f"attention blocks cached for tokens [0, {attn * bs}) but no recurrent checkpoint "
                       "at a block end within them")
+        if self.internal_checkpoints:
+            return shared + (": those checkpoints were evicted, or no state page was free when the prefix "
+                             "was computed (cache mode \"all\" saves them in free pages only)")
         why = (shared + ": the request(s) that computed this prefix saved their state only at their own "
                "chunk ends, which lie past the shared tokens (or those checkpoints were evicted)")
         if self.junction:

@@ -361,7 +361,9 @@ class Scheduler:
         if why:
             return lookup_not_searched(req.num_tokens, self.block_size, why)
         hashes = block_hashes(req.all_token_ids, self.block_size, req.block_hashes)
-        return self.kv.lookup(hashes, req.num_tokens)
+        found = self.kv.lookup(hashes, req.num_tokens)
+        found.internal_checkpoints = self.prefill_checkpoints
+        return found
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         """Tokens the request runs this step. In "align" mode (prefix caching on a model with Mamba

@@ -60,7 +60,7 @@ class ColdReplay:
         n = len(token_ids)
         cfg = dataclasses.replace(main.cfg, max_num_seqs=1, max_num_batched_tokens=n, max_model_len=n + 1,
                                   num_kv_blocks=None, enable_prefix_caching=False, cudagraph_mode="none",
-                                  num_state_pages=None)
+                                  num_state_pages=None, mamba_cache_mode="none")
         try:
             scratch = ModelRunner(main.model, cfg)          # binds the model to its own caches
             groups = scratch.kv_cache_groups
