@@ -26,6 +26,12 @@ state_indices int [R]; has_initial_state bool/int [R]. Sequence i starts from
 ssm_state[state_indices[i]] if has_initial_state[i] and the index is not -1, else from zeros; its
 final state is written back there (nothing written for -1; its y is still computed, from zeros, as
 the reference does: the profile run relies on it). Returns y fp32 [T, Hv, V].
+checkpoints (state_slots_ref.Checkpoints or None; prefix caching's internal checkpoints):
+token_index int64 [M] (increasing, never a sequence's last token; any token, chunk end or not),
+slots int [M] (-1: write nothing). Besides the final states, ssm_state[slots[m]] = the state after
+token token_index[m]. The launcher scatters them into a per-token save-slot array (int32 [T], -1 =
+none; on the device, no host sync) and the kernel (HAS_CKPT) stores its state tile to a token's save
+slot right after advancing it by that token.
 
 The prefill kernel is the plain recurrence, sequential over a sequence's tokens (no chunked WY / UT
 transform): one program per (sequence, value head, block of V) keeps its [BLOCK_V, K] state tile in
@@ -38,7 +44,8 @@ import triton
 import triton.language as tl
 
 from .gated_delta_rule_ref import L2NORM_EPS
-from .launcher_checks import check_chunk_layout, check_index
+from .launcher_checks import check_checkpoints, check_chunk_layout, check_index
+from .state_slots_ref import Checkpoints
 
 
 @triton.jit
@@ -84,11 +91,13 @@ def _gdn_update_kernel(state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, idx_ptr,
 
 @triton.jit
 def _gdn_prefill_kernel(state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr, last_ptr, idx_ptr, init_ptr,
-                        y_ptr, heads_per_k, v_dim, k_dim, scale, eps,
+                        save_ptr, y_ptr, heads_per_k, v_dim, k_dim, scale, eps,
                         s_slot, s_head, s_v, q_t, q_h, k_t, k_h, v_t, v_h, g_t, g_h, b_t, b_h, y_t, y_h,
-                        USE_L2NORM: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+                        USE_L2NORM: tl.constexpr, HAS_CKPT: tl.constexpr,
+                        BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (sequence, value head, block of V): the recurrence over the sequence's tokens, one at a
-    time, on a [BLOCK_V, K] state tile in registers; initial state read first, final state written last."""
+    time, on a [BLOCK_V, K] state tile in registers; initial state read first, final state written last.
+    With HAS_CKPT, a token whose save slot (save_ptr [T]) is >= 0 also stores the tile there."""
     i = tl.program_id(0)
     h = tl.program_id(1)
     vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -116,6 +125,10 @@ def _gdn_prefill_kernel(state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr,
         delta = (v - tl.sum(s * k[None, :], axis=1)) * beta
         s = s + delta[:, None] * k[None, :]
         tl.store(y_ptr + t * y_t + h * y_h + vv, tl.sum(s * q[None, :], axis=1), mask=mv)
+        if HAS_CKPT:
+            save = tl.load(save_ptr + t).to(tl.int64)
+            tl.store(state_ptr + tl.maximum(save, 0) * s_slot + h * s_head + vv[:, None] * s_v + kk[None, :], s,
+                     mask=(vv < tl.where(save >= 0, v_dim, 0))[:, None] & mk2)
     tl.store(tile, s, mask=(vv < v_write)[:, None] & mk2)
 
 
@@ -186,9 +199,11 @@ def gdn_update(ssm_state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 cu_chunk_seqlens: torch.Tensor, seq_idx: torch.Tensor, last_chunk_indices: torch.Tensor,
                 chunk_size: int, ssm_state: torch.Tensor, state_indices: torch.Tensor,
-                has_initial_state: torch.Tensor, use_qk_l2norm: bool = True) -> torch.Tensor:
+                has_initial_state: torch.Tensor, use_qk_l2norm: bool = True,
+                checkpoints: Checkpoints | None = None) -> torch.Tensor:
     """Launcher (varlen prefill; sequential over tokens): checks shapes, dtypes, devices and strides;
-    writes each real sequence's final state into `ssm_state` in place; returns y fp32 [T, Hv, V].
+    writes each real sequence's final state into `ssm_state` in place (and, with `checkpoints`, the
+    state after each checkpoint token to its slot); returns y fp32 [T, Hv, V].
 
     The chunks must tile [0, T) and a sequence's chunks be consecutive (the launcher cannot check
     tensor data without a host sync): tokens no sequence covers leave rows of y unwritten.
@@ -199,15 +214,20 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     _check_devices(v.device, ssm_state=ssm_state, q=q, k=k, g=g, beta=beta, cu_chunk_seqlens=cu_chunk_seqlens,
                    seq_idx=seq_idx, last_chunk_indices=last_chunk_indices, state_indices=state_indices,
                    has_initial_state=has_initial_state)
+    saving = check_checkpoints(checkpoints, v.device) > 0
     y = torch.empty(t, hv, vd, dtype=torch.float32, device=v.device)
     if t == 0 or nc == 0 or rows == 0:
         return y
+    save = state_indices                                      # a placeholder pointer when not saving
+    if saving:                                                # per-token save slot, -1 = none (no sync)
+        save = torch.full((t,), -1, dtype=torch.int32, device=v.device)
+        save.scatter_(0, checkpoints.token_index, checkpoints.slots.to(torch.int32))
     block_v, block_k = _blocks(kd, vd)
     _gdn_prefill_kernel[(rows, hv, triton.cdiv(vd, block_v))](
-        ssm_state, q, k, v, g, beta, cu_chunk_seqlens, last_chunk_indices, state_indices, has_initial_state, y,
-        r, vd, kd, kd ** -0.5, L2NORM_EPS,
+        ssm_state, q, k, v, g, beta, cu_chunk_seqlens, last_chunk_indices, state_indices, has_initial_state, save,
+        y, r, vd, kd, kd ** -0.5, L2NORM_EPS,
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
         beta.stride(0), beta.stride(1), y.stride(0), y.stride(1),
-        USE_L2NORM=bool(use_qk_l2norm), BLOCK_V=block_v, BLOCK_K=block_k, num_warps=4)
+        USE_L2NORM=bool(use_qk_l2norm), HAS_CKPT=saving, BLOCK_V=block_v, BLOCK_K=block_k, num_warps=4)
     return y

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .state_slots_ref import initial_states_at, write_states_at
+from .state_slots_ref import Checkpoints, initial_states_at, padded_rows_redirected, sequence_of, write_states_at
 
 L2NORM_EPS = 1e-6
 
@@ -176,16 +176,59 @@ def gdn_update_at_slots(ssm_state: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     return torch.where((state_indices >= 0).view(-1, 1, 1), y, torch.zeros((), dtype=y.dtype, device=y.device))
 
 
+def gdn_states_after(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    cu_seqlens: torch.Tensor, initial_states: torch.Tensor, token_index: torch.Tensor, use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """[M, Hv, V, K] fp32: the state after each token of `token_index` (int64 [M]), by the plain
+    recurrence (`gdn_step`) from its sequence's initial state (initial_states [S, Hv, V, K];
+    cu_seqlens int [S+1]). The sequences advance together, each only up to its last such token
+    (a sequence past it, or without any, keeps its state: `torch.where`, exact)."""
+    t, hv, vd = v.shape
+    kd = q.shape[-1]
+    f32 = torch.float32
+    dev = v.device
+    m = token_index.numel()
+    out = torch.zeros(m, hv, vd, kd, device=dev, dtype=f32)
+    if m == 0:
+        return out
+    qp, kp = gdn_prepare_qk(q, k, hv, use_qk_l2norm)
+    tok = token_index.to(device=dev, dtype=torch.int64)
+    starts = cu_seqlens.to(device=dev, dtype=torch.int64)[:-1]
+    seq = sequence_of(cu_seqlens, tok)
+    need = torch.zeros_like(starts).scatter_reduce_(0, seq, tok - starts[seq] + 1, "amax")    # [S] steps
+    save = torch.full((t,), -1, dtype=torch.int64, device=dev)
+    save[tok] = torch.arange(m, device=dev)                    # token -> its checkpoint, -1 = none
+    state = initial_states.to(f32)
+    for j in range(int(need.max())):
+        live = j < need                                        # [S]
+        ti = torch.where(live, starts + j, 0)
+        _, new = gdn_step(state, qp[ti], kp[ti], v[ti], g[ti], beta[ti])
+        state = torch.where(live.view(-1, 1, 1, 1), new, state)
+        rows, targets, keep = padded_rows_redirected(torch.where(live, save[ti], -1))
+        out[targets] = torch.where(keep.view(-1, 1, 1, 1), state[rows], out[targets])
+    return out
+
+
 def gdn_prefill_at_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                          beta: torch.Tensor, cu_chunk_seqlens: torch.Tensor, seq_idx: torch.Tensor,
                          last_chunk_indices: torch.Tensor, chunk_size: int, ssm_state: torch.Tensor,
                          state_indices: torch.Tensor, has_initial_state: torch.Tensor,
-                         use_qk_l2norm: bool = True) -> torch.Tensor:
+                         use_qk_l2norm: bool = True, checkpoints: Checkpoints | None = None) -> torch.Tensor:
     """`gdn_chunk_varlen` in place at state indices: sequence i starts from
     ssm_state[state_indices[i]] if has_initial_state[i] else zeros; its final state is written
-    back there. Returns y fp32 [T, Hv, V]."""
-    init = initial_states_at(ssm_state, state_indices, has_initial_state)
+    back there. With `checkpoints`, the state after each of their tokens goes to their slots: the
+    chunks (row-relative, FLA's layout) need not end there, so those states come from the plain
+    recurrence (`gdn_states_after`) from the same initial states. Returns y fp32 [T, Hv, V]."""
+    init = initial_states_at(ssm_state, state_indices, has_initial_state)      # a copy: read before the writes
     y, final = gdn_chunk_varlen(q, k, v, g, beta, cu_chunk_seqlens, seq_idx, last_chunk_indices, chunk_size,
                                 init, use_qk_l2norm)
     write_states_at(ssm_state, state_indices, final)
+    if checkpoints is not None and checkpoints.token_index.numel() > 0:
+        cu = cu_chunk_seqlens.to(device=v.device, dtype=torch.int64)
+        ends = cu[last_chunk_indices.to(device=v.device, dtype=torch.int64) + 1]
+        cu_seqlens = torch.cat([ends.new_zeros(1), ends])      # sequence i: [cu[last[i-1]+1], cu[last[i]+1])
+        write_states_at(ssm_state, checkpoints.slots,
+                        gdn_states_after(q, k, v, g, beta, cu_seqlens, init, checkpoints.token_index,
+                                         use_qk_l2norm))
     return y

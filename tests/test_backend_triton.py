@@ -100,11 +100,11 @@ def test_triton_on_cpu_runs_the_interpreter_or_says_why_not(script):
     assert proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("model", ["tiny-bamba", "tiny-mamba", "tiny-lfm2"])
+@pytest.mark.parametrize("model", ["tiny-bamba", "tiny-mamba", "tiny-lfm2", "tiny-qwen3-next"])
 def test_internal_checkpoints_triton_equals_torch(model):
-    """Cache mode "all": the Triton conv, Mamba1 scan and Mamba2 SSD scan save the states inside a
-    prefill chunk as their references do: the second prompt hits the first one's state at 48 and
-    the tokens equal the torch backend's."""
+    """Cache mode "all": the Triton conv, Mamba1 scan, Mamba2 SSD scan and GDN prefill save the
+    states inside a prefill chunk as their references do: the second prompt hits the first one's
+    state at 48 and the tokens equal the torch backend's."""
     from toolkit import SamplingParams
     shared = list(range(20, 68))
     prompts = [shared + list(range(100, 120)), shared + list(range(200, 220))]

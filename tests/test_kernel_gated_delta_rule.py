@@ -2,7 +2,9 @@
 references, under TRITON_INTERPRET=1 on the CPU (set in conftest) or compiled on CUDA (harness.KERNEL_DEVICE):
 the decode update and the sequential varlen prefill, tiny shapes, fp32 / fp16 / bf16 inputs (the state cache and
 all math fp32), padded rows, mixed initial states, q / k / v as views of one conv output and g / beta as strided
-views, as the mixer passes them."""
+views, as the mixer passes them. Internal checkpoints (prefix caching): the prefill also saves the state after
+chosen tokens (chunk ends or not), as the reference does; the reference's checkpoint equals the final state of a
+prefill of the prefix."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,7 +18,7 @@ from toolkit.attention.gdn import compute_gdn_chunk_metadata
 from toolkit.kernels import gated_delta_rule as gdr
 from toolkit.kernels import gated_delta_rule_ref
 from toolkit.kernels.gated_delta_rule_ref import gdn_recurrent_varlen
-from toolkit.kernels.state_slots_ref import initial_states_at
+from toolkit.kernels.state_slots_ref import Checkpoints, initial_states_at
 from toolkit.layers.gdn import gdn_gating
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -165,6 +167,103 @@ def test_gdn_launchers_name_what_is_wrong():
     with pytest.raises(ValueError, match=r"g must be \[T=2, Hv=4\], got \(2, 3\)"):
         gdr.gdn_prefill(q, q, v, torch.zeros(2, 3), g, cu, sidx, last, 16, state, idx[:1],
                         torch.ones(1, dtype=torch.bool))
+
+
+# ---- internal checkpoints --------------------------------------------------------------------------
+# lens [5, 20, 1, 18, 7] (chunk 16, row-relative chunks): sequence 0 (initial state, slot 4) saves after
+# its first token (token 0) and once with PAD_SLOT_ID (token 3); sequence 1 (no initial state) saves after
+# its first token (5) and after its token 17 (22, inside its second chunk); sequence 2 has one token (its
+# last: no checkpoint); sequence 3 (initial state) saves after its token 15 (41, a chunk end); sequence 4
+# is padded.
+CKPT_LENS = [5, 20, 1, 18, 7]
+CKPT_HAS_INIT = [True, False, False, True, True]
+CKPT_IDX = [4, 0, 7, 2, -1]
+CKPT_TOKENS = [0, 3, 5, 22, 41]
+CKPT_SLOTS = [9, -1, 10, 11, 1]
+CKPT_UNTOUCHED = [3, 5, 6, 8, 12, 13]        # of 14 slots: no sequence and no checkpoint names these
+
+
+def _checkpoints(tokens, slots):
+    return Checkpoints(torch.tensor(tokens, dtype=torch.int64, device=DEV),
+                       torch.tensor(slots, dtype=torch.int32, device=DEV))
+
+
+def _ckpt_case(dtype, hk, hv, kd, vd, seed):
+    return _prefill_case(dtype, hk, hv, kd, vd, CKPT_LENS, CKPT_HAS_INIT, CKPT_IDX, 14, seed)
+
+
+@pytest.mark.parametrize("dtype, hk, hv, kd, vd", [(torch.float32, *SHAPES[0]), (torch.float16, *SHAPES[0]),
+                                                   (torch.bfloat16, *SHAPES[1]), (torch.float32, *SHAPES[2])])
+def test_gdn_prefill_checkpoints_equal_reference(dtype, hk, hv, kd, vd):
+    args, state, idx, flags = _ckpt_case(dtype, hk, hv, kd, vd, seed=7)
+    ckpt = _checkpoints(CKPT_TOKENS, CKPT_SLOTS)
+    ours_state, ref_state, plain_state = state.clone(), state.clone(), state.clone()
+    y = gdr.gdn_prefill(*args, ours_state, idx, flags, checkpoints=ckpt)
+    y_ref = gated_delta_rule_ref.gdn_prefill_at_slots(*args, ref_state, idx, flags, checkpoints=ckpt)
+    y_plain = gated_delta_rule_ref.gdn_prefill_at_slots(*args, plain_state, idx, flags)
+    # the reference's y and final states are those it computes without checkpoints
+    assert torch.equal(y_ref, y_plain)
+    assert torch.equal(ref_state[CKPT_IDX[:-1]], plain_state[CKPT_IDX[:-1]])
+    torch.testing.assert_close(y, y_ref, **TOL)
+    torch.testing.assert_close(ours_state, ref_state, **TOL)                 # every slot
+    assert torch.equal(ours_state[CKPT_UNTOUCHED], state[CKPT_UNTOUCHED])   # the -1 checkpoint wrote nothing
+    assert torch.equal(ref_state[CKPT_UNTOUCHED], state[CKPT_UNTOUCHED])
+    for s in [9, 10, 11, 1]:
+        assert not torch.equal(ours_state[s], state[s])
+
+
+def test_gdn_prefill_no_checkpoints_m0():
+    """M = 0: the same outputs and states as without checkpoints, and as the reference."""
+    args, state, idx, flags = _ckpt_case(torch.float32, *SHAPES[0], seed=8)
+    empty = _checkpoints([], [])
+    plain_state, ours_state, ref_state = state.clone(), state.clone(), state.clone()
+    y_plain = gdr.gdn_prefill(*args, plain_state, idx, flags)
+    y = gdr.gdn_prefill(*args, ours_state, idx, flags, checkpoints=empty)
+    y_ref = gated_delta_rule_ref.gdn_prefill_at_slots(*args, ref_state, idx, flags, checkpoints=empty)
+    assert torch.equal(y, y_plain) and torch.equal(ours_state, plain_state)
+    torch.testing.assert_close(y, y_ref, **TOL)
+    torch.testing.assert_close(ours_state, ref_state, **TOL)
+
+
+def test_gdn_prefill_reference_checkpoint_is_the_prefix_final_state():
+    """The reference's checkpoint after token t of a sequence (the plain recurrence) is the final state
+    the reference (chunked) leaves after a prefill of that sequence's prefix up to t, from the same
+    initial state."""
+    args, state, idx, flags = _ckpt_case(torch.bfloat16, *SHAPES[0], seed=9)
+    q, k, v, g, beta = args[:5]
+    ref_state = state.clone()
+    gated_delta_rule_ref.gdn_prefill_at_slots(*args, ref_state, idx, flags,
+                                              checkpoints=_checkpoints(CKPT_TOKENS, CKPT_SLOTS))
+    starts = np.cumsum([0] + CKPT_LENS).tolist()
+    checked = 0
+    for tok, slot in zip(CKPT_TOKENS, CKPT_SLOTS):
+        if slot < 0:
+            continue
+        s = max(i for i in range(len(CKPT_LENS)) if starts[i] <= tok < starts[i + 1])
+        rows = slice(starts[s], tok + 1)
+        chunks = [torch.from_numpy(a).to(DEV) for a in compute_gdn_chunk_metadata(np.array([tok + 1 - starts[s]]),
+                                                                                   CHUNK)]
+        prefix_state = state.clone()
+        gated_delta_rule_ref.gdn_prefill_at_slots(q[rows], k[rows], v[rows], g[rows], beta[rows], *chunks, CHUNK,
+                                                  prefix_state, idx[s:s + 1], flags[s:s + 1])
+        torch.testing.assert_close(ref_state[slot], prefix_state[CKPT_IDX[s]], **TOL)
+        checked += 1
+    assert checked == 4
+
+
+def test_gdn_prefill_checkpoints_named_when_wrong():
+    args, state, idx, flags = _prefill_case(torch.float32, 2, 4, 16, 12, [3, 5], [False, True], [0, 1], 2, seed=10)
+    tok, slots = torch.tensor([0], device=DEV), torch.tensor([1], device=DEV)
+    with pytest.raises(ValueError, match=r"checkpoints.token_index must be int64 \[M\], got torch.int32"):
+        gdr.gdn_prefill(*args, state, idx, flags, checkpoints=Checkpoints(tok.int(), slots))
+    with pytest.raises(ValueError, match=r"checkpoints.slots must be int32/int64 \[M=1\], got torch.int64 \(2,\)"):
+        gdr.gdn_prefill(*args, state, idx, flags, checkpoints=Checkpoints(tok, torch.tensor([1, 2], device=DEV)))
+    with pytest.raises(ValueError, match=r"checkpoints.slots must be int32/int64 \[M=1\], got torch.float32"):
+        gdr.gdn_prefill(*args, state, idx, flags, checkpoints=Checkpoints(tok, slots.float()))
+    with pytest.raises(ValueError, match="checkpoints.token_index is on meta, x on "):
+        gdr.gdn_prefill(*args, state, idx, flags, checkpoints=Checkpoints(tok.to("meta"), slots))
+    with pytest.raises(ValueError, match="checkpoints must be a state_slots_ref.Checkpoints"):
+        gdr.gdn_prefill(*args, state, idx, flags, checkpoints=(tok, slots))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: real shapes")

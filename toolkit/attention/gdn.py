@@ -13,6 +13,9 @@ Mamba2's names, so a layer can take its chunk layout from either metadata class.
 
 State slots come from the shared base builder in both cache modes (`mamba_block_size`, see
 mamba_base.py), as vLLM's GDN builder takes them from the same `mamba_get_block_table_tensor`.
+Cache mode "all" (`prefill_checkpoints=True`): the base builder's internal checkpoints
+(`checkpoint_token_index_p`, `checkpoint_slots_p`); the GDN prefill saves a state after any token,
+so, unlike Mamba2, they need not fall on chunk ends.
 
 Fields required from the common metadata: the base Mamba set. vLLM's GDN builder does not read
 `seq_lens_cpu_upper_bound`; here the shared decode/prefill split does (a one-token prefill chunk
@@ -57,10 +60,12 @@ def compute_gdn_chunk_metadata(query_lens_p: np.ndarray, chunk_size: int
 class GDNMetadataBuilder(BaseMambaMetadataBuilder):
     required_fields = GDN_REQUIRED_FIELDS
 
-    def __init__(self, chunk_size: int = GDN_CHUNK_SIZE, *, mamba_block_size: int | None = None):
+    def __init__(self, chunk_size: int = GDN_CHUNK_SIZE, *, mamba_block_size: int | None = None,
+                 prefill_checkpoints: bool = False):
         if chunk_size < 1:
             raise ValueError(f"GDN chunk_size must be positive, got {chunk_size}")
-        super().__init__(mamba_block_size=mamba_block_size)
+        # internal checkpoints need no chunk alignment: the GDN prefill saves a state after any token
+        super().__init__(mamba_block_size=mamba_block_size, prefill_checkpoints=prefill_checkpoints)
         self.chunk_size = chunk_size
 
     def _build(self, common: CommonAttentionMetadata, producer: str) -> GDNAttentionMetadata:

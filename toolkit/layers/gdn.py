@@ -30,7 +30,8 @@ toolkit/kernels/gated_delta_rule_ref.py (and causal_conv1d_ref.py for the conv):
 and in place at state indices (the ops `gdn_update` / `gdn_prefill`, with the Triton kernels of
 toolkit/kernels/gated_delta_rule.py as the other set):
   - `gdn_update_at_slots`   decode rows
-  - `gdn_prefill_at_slots`  prefill rows
+  - `gdn_prefill_at_slots`  prefill rows (with `checkpoints`, cache mode "all": also the states after
+                            chosen tokens, from `gdn_states_after`, the plain recurrence)
 All delta-rule math is fp32.
 """
 from __future__ import annotations
@@ -111,6 +112,9 @@ class GatedDeltaNet(StateSlotMixer):
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
 
     # -- cache plumbing (bind_kv_cache / unbind_kv_cache: StateSlotMixer) --------------------
+    def prefill_checkpoint_alignment(self) -> int | None:
+        return 1                      # its conv and its prefill kernels save the state after any token
+
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
         """conv_state [K_conv-1, Dc], ssm_state [Hv, V, K] per slot."""
         return (self.conv_kernel - 1, self.conv_dim), (self.num_v_heads, self.head_v_dim, self.head_k_dim)
@@ -168,8 +172,9 @@ class GatedDeltaNet(StateSlotMixer):
         def prefill(tok: slice, states: States, idx: torch.Tensor, has_init: torch.Tensor,
                     cu_seqlens: torch.Tensor, md) -> torch.Tensor:
             conv_state, ssm_state = states
+            checkpoints = self.checkpoints(md)
             xc = self.ops.conv_prefill(mixed[tok], conv_state, idx, has_init, cu_seqlens, weight, None,
-                                       self.activation)
+                                       self.activation, checkpoints=checkpoints)
             q, k, v = self._split_qkv(xc)
             if md is None:  # profile run: one sequence
                 cu, sidx, last = (torch.from_numpy(x).to(hidden.device) for x in
@@ -177,7 +182,8 @@ class GatedDeltaNet(StateSlotMixer):
                 chunks = (cu, sidx, last, self.chunk_size)
             else:
                 chunks = (md.cu_chunk_seqlen_p, md.seq_idx_p, md.last_chunk_indices_p, int(md.chunk_size))
-            return self.ops.gdn_prefill(q, k, v, g[tok], beta[tok], *chunks, ssm_state, idx, has_init)
+            return self.ops.gdn_prefill(q, k, v, g[tok], beta[tok], *chunks, ssm_state, idx, has_init,
+                                        checkpoints=checkpoints)
 
         y = self.run_state_slots(attn_metadata, (t, self.num_v_heads, self.head_v_dim), torch.float32,
                                  decode, prefill)

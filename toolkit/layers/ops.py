@@ -23,9 +23,9 @@ a padded prefill sequence is computed from a zero state (the profile run relies 
              last_chunk_indices [P], chunk_size, ssm_state, state_indices [P],
              has_initial_state [P], checkpoints=None) -> y fp32 [T, H, P]
         checkpoints (kernels/state_slots_ref.Checkpoints: token_index int64 [M], slots [M]; prefix
-        caching's internal checkpoints): conv_prefill, mamba1_scan and ssd_scan also write the state
-        after token token_index[m] to slot slots[m] (-1: nothing); for ssd_scan each such token
-        ends a chunk
+        caching's internal checkpoints): conv_prefill, mamba1_scan, ssd_scan and gdn_prefill (below)
+        also write the state after token token_index[m] to slot slots[m] (-1: nothing); for
+        ssd_scan each such token ends a chunk
     write_kv_cache(kv_cache, k [N, Hkv, D], v, slot_mapping [N]) -> None
     paged_attention(q [T, Hq, D], kv_cache, md: PagedAttentionMetadata, scale) -> out [T, Hq, D]
     gumbel_argmax(scaled [B, V] fp32, seeds int64 [B, 2], positions [B]) -> int64 [B]
@@ -34,8 +34,9 @@ a padded prefill sequence is computed from a zero state (the profile run relies 
                state_indices [B], use_qk_l2norm=True) -> y fp32 [B, Hv, V]      (Gated DeltaNet decode)
     gdn_prefill(q [T, Hk, K], k, v [T, Hv, V], g [T, Hv], beta [T, Hv], cu_chunk_seqlens [C+1],
                 seq_idx [C], last_chunk_indices [P], chunk_size, ssm_state, state_indices [P],
-                has_initial_state [P], use_qk_l2norm=True) -> y fp32 [T, Hv, V]
-        q, k raw (l2-normalised and q scaled inside the op); g is the fp32 log decay
+                has_initial_state [P], use_qk_l2norm=True, checkpoints=None) -> y fp32 [T, Hv, V]
+        q, k raw (l2-normalised and q scaled inside the op); g is the fp32 log decay; checkpoints
+        as for mamba1_scan (any token, chunk end or not)
     rms_norm(x [..., D], weight [D], eps) -> [..., D]                   (rms_norm_ref.rms_norm)
     rms_norm_gated(x [..., D], gate | None, weight [D], group_size, eps, norm_before_gate,
                    cast_normed, out_dtype | None) -> [..., D]           (rms_norm_ref.rms_norm_gated_op)

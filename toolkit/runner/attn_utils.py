@@ -35,12 +35,12 @@ class AttentionGroup:
 def make_builder(group: KVCacheGroup, align: bool = False, checkpoints: bool = False) -> AttentionMetadataBuilder:
     """`align`: prefix caching's Mamba mode, where a row's state page is the column of its last
     scheduled token (`mamba_block_size` = the group's block size); `checkpoints`: cache mode "all",
-    which also saves the states at the block boundaries inside prefill chunks (not GDN)."""
+    which also saves the states at the block boundaries inside prefill chunks (every recurrent builder)."""
     spec = group.spec
     if isinstance(spec, AttentionSpec):
         return PagedAttentionMetadataBuilder(group.block_size)
     kw = {"mamba_block_size": group.block_size} if align else {}
-    if checkpoints and not (isinstance(spec, MambaSpec) and spec.mamba_type == "gdn"):
+    if checkpoints:
         kw["prefill_checkpoints"] = True
     if isinstance(spec, MambaSpec) and spec.mamba_type == "mamba2":
         return Mamba2MetadataBuilder(spec.chunk_size, **kw)
