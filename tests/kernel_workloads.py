@@ -2,9 +2,10 @@
 
 RECORDED collects, for this test process, every kernel specialization (toolkit/inspect/kernel_specs.py)
 launched by
-- the backend-parity runs of test_backend_triton.py (`parity_run`, `sampled_run`): every tiny preset
-  and demo-hybrid, fp32, a single request and the chunked, mixed, queued batch, greedy and seeded
-  sampled rows. They record as they run, so recording them costs nothing;
+- the backend-parity runs of test_backend_triton.py (`parity_run`, `sampled_run`, `checkpoint_run`):
+  every tiny preset and demo-hybrid, fp32, a single request and the chunked, mixed, queued batch,
+  greedy and seeded sampled rows; the prefill kernels saving internal checkpoints (cache mode
+  "all"). They record as they run, so recording them costs nothing;
 - the cases those runs do not launch (`EXTRA_WORKLOADS`, triton only, no comparison):
   fp16 and bf16 on every tiny preset and both demo models, each engine with padded decode
   (cudagraph_mode="padded_eager": the decode batch of 3 runs padded to 4, as a CUDA graph would),
@@ -64,12 +65,32 @@ def sampled_run(backend: str) -> list[list[int]]:
             return [o.outputs[0].token_ids for o in llm.generate(prompts, SAMPLED)]
 
 
+CHECKPOINT_MODELS = ["tiny-bamba", "tiny-mamba", "tiny-lfm2", "tiny-qwen3-next"]   # Mamba2, Mamba1, conv, GDN
+
+
+def checkpoint_run(model: str, backend: str) -> list[tuple[list[int], int]]:
+    """Prefix caching in cache mode "all" (fp32, block 16): a 68-token prompt prefilled in one
+    64-token chunk saves states at 16, 32 and 48 from inside it, then a prompt sharing its first 48
+    tokens hits there. (tokens, cached prompt tokens) per request."""
+    shared = list(range(20, 68))
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    with _recorded(backend, f"checkpoints:{model}"):
+        with LLM(model, **F32, backend=backend, block_size=16, max_num_seqs=2, max_num_batched_tokens=64,
+                 enable_prefix_caching=True, mamba_cache_mode="all") as llm:
+            out = []
+            for own in (range(100, 120), range(200, 220)):
+                (res,) = llm.generate({"prompt_token_ids": shared + list(own)}, params)
+                out.append((list(res.outputs[0].token_ids), res.num_cached_tokens))
+            return out
+
+
 PARITY_WORKLOADS: dict[str, Callable[[], object]] = {
     **{_parity_label(m, [23], 0, {}): (lambda m=m: parity_run(m, "triton", [23], 0))
        for m in TINY_PRESETS + ["demo-hybrid"]},
     **{_parity_label(m, BATCH_PROMPT_LENS, 1, BATCH_LIMITS):
        (lambda m=m: parity_run(m, "triton", BATCH_PROMPT_LENS, 1, **BATCH_LIMITS)) for m in TINY_PRESETS},
     "parity:demo-hybrid:sampled": lambda: sampled_run("triton"),
+    **{f"checkpoints:{m}": (lambda m=m: checkpoint_run(m, "triton")) for m in CHECKPOINT_MODELS},
 }
 
 

@@ -19,7 +19,7 @@ pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; 
 from toolkit import LLM
 
 from harness import BATCH_LIMITS, BATCH_PROMPT_LENS, TINY_PRESETS
-from kernel_workloads import parity_run, sampled_run
+from kernel_workloads import CHECKPOINT_MODELS, checkpoint_run, parity_run, sampled_run
 
 LOGITS_ATOL = 1e-4
 # with pytest-xdist, in one worker with test_compile_for_gpus.py, which compiles what these runs record
@@ -100,20 +100,10 @@ def test_triton_on_cpu_runs_the_interpreter_or_says_why_not(script):
     assert proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("model", ["tiny-bamba", "tiny-mamba", "tiny-lfm2", "tiny-qwen3-next"])
+@pytest.mark.parametrize("model", CHECKPOINT_MODELS)
 def test_internal_checkpoints_triton_equals_torch(model):
-    """Cache mode "all": the Triton conv, Mamba1 scan, Mamba2 SSD scan and GDN prefill save the
+    """Cache mode "all": the Triton conv, Mamba1 scan, Mamba2 SSD scan and gated delta rule save the
     states inside a prefill chunk as their references do: the second prompt hits the first one's
     state at 48 and the tokens equal the torch backend's."""
-    from toolkit import SamplingParams
-    shared = list(range(20, 68))
-    prompts = [shared + list(range(100, 120)), shared + list(range(200, 220))]
-    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    out = {}
-    for backend in ("torch", "triton"):
-        llm = LLM(model, device="cpu", dtype="float32", backend=backend, block_size=16, max_num_seqs=2,
-                  max_num_batched_tokens=64, max_model_len=128, enable_prefix_caching=True,
-                  mamba_cache_mode="all")
-        res = [llm.generate({"prompt_token_ids": p}, params)[0] for p in prompts]
-        out[backend] = [(r.outputs[0].token_ids, r.num_cached_tokens) for r in res]
-    assert out["triton"] == out["torch"] and out["torch"][1][1] == 48
+    ref, ours = checkpoint_run(model, "torch"), checkpoint_run(model, "triton")
+    assert ours == ref and ref[1][1] == 48
