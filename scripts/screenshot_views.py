@@ -1,13 +1,15 @@
-"""Screenshots of the StepInspector's six views in JupyterLab, for the README:
+"""Screenshots of the StepInspector's seven views in JupyterLab, for the README:
 
     .venv/bin/python scripts/screenshot_views.py [--model tiny-bamba] [--out docs/images]
 
-writes inspector_{batch,metadata,blocks,state,timeline,warmup}.png (each at most --max-kb, 200 KB
+writes inspector_{batch,metadata,blocks,state,timeline,warmup,prefix_cache}.png (each at most --max-kb, 200 KB
 by default: larger shots are stored with a 256-colour palette). It runs
 tests/notebooks/inspector_browser.ipynb on `--model` in a throwaway JupyterLab, clicks Step twice
 (step 1: a chunked prefill next to a fresh one), shows Batch, Metadata, Blocks and
 State (a Mamba layer, request '0', whose state carries over from step 0), then clicks Run to end
-and shows Timeline and Warmup. Needs what scripts/setup_browser_test.sh installs.
+and shows Timeline and Warmup; then serves one prompt twice (the notebook's engine caches prefixes)
+and shows the Prefix cache tab at the step that admitted the second. Needs what
+scripts/setup_browser_test.sh installs.
 """
 from __future__ import annotations
 
@@ -29,7 +31,9 @@ SHOTS = [  # (file stem, tab, text the drawn view contains)
     ("state", "State", None),
     ("timeline", "Timeline", None),
     ("warmup", "Warmup", "memory ledger"),
+    ("prefix_cache", "Prefix cache", "hit 16 of 20 tokens"),
 ]
+PREFIX_PROMPT = ", ".join(str(t) for t in range(40, 60))     # 20 token ids: one full block of 16 to hit
 
 
 def main(argv=None) -> int:
@@ -65,6 +69,11 @@ def main(argv=None) -> int:
                 for stem, tab, ready in SHOTS:
                     if stem == "timeline":
                         nb.click_and_follow("Run to end")
+                    if stem == "prefix_cache":
+                        nb.add_request(PREFIX_PROMPT)
+                        nb.click_and_follow("Run to end")
+                        nb.add_request(PREFIX_PROMPT)
+                        nb.click_step()
                     panel = nb.open_tab(tab)
                     if stem == "state":
                         nb.pick_state_layer(panel, prefer="mamba")
