@@ -38,7 +38,8 @@ def test_importing_a_kernel_does_not_load_the_engine(tmp_path):
     loaded = python("import toolkit.kernels.rms_norm, toolkit.kernels.rms_norm_ref, sys; "
                     "print(sorted(m for m in sys.modules if m.startswith('toolkit')))", tmp_path)
     assert loaded == str(["toolkit", "toolkit.kernels", "toolkit.kernels.launcher_checks",
-                          "toolkit.kernels.rms_norm", "toolkit.kernels.rms_norm_ref"])
+                          "toolkit.kernels.rms_norm", "toolkit.kernels.rms_norm_ref",
+                          "toolkit.kernels.state_slots_ref"])
 
 
 def test_references_import_without_triton_or_the_engine(tmp_path):
