@@ -15,9 +15,10 @@
 #                    eager, and the decode step at batch 1 and 16 (eager, graphs, HF)
 # kernels  ~4 min    tests/test_kernel_*.py on CUDA tensors (RUNNERSCOPE_TEST_DEVICE=cuda, tests/harness.py
 #                    KERNEL_DEVICE): every Triton kernel, compiled, against its torch reference, small shapes and
-#                    the real-shape cases (mamba2-130m, mamba-130m, lfm2-350m, Qwen3-Next GDN); 194 tests
+#                    the real-shape cases (mamba2-130m, mamba-130m, lfm2-350m, Qwen3-Next GDN), and the internal
+#                    prefill checkpoints of cache mode "all"; 224 tests
 # backend  ~3 min    tests/test_backend_triton.py: backend="triton" vs "torch" on CUDA, every preset, fp32
-#                    (greedy tokens, logits 1e-4); 29 tests, ~55 engine builds
+#                    (greedy tokens, logits 1e-4) and cache mode "all"; 33 tests, ~63 engine builds
 # parity   ~5 min    tests/test_parity_*.py: the runner's HF-parity tests on CUDA in fp32 (backend "auto" =
 #                    Triton; TF32 off, see tests/harness.py); 215 tests, ~150 engine builds and HF models
 # graphs   ~3 min    tests/test_cudagraph.py (graphs equal eager for every preset, memory back to baseline),

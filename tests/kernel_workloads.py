@@ -69,16 +69,16 @@ CHECKPOINT_MODELS = ["tiny-bamba", "tiny-mamba", "tiny-lfm2", "tiny-qwen3-next"]
 
 
 def checkpoint_run(model: str, backend: str) -> list[tuple[list[int], int]]:
-    """Prefix caching in cache mode "all" (fp32, block 16): a 68-token prompt prefilled in one
-    64-token chunk saves states at 16, 32 and 48 from inside it, then a prompt sharing its first 48
-    tokens hits there. (tokens, cached prompt tokens) per request."""
-    shared = list(range(20, 68))
-    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    """Prefix caching in cache mode "all" (fp32, block 16): a 40-token prompt prefilled in one chunk
+    saves the states at 16 and 32 from inside it, then a prompt sharing its first 32 tokens hits
+    there. (tokens, cached prompt tokens) per request."""
+    shared = list(range(20, 52))
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     with _recorded(backend, f"checkpoints:{model}"):
-        with LLM(model, **F32, backend=backend, block_size=16, max_num_seqs=2, max_num_batched_tokens=64,
+        with LLM(model, **F32, backend=backend, block_size=16, max_num_seqs=2, max_num_batched_tokens=48,
                  enable_prefix_caching=True, mamba_cache_mode="all") as llm:
             out = []
-            for own in (range(100, 120), range(200, 220)):
+            for own in (range(100, 108), range(200, 208)):
                 (res,) = llm.generate({"prompt_token_ids": shared + list(own)}, params)
                 out.append((list(res.outputs[0].token_ids), res.num_cached_tokens))
             return out
