@@ -80,6 +80,18 @@ BATCH_PROMPT_LENS = [1, 60, 17, 33, 5]     # 5 requests, 1..60 tokens
 BATCH_LIMITS = dict(max_num_seqs=3, max_num_batched_tokens=24)
 
 
+def checkpoint_prefixes(tokens: list[int], slots: list[int], starts: list[int]) -> list[tuple[int, int, int, slice]]:
+    """Internal checkpoints (token index, slot) of sequences starting at `starts` (S + 1 offsets):
+    for each one with a slot, (token, slot, its sequence, the rows of that sequence up to the token),
+    which a kernel test runs again as a prefix to check the state saved there."""
+    out = []
+    for tok, slot in zip(tokens, slots):
+        if slot >= 0:
+            s = max(i for i in range(len(starts) - 1) if starts[i] <= tok)
+            out.append((tok, slot, s, slice(starts[s], tok + 1)))
+    return out
+
+
 def prompts_of(lengths, vocab, seed=0):
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]

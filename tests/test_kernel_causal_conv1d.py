@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from harness import KERNEL_DEVICE as DEV  # the test device: CPU (interpreter) or CUDA (compiled)
+from harness import checkpoint_prefixes
 
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
 from toolkit.kernels import causal_conv1d as conv
@@ -212,19 +213,14 @@ def test_causal_conv1d_reference_checkpoint_is_the_prefix_final_state(k_width):
     ref_state = state.clone()
     causal_conv1d_ref.conv_prefill_at_slots(x, ref_state, idx, has_init, cu, weight, bias, "silu",
                                             checkpoints=_checkpoints(CKPT_TOKENS, CKPT_SLOTS))
-    starts = cu.tolist()
-    checked = 0
-    for tok, slot in zip(CKPT_TOKENS, CKPT_SLOTS):
-        if slot < 0:
-            continue
-        s = max(i for i in range(len(CKPT_LENS)) if starts[i] <= tok)
+    cases = checkpoint_prefixes(CKPT_TOKENS, CKPT_SLOTS, cu.tolist())
+    assert len(cases) == 5
+    for tok, slot, s, rows in cases:
         prefix_state = state.clone()
         causal_conv1d_ref.conv_prefill_at_slots(
-            x[starts[s]:tok + 1], prefix_state, idx[s:s + 1], has_init[s:s + 1],
-            torch.tensor([0, tok + 1 - starts[s]], dtype=torch.int32, device=DEV), weight, bias, "silu")
+            x[rows], prefix_state, idx[s:s + 1], has_init[s:s + 1],
+            torch.tensor([0, rows.stop - rows.start], dtype=torch.int32, device=DEV), weight, bias, "silu")
         assert torch.equal(ref_state[slot], prefix_state[CKPT_IDX[s]]), (tok, slot)
-        checked += 1
-    assert checked == 5
 
 
 def test_causal_conv1d_prefill_checkpoints_named_when_wrong():

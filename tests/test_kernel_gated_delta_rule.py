@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from harness import KERNEL_DEVICE as DEV  # the test device: CPU (interpreter) or CUDA (compiled)
+from harness import checkpoint_prefixes
 
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
 from toolkit.attention.gdn import compute_gdn_chunk_metadata
@@ -234,21 +235,15 @@ def test_gdn_prefill_reference_checkpoint_is_the_prefix_final_state():
     ref_state = state.clone()
     gated_delta_rule_ref.gdn_prefill_at_slots(*args, ref_state, idx, flags,
                                               checkpoints=_checkpoints(CKPT_TOKENS, CKPT_SLOTS))
-    starts = np.cumsum([0] + CKPT_LENS).tolist()
-    checked = 0
-    for tok, slot in zip(CKPT_TOKENS, CKPT_SLOTS):
-        if slot < 0:
-            continue
-        s = max(i for i in range(len(CKPT_LENS)) if starts[i] <= tok < starts[i + 1])
-        rows = slice(starts[s], tok + 1)
-        chunks = [torch.from_numpy(a).to(DEV) for a in compute_gdn_chunk_metadata(np.array([tok + 1 - starts[s]]),
-                                                                                   CHUNK)]
+    cases = checkpoint_prefixes(CKPT_TOKENS, CKPT_SLOTS, np.cumsum([0] + CKPT_LENS).tolist())
+    assert len(cases) == 4
+    for _tok, slot, s, rows in cases:
+        chunks = [torch.from_numpy(a).to(DEV)
+                  for a in compute_gdn_chunk_metadata(np.array([rows.stop - rows.start]), CHUNK)]
         prefix_state = state.clone()
         gated_delta_rule_ref.gdn_prefill_at_slots(q[rows], k[rows], v[rows], g[rows], beta[rows], *chunks, CHUNK,
                                                   prefix_state, idx[s:s + 1], flags[s:s + 1])
         torch.testing.assert_close(ref_state[slot], prefix_state[CKPT_IDX[s]], **TOL)
-        checked += 1
-    assert checked == 4
 
 
 def test_gdn_prefill_checkpoints_named_when_wrong():

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from harness import KERNEL_DEVICE as DEV  # the test device: CPU (interpreter) or CUDA (compiled)
+from harness import checkpoint_prefixes
 
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
 from toolkit.attention.mamba2 import compute_chunk_metadata
@@ -267,21 +268,15 @@ def test_ssd_scan_reference_checkpoint_is_the_prefix_final_state():
     x, dt, A, B, C, D = args[:6]
     ref_state = state.clone()
     ssd_scan_ref.ssd_scan_at_slots(*args, ref_state, idx, has_init, checkpoints=_checkpoints(CKPT_TOKENS, CKPT_SLOTS))
-    starts = np.cumsum([0] + CKPT_LENS).tolist()
-    checked = 0
-    for tok, slot in zip(CKPT_TOKENS, CKPT_SLOTS):
-        if slot < 0:
-            continue
-        s = max(i for i in range(len(CKPT_LENS)) if starts[i] <= tok < starts[i + 1])
-        rows = slice(starts[s], tok + 1)
+    cases = checkpoint_prefixes(CKPT_TOKENS, CKPT_SLOTS, np.cumsum([0] + CKPT_LENS).tolist())
+    assert len(cases) == 3
+    for _tok, slot, s, rows in cases:
         chunks = [torch.from_numpy(a).to(DEV) for a in
-                  compute_chunk_metadata(np.array([tok + 1 - starts[s]]), np.array([CKPT_COMPUTED[s]]), 8)]
+                  compute_chunk_metadata(np.array([rows.stop - rows.start]), np.array([CKPT_COMPUTED[s]]), 8)]
         prefix_state = state.clone()
         ssd_scan_ref.ssd_scan_at_slots(x[rows], dt[rows], A, B[rows], C[rows], D, *chunks, 8, prefix_state,
                                        idx[s:s + 1], has_init[s:s + 1])
         torch.testing.assert_close(ref_state[slot], prefix_state[CKPT_IDX[s]], atol=1e-5, rtol=1e-5)
-        checked += 1
-    assert checked == 3
 
 
 def test_ssd_scan_checkpoints_named_when_wrong():

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import KERNEL_DEVICE as DEV  # the test device: CPU (interpreter) or CUDA (compiled)
+from harness import checkpoint_prefixes
 
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
 from toolkit.kernels import selective_scan as ss
@@ -209,20 +210,14 @@ def test_selective_scan_reference_checkpoint_is_the_prefix_final_state():
     ref_state = state.clone()
     selective_scan_ref.mamba1_scan_at_slots(x, dt, A, B, C, D, cu, ref_state, idx, has_init,
                                             checkpoints=_checkpoints(CKPT_TOKENS, CKPT_SLOTS))
-    starts = cu.tolist()
-    checked = 0
-    for tok, slot in zip(CKPT_TOKENS, CKPT_SLOTS):
-        if slot < 0:
-            continue
-        s = max(i for i in range(len(CKPT_LENS)) if starts[i] <= tok < starts[i + 1])
-        rows = slice(starts[s], tok + 1)
+    cases = checkpoint_prefixes(CKPT_TOKENS, CKPT_SLOTS, cu.tolist())
+    assert len(cases) == 3
+    for _tok, slot, s, rows in cases:
         prefix_state = state.clone()
         selective_scan_ref.mamba1_scan_at_slots(
-            x[rows], dt[rows], A, B[rows], C[rows], D, torch.tensor([0, tok + 1 - starts[s]], device=DEV),
+            x[rows], dt[rows], A, B[rows], C[rows], D, torch.tensor([0, rows.stop - rows.start], device=DEV),
             prefix_state, idx[s:s + 1], has_init[s:s + 1])
         torch.testing.assert_close(ref_state[slot], prefix_state[CKPT_IDX[s]], **FP32)
-        checked += 1
-    assert checked == 3
 
 
 def test_selective_scan_checkpoints_named_when_wrong():
