@@ -133,6 +133,7 @@ class Recorder:
             if isinstance(module, StateSlotMixer) and module.layer_name in specs:
                 self._layer_info[module.layer_name] = (specs[module.layer_name].mamba_type,
                                                        list(module.state_names))
+        self._state_names = {layer: info[1] for layer, info in self._layer_info.items()}   # for check messages
         # host bytes one row's state takes, per recurrent layer (what reserving room for a step counts)
         self._slot_bytes = {n: sum(t[0].nbytes for t in runner.kv_caches[n]) for n in specs}
         self._states_refused = False
@@ -178,14 +179,13 @@ class Recorder:
                 self._before = gather_states(runner, state, self.capture, self._rows, self._host_slots)
             else:
                 self._states_refused = True
+        names = self._state_names
         if self.checks_on:
-            names = {layer: info[1] for layer, info in self._layer_info.items()}
             self._pending += checks.check_fresh_slots(runner, state, self.where, names)
             if self.scheduler.kv.caching:
                 self._pending += checks.check_cached_not_written(self.scheduler, runner, state, self.where)
                 self._pending += checks.check_state_copies(runner, state, self.where, names)
         if self.cold is not None:
-            names = {layer: info[1] for layer, info in self._layer_info.items()}
             self._pending += check_hit_states(self.cold, self.scheduler, runner, state, self.where, names)
 
     def after_forward(self, runner, state) -> None:
