@@ -71,8 +71,17 @@ def _cat(*parts) -> torch.Tensor | None:
 
 
 def _decode_column(md):
-    # vLLM: [D, 1 + num_spec_tokens] (its decode kernels take the spec slots too); here [D] (no spec)
-    return None if md.state_indices_tensor_d is None else md.state_indices_tensor_d.view(-1, 1)
+    # vLLM: [D, 1 + num_spec_tokens] (its decode kernels take the spec slots too); here [D] without
+    # speculative decoding (the goldens' builders have none), [D, 1 + k] with it
+    if md.state_indices_tensor_d is None:
+        return None
+    return md.state_indices_tensor_d if md.num_accepted_tokens is not None else md.state_indices_tensor_d.view(-1, 1)
+
+
+def _spec_rows(md, value):
+    # vLLM GDN's spec-decode fields: set only when the batch has spec rows (here: decode rows of a
+    # speculative engine, which all carry num_accepted_tokens)
+    return value if md.num_accepted_tokens is not None else None
 
 
 def _all_rows_state_indices(md):
@@ -125,14 +134,17 @@ BASE_COMPARED = {
     "query_start_loc_p": "query_start_loc_p",
     "state_indices_tensor_p": "state_indices_tensor_p",
     "state_indices_tensor_d": Derived(_decode_column, ("state_indices_tensor_d",), "state_indices_tensor_d as [D, 1]"),
+    "query_start_loc_d": "query_start_loc_d", "num_accepted_tokens": "num_accepted_tokens",
 }
-SPEC = "speculative decoding (not in this project yet)"
+SPEC = "speculative decoding (not in the goldens' batches yet)"
+SPEC_LOOP = {f: "speculative decoding's per-position loop over the verify rows' state columns (mamba_base.py); "
+             "None without it" for f in ("spec_token_index_d", "spec_src_slots_d", "spec_dst_slots_d",
+                                         "spec_out_index_d")}
 REPLAYSSM = "ReplaySSM decode (--use-replayssm; not in this project)"
 CONV_LAUNCH = ("launch tiling of vLLM's Triton causal_conv1d_fn (BLOCK_M=8 programs, 2048-long -1-filled "
                "pointers); this project's conv kernel launches a (P, D-blocks, splits) grid from "
                "query_start_loc_p and needs none of it")
 BASE_ABSENT = {
-    "query_start_loc_d": SPEC, "num_accepted_tokens": SPEC,
     "write_pos_d": REPLAYSSM, "is_flush_d": REPLAYSSM, "bc_pre_scratch": REPLAYSSM,
     "replayssm_scratch": REPLAYSSM, "replayssm_state_indices_d": REPLAYSSM,
 }
@@ -149,20 +161,28 @@ MAMBA1_LIKE = dict(
     absent={**BASE_ABSENT,
             "cu_chunk_seqlen_p": "vLLM's Mamba1 / ShortConv builders leave them None in both cache modes",
             "last_chunk_indices_p": "vLLM's Mamba1 / ShortConv builders leave them None in both cache modes"},
-    from_input=BASE_FROM_INPUT, not_compared=BASE_NOT_COMPARED, project_only=CHECKPOINTS_ONLY)
+    from_input=BASE_FROM_INPUT, not_compared=BASE_NOT_COMPARED, project_only={**CHECKPOINTS_ONLY, **SPEC_LOOP})
 
 MAMBA2 = dict(
     compared={**BASE_COMPARED, "prep_initial_states": "prep_initial_states", "chunk_size": "chunk_size",
               "seq_idx_p": "seq_idx_p", "cu_chunk_seqlen_p": "cu_chunk_seqlen_p",
               "last_chunk_indices_p": "last_chunk_indices_p"},
     absent={**BASE_ABSENT, "checkpoint_chunk_idx": CHECKPOINTS, "checkpoint_meta": CHECKPOINTS},
-    from_input=BASE_FROM_INPUT, not_compared=BASE_NOT_COMPARED, project_only=CHECKPOINTS_ONLY)
+    from_input=BASE_FROM_INPUT, not_compared=BASE_NOT_COMPARED, project_only={**CHECKPOINTS_ONLY, **SPEC_LOOP})
 
 GDN = dict(
     compared={
         **{f: f for f in COUNTS},
-        "num_spec_decodes": Derived(lambda md: 0, (), "0: no speculative decoding"),
-        "num_spec_decode_tokens": Derived(lambda md: 0, (), "0: no speculative decoding"),
+        "num_spec_decodes": Derived(lambda md: _spec_rows(md, md.num_decodes) or 0, ("num_decodes",),
+                                    "num_decodes with speculative decoding, else 0"),
+        "num_spec_decode_tokens": Derived(lambda md: _spec_rows(md, md.num_decode_tokens) or 0,
+                                          ("num_decode_tokens",),
+                                          "num_decode_tokens with speculative decoding, else 0"),
+        "spec_query_start_loc": "query_start_loc_d",
+        "spec_state_indices_tensor": Derived(lambda md: _spec_rows(md, md.state_indices_tensor_d),
+                                             ("state_indices_tensor_d",), "state_indices_tensor_d [D, 1 + k] "
+                                             "with speculative decoding"),
+        "num_accepted_tokens": "num_accepted_tokens",
         "has_initial_state": Derived(_all_rows_has_initial_state, ("num_decodes", "has_initial_states_p"),
                                      "[True] * num_decodes + has_initial_states_p"),
         "non_spec_query_start_loc": Derived(_all_rows_query_start_loc, ("query_start_loc_p",),
@@ -181,15 +201,14 @@ GDN = dict(
         "checkpoint": CHECKPOINTS,
         "flashinfer_checkpoint_plan": "FlashInfer GDN prefill backend (CUDA) with align-mode checkpoints",
         "aiter_prefill_metadata": "ROCm AITER GDN prefill backend",
-        **{f: SPEC for f in ("spec_query_start_loc", "spec_state_indices_tensor", "spec_sequence_masks",
-                             "spec_sequence_masks_cpu", "spec_token_indx", "non_spec_token_indx",
-                             "num_accepted_tokens", "uniform_spec_sequence_length")},
+        **{f: SPEC for f in ("spec_sequence_masks", "spec_sequence_masks_cpu", "spec_token_indx",
+                             "non_spec_token_indx", "uniform_spec_sequence_length")},
     },
     from_input={"num_actual_tokens": "num_actual_tokens"},
     not_compared=BASE_NOT_COMPARED,
     # the project's GDN metadata has num_reqs (vLLM's GDN metadata does not; its rows are the input's)
     project_only={"num_reqs": "vLLM's GDN metadata has no num_reqs; checked == the input's num_reqs",
-                  **CHECKPOINTS_ONLY})
+                  **CHECKPOINTS_ONLY, **SPEC_LOOP})
 
 FAMILIES = {  # vLLM builder class -> (this project's metadata class, factory(chunk_size, mamba_block_size), map)
     "Mamba1AttentionMetadataBuilder": (Mamba1AttentionMetadata,

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from toolkit.errors import NotSupportedYetError
+
 
 @dataclass
 class RunnerConfig:
@@ -24,6 +26,8 @@ class RunnerConfig:
     # recurrent layers with prefix caching: "align" (a checkpoint where a chunk ends on a block
     # boundary) or "all" (also at every block boundary inside a prefill chunk); "none" without caching
     mamba_cache_mode: str = "none"
+    # speculative decoding: drafts verified per decode row (0: off); see SpeculativeConfig
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
@@ -38,13 +42,16 @@ class RunnerConfig:
             raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r}: must be True or False")
         if self.num_state_pages is not None and (not isinstance(self.num_state_pages, int)
                                                  or self.num_state_pages < self.min_state_pages):
-            per = "2 per running request with prefix caching" if self.enable_prefix_caching else "1 per running request"
+            per = ("2 per running request with prefix caching" if self.enable_prefix_caching
+                   else f"{self.state_columns} per running request")
             raise ValueError(f"num_state_pages={self.num_state_pages!r}: must be an int >= "
                              f"{self.min_state_pages} ({per}, max_num_seqs={self.max_num_seqs})")
         want = ("align", "all") if self.enable_prefix_caching else ("none",)
         if self.mamba_cache_mode not in want:
             raise ValueError(f"mamba_cache_mode={self.mamba_cache_mode!r} with enable_prefix_caching="
                              f"{self.enable_prefix_caching}: use {' or '.join(map(repr, want))}")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens!r}: must be an int >= 0")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
                              f"max_num_seqs={self.max_num_seqs} so every running request can decode")
@@ -59,10 +66,18 @@ class RunnerConfig:
         return -(-self.max_model_len // self.block_size)
 
     @property
+    def state_columns(self) -> int:
+        """State slots a request holds without prefix caching: its running state, and with
+        speculative decoding one per draft (the state after each verified position, vLLM's
+        `1 + num_speculative_tokens` columns)."""
+        return 1 + self.num_speculative_tokens
+
+    @property
     def min_state_pages(self) -> int:
-        """A request holds its running state page, and with prefix caching for one step also the
-        page it copies from (a checkpoint, or a prefix hit)."""
-        return self.max_num_seqs * (2 if self.enable_prefix_caching else 1)
+        """A request holds its running state page (its 1 + k columns with speculative decoding),
+        and with prefix caching for one step also the page it copies from (a checkpoint, or a
+        prefix hit)."""
+        return self.max_num_seqs * (2 if self.enable_prefix_caching else self.state_columns)
 
     @property
     def state_pages(self) -> int:
@@ -70,7 +85,57 @@ class RunnerConfig:
         checkpoints kept for later hits."""
         if self.num_state_pages is not None:
             return self.num_state_pages
-        return self.max_num_seqs * (3 if self.enable_prefix_caching else 1)
+        return self.max_num_seqs * (3 if self.enable_prefix_caching else self.state_columns)
+
+
+SPEC_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`LLM(speculative_config={...})`, with vLLM's key names (`vllm/config/speculative.py`).
+
+    method                  "ngram": prompt lookup, the continuation of the longest earlier match of
+                            the context's last n tokens (n in [prompt_lookup_min, prompt_lookup_max])
+    num_speculative_tokens  k >= 1 drafts per decode row; each verify step runs 1 + d tokens (d <= k)
+    prompt_lookup_min/max   both unset: 5 and 5; one set: the other takes its value (as vLLM)
+    """
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+
+
+def resolve_speculative_config(spec: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+    """Check `LLM(speculative_config=...)`; None stays None (speculative decoding off)."""
+    if spec is None or isinstance(spec, SpeculativeConfig):
+        return spec
+    if not isinstance(spec, dict):
+        raise ValueError(f"speculative_config={spec!r}: use a dict such as "
+                         "{'method': 'ngram', 'num_speculative_tokens': 3}")
+    known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+    unknown = sorted(set(spec) - known)
+    if unknown:
+        raise ValueError(f"speculative_config: unknown key(s) {unknown}; this toolkit reads {sorted(known)}")
+    method = spec.get("method")
+    if method not in SPEC_METHODS:
+        raise ValueError(f"speculative_config method={method!r}: use one of {SPEC_METHODS}")
+    if method == "draft_model":
+        raise NotSupportedYetError("speculative_config method='draft_model' is not built yet; "
+                                   "use method='ngram'")
+    k = spec.get("num_speculative_tokens")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"speculative_config num_speculative_tokens={k!r}: must be an int >= 1")
+    lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+    if lo is None and hi is None:
+        lo = hi = 5
+    lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+    for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"speculative_config {name}={value!r}: must be an int >= 1")
+    if lo > hi:
+        raise ValueError(f"speculative_config prompt_lookup_min={lo} > prompt_lookup_max={hi}")
+    return SpeculativeConfig(method, k, lo, hi)
 
 
 def resolve_mamba_cache_mode(mode: str | None, enable_prefix_caching: bool) -> str:

@@ -275,9 +275,10 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, groups: list[CacheGroupKind], num_kv_blocks: int, num_state_slots: int,
-                 enable_prefix_caching: bool = False):
+                 enable_prefix_caching: bool = False, state_columns: int = 1):
         self.groups = groups
         self.caching = enable_prefix_caching
+        self.state_columns = state_columns   # slots per request without caching (1 + k with spec decoding)
         has_attn = any(g.kind == "attention" for g in groups)
         has_mamba = any(g.kind == "mamba" for g in groups)
         self.kv_pool = BlockPool(num_kv_blocks if has_attn else 0, "kv blocks")
@@ -335,7 +336,7 @@ class KVCacheManager:
             if group.kind == "attention":
                 plan.append((max(-(-num_after // group.block_size) - len(ids), 0), []))
             elif not self.aligned(g):
-                plan.append((0 if ids else 1, []))
+                plan.append((0 if ids else self.state_columns, []))
             else:
                 bs = group.block_size
                 old, new = -(-num_computed // bs) - 1, -(-num_after // bs) - 1

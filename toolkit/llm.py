@@ -16,8 +16,9 @@ from toolkit.config import (
     resolve_device_dtype,
     resolve_mamba_cache_mode,
     resolve_max_model_len,
+    resolve_speculative_config,
 )
-from toolkit.errors import EngineClosedError, InvalidRequestError, ToolkitError
+from toolkit.errors import EngineClosedError, InvalidRequestError, NotSupportedYetError, ToolkitError
 from toolkit.inspect import checks
 from toolkit.inspect.capture import LayerSpec, RequestSpec, check_capture_mode
 from toolkit.inspect.memory import MemoryMarks, MemoryReport, collect, resolve_trace_budget
@@ -41,6 +42,7 @@ from toolkit.request import (
 from toolkit.runner.cudagraph import CaptureReport
 from toolkit.runner.cudagraph import resolve_mode as resolve_cudagraph_mode
 from toolkit.runner.model_runner import ModelRunner
+from toolkit.runner.spec_decode import SpecDecodeStats
 from toolkit.sampling import SamplingParams, check_seed, derive_seed
 from toolkit.scheduler import Scheduler
 from toolkit.tokenizer import collect_eos_token_ids, load_tokenizer
@@ -58,7 +60,7 @@ class LLM:
                  inspect_requests: RequestSpec = None, checks: bool | None = None, backend: str = "auto",
                  enforce_eager: bool = False, cudagraph_mode: str = "auto",
                  enable_prefix_caching: bool = False, num_state_pages: int | None = None,
-                 mamba_cache_mode: str | None = None):
+                 mamba_cache_mode: str | None = None, speculative_config: dict | None = None):
         # what Reset in the StepInspector (or a user) needs to build the same engine again
         self.init_args: dict[str, Any] = dict(
             model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
@@ -67,13 +69,19 @@ class LLM:
             trace_capacity=trace_capacity, trace_max_bytes=trace_max_bytes, inspect_layers=inspect_layers,
             inspect_requests=inspect_requests, checks=checks, backend=backend, enforce_eager=enforce_eager,
             cudagraph_mode=cudagraph_mode, enable_prefix_caching=enable_prefix_caching,
-            num_state_pages=num_state_pages, mamba_cache_mode=mamba_cache_mode)
+            num_state_pages=num_state_pages, mamba_cache_mode=mamba_cache_mode,
+            speculative_config=speculative_config)
         # arguments first, so that a bad one fails before the model loads
         if inspect not in MODES:
             raise ValueError(f"inspect={inspect!r}: use one of {MODES}")
         self.trace = Trace(trace_capacity, max_bytes=resolve_trace_budget(trace_max_bytes))
         check_capture_mode(inspect, inspect_layers, inspect_requests)
         check_seed(seed)
+        self.speculative_config = resolve_speculative_config(speculative_config)
+        if self.speculative_config is not None and enable_prefix_caching:
+            raise NotSupportedYetError("speculative_config with enable_prefix_caching=True is not built yet "
+                                       "(the state checkpoints of verify steps); turn one of them off")
+        k = self.speculative_config.num_speculative_tokens if self.speculative_config else 0
         dev, dt = resolve_device_dtype(device, dtype)
         self.backend = resolve_backend(backend, dev)      # "torch" or "triton"
         self.cudagraph_mode = resolve_cudagraph_mode(cudagraph_mode, enforce_eager, dev, self.backend)
@@ -85,14 +93,15 @@ class LLM:
                                 num_kv_blocks=num_kv_blocks, seed=seed, backend=self.backend,
                                 cudagraph_mode=self.cudagraph_mode, enable_prefix_caching=enable_prefix_caching,
                                 num_state_pages=num_state_pages,
-                                mamba_cache_mode=resolve_mamba_cache_mode(mamba_cache_mode, enable_prefix_caching))
+                                mamba_cache_mode=resolve_mamba_cache_mode(mamba_cache_mode, enable_prefix_caching),
+                                num_speculative_tokens=k)
         self.model_name = model
         self.vocab_size = int(loaded.config.vocab_size)
         self.tokenizer_dir = loaded.tokenizer_dir       # save_hf_folder(llm, ...) copies it
         self.tokenizer = load_tokenizer(loaded.tokenizer_dir, self.vocab_size)
         self.eos_token_ids = collect_eos_token_ids(loaded.config, loaded.source, self.tokenizer)
 
-        self.model_runner = ModelRunner(loaded.model, self.cfg)
+        self.model_runner = ModelRunner(loaded.model, self.cfg, self.speculative_config)
         groups = self.model_runner.kv_cache_groups
         attn = [g for g in groups if g.kind == "attention"]
         self.scheduler = Scheduler(
@@ -101,7 +110,8 @@ class LLM:
             groups=[CacheGroupKind(g.kind, g.block_size) for g in groups],
             num_kv_blocks=attn[0].num_blocks if attn else 0, decode=self.tokenizer.decode,
             enable_prefix_caching=enable_prefix_caching, num_state_slots=self.cfg.state_pages,
-            prefill_checkpoints=self.cfg.prefill_checkpoints)
+            prefill_checkpoints=self.cfg.prefill_checkpoints, num_speculative_tokens=k)
+        self.spec_stats = SpecDecodeStats()
         self.limits = RequestLimits(self.vocab_size, self.cfg.max_model_len, block_size,
                                     self.scheduler.kv.kv_pool.num_total if attn else None)
         self._request_ids = RequestIds()
@@ -206,9 +216,15 @@ class LLM:
             state = self.model_runner.execute_model(sched_out)
             sampled = self.model_runner.sample_tokens()
             update_start = time.perf_counter()
+            verified = state.verify if state else None
             finished, kept = self.scheduler.update_from_output(
                 sched_out, sampled, state.sampled_logprobs if state else None,
-                state.prompt_logprobs if state else None)
+                state.prompt_logprobs if state else None,
+                {rid: verified.kept(i) for i, rid in enumerate(verified.req_ids)} if verified else None)
+            if state is not None and self.speculative_config is not None:
+                self.scheduler.update_draft_token_ids(state.proposed_drafts)
+                if not warm:
+                    self.spec_stats.add(verified)
         except BaseException:
             self.scheduler.recover_from_failed_step(sched_out)
             raise
@@ -365,7 +381,8 @@ class LLM:
                 "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "runner_rows_in_use": self.model_runner.req_states.num_reqs if not self._closed else 0,
                 "model_state": type(self.model_runner.model_state).__name__ if not self._closed else None,
-                **(prefix_cache_stats(kv) if kv.caching else {})}
+                **(prefix_cache_stats(kv) if kv.caching else {}),
+                **(self.spec_stats.as_dict() if self.speculative_config else {})}
 
     def shutdown(self) -> None:
         """Free the runner (graphs, caches, model state, model, buffers). Safe to call twice.

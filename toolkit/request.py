@@ -60,6 +60,11 @@ class TokenLogprobs:
     def __len__(self) -> int:
         return len(self.ranks)
 
+    def row(self, i: int) -> TokenLogprobs:
+        """Row i alone (the token at first_position + i)."""
+        return TokenLogprobs(self.first_position + i, self.token_ids[i:i + 1], self.logprobs[i:i + 1],
+                             self.ranks[i:i + 1])
+
     @property
     def logprob(self) -> float:
         """The column-0 token's logprob (of row 0)."""
@@ -120,6 +125,8 @@ class Request:
     prefix_junction: int = 0                  # "align": where its prefix shared with earlier requests ends
     # what the prefix cache held for it when last looked up (admission; again after a preemption)
     prefix_lookup: PrefixLookup | None = field(default=None, repr=False, compare=False)
+    # speculative decoding: the drafts proposed after its last step, verified at its next one
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

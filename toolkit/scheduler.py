@@ -77,6 +77,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]                 # finished, aborted or preempted since the last step
     preempted_req_ids: list[str]
+    # speculative decoding (vLLM's name): req_id -> the drafts its row verifies this step, after
+    # its last sampled token (num_scheduled_tokens = 1 + len(drafts)); decode rows with drafts only
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -84,15 +87,19 @@ class Scheduler:
                  groups: list[CacheGroupKind], num_kv_blocks: int,
                  decode: Callable[[list[int]], str] | None = None,
                  enable_prefix_caching: bool = False, num_state_slots: int | None = None,
-                 prefill_checkpoints: bool = False):
+                 prefill_checkpoints: bool = False, num_speculative_tokens: int = 0):
         self.decode = decode                # token ids -> text, for stop strings
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         # state pages: as RunnerConfig.state_pages (one per request; 3 per request with prefix caching)
+        # speculative decoding: a decode row verifies up to k drafts, and (no prefix caching) a
+        # request holds 1 + k state slots, the state after each verified position
+        self.num_speculative_tokens = num_speculative_tokens
+        state_columns = 1 + num_speculative_tokens
         self.kv = KVCacheManager(groups, num_kv_blocks,
-                                 num_state_slots or max_num_seqs * (3 if enable_prefix_caching else 1),
-                                 enable_prefix_caching=enable_prefix_caching)
+                                 num_state_slots or max_num_seqs * (3 if enable_prefix_caching else state_columns),
+                                 enable_prefix_caching=enable_prefix_caching, state_columns=state_columns)
         self.caching = enable_prefix_caching
         self.block_size = groups[0].block_size if groups else 1
         # "align": prefill chunks end on block boundaries, so Mamba states land on checkpoints;
@@ -206,6 +213,7 @@ class Scheduler:
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         self._tell_runner_to_drop(req.request_id)
 
     def recover_from_failed_step(self, sched_out: SchedulerOutput) -> list[str]:
@@ -230,10 +238,13 @@ class Scheduler:
         cached = CachedRequestData()
         preempted: list[str] = []
 
+        spec: dict[str, list[int]] = {}
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._num_new_tokens(req, budget)
+            drafts = self._drafts_to_verify(req, n, budget)
+            n += len(drafts)
             new_ids = self.kv.allocate(req.request_id, req.num_computed_tokens, req.num_computed_tokens + n)
             while new_ids is None:
                 victim = self.running[-1]
@@ -245,6 +256,8 @@ class Scheduler:
             if new_ids is None:
                 break
             num_scheduled[req.request_id] = n
+            if drafts:
+                spec[req.request_id] = drafts
             budget -= n
             cached.req_ids.append(req.request_id)
             cached.new_block_ids.append(new_ids)
@@ -265,8 +278,30 @@ class Scheduler:
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
         for req_id, n in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
+        for req_id in preempted:           # a preempted request's drafts are stale
+            spec.pop(req_id, None)
         return SchedulerOutput(new_reqs, cached, num_scheduled, sum(num_scheduled.values()),
-                               finished, preempted)
+                               finished, preempted, spec)
+
+    def _drafts_to_verify(self, req: Request, n: int, budget: int) -> list[int]:
+        """The drafts a decode row verifies this step (speculative decoding): its proposed drafts,
+        cut so that every token the step can produce fits max_tokens and max_model_len (a verify
+        row of 1 + d tokens yields up to 1 + d) and the row fits the token budget."""
+        drafts = req.spec_token_ids
+        req.spec_token_ids = []
+        if not drafts or n != 1 or req.num_computed_tokens != req.num_tokens - 1:
+            return []
+        room = min(req.sampling_params.max_tokens - len(req.output_token_ids),
+                   self.max_model_len - req.num_tokens) - 1
+        return list(drafts[:max(min(room, budget - 1, self.num_speculative_tokens), 0)])
+
+    def update_draft_token_ids(self, drafts: dict[str, list[int]]) -> None:
+        """The drafts the runner proposed after this step, for the running requests' next verify
+        step (vLLM's `update_draft_token_ids`)."""
+        for req_id, ids in drafts.items():
+            req = self.requests.get(req_id)
+            if req is not None and req.status is RequestStatus.RUNNING:
+                req.spec_token_ids = list(ids)
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int], new_reqs: list[NewRequestData],
                        preempted: list[str]) -> int:
@@ -402,13 +437,23 @@ class Scheduler:
 
     def update_from_output(self, sched_out: SchedulerOutput, sampled: dict[str, int],
                            logprobs: dict[str, TokenLogprobs] | None = None,
-                           prompt_logprobs: dict[str, TokenLogprobs] | None = None
+                           prompt_logprobs: dict[str, TokenLogprobs] | None = None,
+                           accepted: dict[str, list[int]] | None = None
                            ) -> tuple[list[Request], dict[str, int]]:
         """Append each row's sampled token where the row consumed all its known tokens (a partial
         prefill chunk's sample is dropped), with its logprobs when the request asked; keep the
         prompt logprobs of the step's prefill chunks; fork an n > 1 parent that reached its last
-        prompt token. Returns (requests finished now, tokens kept)."""
+        prompt token. Returns (requests finished now, the last token kept per request).
+
+        Speculative decoding: `accepted[req_id]` holds a verify row's tokens, its accepted drafts
+        then the target's own token at the first rejection (or after the last draft); they are
+        appended one by one, each checked for a stop, and the rejected drafts' positions are given
+        back (num_computed_tokens moves back; their KV slots are overwritten later, as in vLLM)."""
         finished, kept = [], {}
+        for req_id, drafts in sched_out.scheduled_spec_decode_tokens.items():
+            req = self.requests.get(req_id)
+            if req is not None:
+                req.num_computed_tokens -= len(drafts) + 1 - len(accepted[req_id])
         if self.caching:
             self._cache_computed(sched_out)
         for req_id, chunk in (prompt_logprobs or {}).items():
@@ -422,16 +467,19 @@ class Scheduler:
                 continue
             if req is None or req.num_computed_tokens < req.num_tokens:
                 continue
-            token = sampled[req_id]
-            req.output_token_ids.append(token)
-            kept[req_id] = token
-            if req.sampling_params.logprobs is not None and logprobs and req_id in logprobs:
-                req.logprobs.append(logprobs[req_id])
-            status = self._stop_status(req, token)
-            if status is not None:
-                self.running.remove(req)
-                self._finish(req, status)
-                finished.append(req)
+            tokens = accepted[req_id] if accepted and req_id in accepted else [sampled[req_id]]
+            lps = logprobs.get(req_id) if req.sampling_params.logprobs is not None and logprobs else None
+            for i, token in enumerate(tokens):
+                req.output_token_ids.append(token)
+                kept[req_id] = token
+                if lps is not None:
+                    req.logprobs.append(lps if len(tokens) == 1 else lps.row(i))
+                status = self._stop_status(req, token)
+                if status is not None:
+                    self.running.remove(req)
+                    self._finish(req, status)
+                    finished.append(req)
+                    break
         return finished, kept
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:

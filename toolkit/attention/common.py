@@ -32,6 +32,11 @@ class CommonAttentionMetadata:
     # CPU bool [B]: True while the row still consumes prompt tokens. Tells decodes from short extends.
     is_prefilling: torch.Tensor | None = None
     positions: torch.Tensor | None = None  # device int64 [T]
+    # speculative decoding (MRV2 hands these to the Mamba builders); None without it
+    num_accepted_tokens: torch.Tensor | None = None          # device int32 [B]: tokens each row's request
+                                                             # kept at its last step (1 if none)
+    num_decode_draft_tokens_cpu: torch.Tensor | None = None  # CPU int32 [B]: drafts of a decode-phase row
+                                                             # (0 or more), -1 for a prefilling row
 
     def batch_size(self) -> int:
         return self.num_reqs

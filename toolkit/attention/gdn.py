@@ -20,8 +20,9 @@ so, unlike Mamba2, they need not fall on chunk ends.
 Fields required from the common metadata: the base Mamba set. vLLM's GDN builder does not read
 `seq_lens_cpu_upper_bound`; here the shared decode/prefill split does (a one-token prefill chunk
 on top of saved state runs as a decode, vLLM #42430), so it is required like `is_prefilling`.
-vLLM's spec-decode fields (`num_accepted_tokens`, `num_decode_draft_tokens_cpu`) have no
-producer in this toolkit (no speculative decoding) and are not declared.
+With speculative decoding the builder also requires vLLM's spec-decode fields
+(`num_accepted_tokens`, `num_decode_draft_tokens_cpu`), and lays out the verify rows' state columns
+with the base builder's fields (mamba_base.py), not vLLM GDN's own spec/non-spec split.
 """
 from __future__ import annotations
 
@@ -61,11 +62,12 @@ class GDNMetadataBuilder(BaseMambaMetadataBuilder):
     required_fields = GDN_REQUIRED_FIELDS
 
     def __init__(self, chunk_size: int = GDN_CHUNK_SIZE, *, mamba_block_size: int | None = None,
-                 prefill_checkpoints: bool = False):
+                 prefill_checkpoints: bool = False, num_speculative_tokens: int = 0):
         if chunk_size < 1:
             raise ValueError(f"GDN chunk_size must be positive, got {chunk_size}")
         # internal checkpoints need no chunk alignment: the GDN prefill saves a state after any token
-        super().__init__(mamba_block_size=mamba_block_size, prefill_checkpoints=prefill_checkpoints)
+        super().__init__(mamba_block_size=mamba_block_size, prefill_checkpoints=prefill_checkpoints,
+                         num_speculative_tokens=num_speculative_tokens)
         self.chunk_size = chunk_size
 
     def _build(self, common: CommonAttentionMetadata, producer: str) -> GDNAttentionMetadata:

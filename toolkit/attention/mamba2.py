@@ -49,13 +49,15 @@ def compute_chunk_metadata(query_lens_p: np.ndarray, num_computed_p: np.ndarray,
 
 
 class Mamba2MetadataBuilder(BaseMambaMetadataBuilder):
-    def __init__(self, chunk_size: int, *, mamba_block_size: int | None = None, prefill_checkpoints: bool = False):
+    def __init__(self, chunk_size: int, *, mamba_block_size: int | None = None, prefill_checkpoints: bool = False,
+                 num_speculative_tokens: int = 0):
         if chunk_size < 1 or chunk_size & (chunk_size - 1):
             raise ValueError(f"Mamba2 chunk_size must be a power of two, got {chunk_size}")
         if prefill_checkpoints and mamba_block_size % chunk_size:
             raise ValueError(f"internal checkpoints need chunk ends on every block boundary: Mamba2 chunk_size "
                              f"{chunk_size} does not divide the block size {mamba_block_size}")
-        super().__init__(mamba_block_size=mamba_block_size, prefill_checkpoints=prefill_checkpoints)
+        super().__init__(mamba_block_size=mamba_block_size, prefill_checkpoints=prefill_checkpoints,
+                         num_speculative_tokens=num_speculative_tokens)
         self.chunk_size = chunk_size
 
     def _build(self, common: CommonAttentionMetadata, producer: str) -> Mamba2AttentionMetadata:

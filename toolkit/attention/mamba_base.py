@@ -21,6 +21,14 @@ b strictly inside a prefill row's chunk (computed < b < seq_len) saves the state
 into the row's page for column b / bs - 1, if the scheduler gave it one (a 0 there, no free page, is
 handed on as PAD_SLOT_ID: nothing written). The token indices come from the host lengths, the pages
 from a gather on the block table's device.
+Speculative decoding (`num_speculative_tokens` k > 0, cache mode "none"; vLLM's spec-decode path):
+every decode row -- its last sampled token plus d <= k drafts, d possibly 0 -- is a verify row. Its
+state slots are the 1 + k columns of its block-table row (`state_indices_tensor_d` [D, 1 + k]):
+the step starts from column `num_accepted_tokens - 1` (where the last step's last accepted
+position left its state) and writes the state after its position j into column j. The layers run
+the positions one at a time with their decode ops; the `spec_*_d` fields lay that loop out,
+J = the longest verify row (rows shorter than J run their extra positions on the null slot 0,
+their outputs thrown away), so every position is one launch over all D rows.
 """
 from __future__ import annotations
 
@@ -33,7 +41,7 @@ import torch
 from toolkit.attention.builder import AttentionMetadataBuilder
 from toolkit.attention.common import CommonAttentionMetadata
 from toolkit.attention.contracts import FieldSpec
-from toolkit.errors import MetadataContractError
+from toolkit.errors import MetadataContractError, NotSupportedYetError
 from toolkit.host import to_device
 from toolkit.kv_cache_spec import PAD_SLOT_ID
 
@@ -44,6 +52,11 @@ MAMBA_REQUIRED_FIELDS = (
     FieldSpec("block_table_tensor", torch.int32, shape="[B, *]"),
     FieldSpec("seq_lens_cpu_upper_bound", torch.int32, on_cpu=True, shape="[B]"),
     FieldSpec("is_prefilling", torch.bool, on_cpu=True, shape="[B]"),
+)
+# speculative decoding: what MRV2's MambaHybridModelState hands the Mamba builders on top
+SPEC_DECODE_FIELDS = (
+    FieldSpec("num_accepted_tokens", torch.int32, shape="[B]"),
+    FieldSpec("num_decode_draft_tokens_cpu", torch.int32, on_cpu=True, shape="[B]"),
 )
 
 
@@ -69,6 +82,17 @@ class BaseMambaAttentionMetadata:
     checkpoint_token_index_p: torch.Tensor | None  # device int64 [M]: index among the prefill tokens of
                                                     # the token after which a state is saved
     checkpoint_slots_p: torch.Tensor | None        # device int32 [M]: its page (PAD_SLOT_ID: none free)
+    # speculative decoding only (None otherwise, or without decodes); J = positions of the longest
+    # verify row. state_indices_tensor_d is then [D, 1 + k], a row's 1 + k state columns
+    query_start_loc_d: torch.Tensor | None       # device int32 [D+1]
+    num_accepted_tokens: torch.Tensor | None     # device int32 [D]: tokens each row kept at its last step
+                                                 # (>= 1): its state is in column num_accepted - 1
+    spec_token_index_d: torch.Tensor | None      # device int64 [J, D]: row r's token at position j (its
+                                                 # last token where the row is shorter)
+    spec_src_slots_d: torch.Tensor | None        # device int32 [J, D]: the slot position j starts from
+    spec_dst_slots_d: torch.Tensor | None        # device int32 [J, D]: the slot it leaves its state in
+    spec_out_index_d: torch.Tensor | None        # device int64 [J, D]: its output row (the scratch row
+                                                 # num_decode_tokens where the row is shorter)
 
 
 @dataclass
@@ -113,11 +137,18 @@ def align_state_indices(block_table: torch.Tensor, seq_lens: torch.Tensor, mamba
 class BaseMambaMetadataBuilder(AttentionMetadataBuilder):
     required_fields = MAMBA_REQUIRED_FIELDS
 
-    def __init__(self, *, mamba_block_size: int | None = None, prefill_checkpoints: bool = False):
+    def __init__(self, *, mamba_block_size: int | None = None, prefill_checkpoints: bool = False,
+                 num_speculative_tokens: int = 0):
         self.mamba_block_size = check_mamba_block_size(mamba_block_size)
         if prefill_checkpoints and self.mamba_block_size is None:
             raise ValueError("prefill_checkpoints (cache mode \"all\") needs mamba_block_size (align mode)")
+        if num_speculative_tokens and self.mamba_block_size is not None:
+            raise NotSupportedYetError("speculative decoding with prefix caching (cache mode \"align\") is "
+                                       "not built yet: its state columns follow the running page")
         self.prefill_checkpoints = prefill_checkpoints
+        self.num_speculative_tokens = num_speculative_tokens
+        if num_speculative_tokens:
+            self.required_fields = self.required_fields + SPEC_DECODE_FIELDS
         # align mode: (device, B) -> the persistent int32 [B] the state indices of a B-row batch
         # are gathered into (one per batch size seen: at most max_num_reqs of them, B ints each)
         self._align_buffers: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -138,7 +169,8 @@ class BaseMambaMetadataBuilder(AttentionMetadataBuilder):
         query_lens = np.diff(qsl).astype(np.int32)
         seq_lens = common.seq_lens_cpu_upper_bound.numpy()
         prefilling = common.is_prefilling.numpy()
-        is_decode = (query_lens == 1) & (~prefilling | (seq_lens > 1))
+        drafts = np.maximum(common.num_decode_draft_tokens_cpu.numpy(), 0) if self.num_speculative_tokens else 0
+        is_decode = (query_lens - drafts == 1) & (~prefilling | (seq_lens > 1))
         num_decodes = int(is_decode.sum())
         if not is_decode[:num_decodes].all():
             row = int(np.argmin(is_decode[:num_decodes]))
@@ -159,7 +191,11 @@ class BaseMambaMetadataBuilder(AttentionMetadataBuilder):
                       num_reqs=common.num_reqs,
                       state_indices_tensor_d=state_indices[:s.num_decodes] if s.num_decodes else None,
                       state_indices_tensor_p=None, query_start_loc_p=None, has_initial_states_p=None,
-                      checkpoint_token_index_p=None, checkpoint_slots_p=None)
+                      checkpoint_token_index_p=None, checkpoint_slots_p=None, query_start_loc_d=None,
+                      num_accepted_tokens=None, spec_token_index_d=None, spec_src_slots_d=None,
+                      spec_dst_slots_d=None, spec_out_index_d=None)
+        if self.num_speculative_tokens and s.num_decodes:
+            fields.update(self.spec_fields(common, s))
         if s.num_prefills:
             fields.update(
                 state_indices_tensor_p=state_indices[s.num_decodes:],
@@ -168,6 +204,29 @@ class BaseMambaMetadataBuilder(AttentionMetadataBuilder):
             if self.prefill_checkpoints:
                 fields.update(self.checkpoint_fields(common, s))
         return fields
+
+    def spec_fields(self, common: CommonAttentionMetadata, s: MambaSplit) -> dict:
+        """The verify rows' state columns and the per-position loop over them (module docstring)."""
+        d = s.num_decodes
+        columns = common.block_table_tensor[:d, :1 + self.num_speculative_tokens]
+        accepted = common.num_accepted_tokens[:d]
+        lens = s.query_lens[:d].astype(np.int64)
+        qsl = common.query_start_loc_cpu.numpy()[:d].astype(np.int64)
+        j = np.arange(int(lens.max()))[:, None]                     # [J, 1]
+        valid = j < lens[None, :]                                   # [J, D]
+        token = qsl[None, :] + np.minimum(j, lens[None, :] - 1)
+        device = columns.device
+        valid_d = to_device(valid, device)
+        num_positions = valid.shape[0]
+        src = torch.zeros(valid.shape, dtype=columns.dtype, device=device)
+        src[0] = columns.gather(1, (accepted - 1).long()[:, None])[:, 0]
+        src[1:] = columns.T[:num_positions - 1]
+        return dict(state_indices_tensor_d=columns, query_start_loc_d=common.query_start_loc[:d + 1],
+                    num_accepted_tokens=accepted,
+                    spec_token_index_d=to_device(token, device),
+                    spec_src_slots_d=torch.where(valid_d, src, 0),
+                    spec_dst_slots_d=torch.where(valid_d, columns.T[:num_positions], 0),
+                    spec_out_index_d=to_device(np.where(valid, token, s.num_decode_tokens), device))
 
     def checkpoint_fields(self, common: CommonAttentionMetadata, s: MambaSplit) -> dict:
         """The internal checkpoints of the prefill rows (see the module docstring), or Nones."""

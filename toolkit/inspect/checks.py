@@ -99,15 +99,20 @@ def check_metadata(groups, scheduled, ledger: CacheLedger, where: str) -> list[V
         table = gm.common.block_table_tensor
         if gm.kind == "mamba":
             md = gm.metadata
-            parts = [t for t in (md.state_indices_tensor_d, md.state_indices_tensor_p) if t is not None]
-            got = torch.cat(parts).tolist() if parts else []
-            for row, (rid, slot) in enumerate(zip(rids, got)):
+            got = [] if md.state_indices_tensor_d is None else md.state_indices_tensor_d.view(md.num_decodes, -1).tolist()
+            got += [] if md.state_indices_tensor_p is None else [[i] for i in md.state_indices_tensor_p.tolist()]
+            spec = gm.common.num_accepted_tokens is not None     # speculative decoding: 1 + k columns held
+            for row, (rid, slots) in enumerate(zip(rids, got)):
                 held = ledger.holdings.get(rid, [[]] * len(ledger.group_kinds))[gm.group_id]
-                want = [i for i in held if i][-1:]       # its one slot, or ("align") its running page
-                if [slot] != want:
+                if spec:           # a decode row reads all its columns, a prefill row column 0
+                    want = list(held) if row < md.num_decodes else list(held[:1])
+                else:              # its one slot, or ("align") its running page
+                    want = [i for i in held if i][-1:]
+                if slots != want:
                     name = "state_indices_tensor_d" if row < md.num_decodes else "state_indices_tensor_p"
+                    shown = slots[0] if len(slots) == 1 else slots
                     out.append(Violation("state_indices_match_ledger", f"{label}, request {rid!r} (row {row})",
-                                         name, f"state index {slot}, but the request's slot is {want}"))
+                                         name, f"state index {shown}, but the request's slot is {want}"))
             if md.has_initial_states_p is not None:
                 flags = md.has_initial_states_p.tolist()
                 for i, flag in enumerate(flags):

@@ -139,11 +139,14 @@ class StateSlotMixer(nn.Module, ABC):
         states = self._bound_states()
         nd = int(md.num_decode_tokens) if int(md.num_decodes) > 0 else 0
         npf = int(md.num_prefill_tokens) if int(md.num_prefills) > 0 else 0
-        if nd and nd != int(md.num_decodes):
+        spec = nd and getattr(md, "spec_token_index_d", None) is not None
+        if nd and not spec and nd != int(md.num_decodes):
             raise ValueError(f"{self.layer_name}: one token per decode row expected, got "
                              f"{nd} tokens for {md.num_decodes} decodes")
 
         def run_decode() -> torch.Tensor:
+            if spec:
+                return self._run_verify_rows(md, nd, out_shape, out_dtype, decode, states)
             y = decode(slice(0, nd), states, md.state_indices_tensor_d[:nd])
             return self._checked(y, (nd, *out_shape[1:]), out_dtype, "decode")
 
@@ -162,6 +165,23 @@ class StateSlotMixer(nn.Module, ABC):
         if npf:
             out[nd : nd + npf] = run_prefill()
         return out
+
+    def _run_verify_rows(self, md, nd: int, out_shape: tuple[int, ...], out_dtype: torch.dtype,
+                         decode: DecodeFn, states: States) -> torch.Tensor:
+        """Speculative decoding's decode rows (mamba_base.py): position by position, each row's state
+        is copied from the slot the position starts from (the accepted column at position 0, the
+        previous position's column after) into the position's own column, then advanced there by
+        the decode op, so column j holds the state after position j. `decode` gets the token
+        indices of the position (a LongTensor index instead of a slice)."""
+        out = torch.zeros((nd + 1, *out_shape[1:]), dtype=out_dtype, device=states[0].device)
+        for j in range(md.spec_token_index_d.shape[0]):
+            src, dst = md.spec_src_slots_d[j].long(), md.spec_dst_slots_d[j]
+            for t in states:
+                t.index_copy_(0, dst.long(), t.index_select(0, src))
+            rows = md.spec_token_index_d[j]
+            y = self._checked(decode(rows, states, dst), (len(rows), *out_shape[1:]), out_dtype, "decode")
+            out.index_copy_(0, md.spec_out_index_d[j], y)
+        return out[:nd]
 
     def neg_exp_A(self) -> torch.Tensor:
         """A = -exp(A_log) in fp32, cached while the parameter `A_log` is unchanged (same tensor,

@@ -32,7 +32,8 @@ class AttentionGroup:
         return self.kv_cache_group.layer_names
 
 
-def make_builder(group: KVCacheGroup, align: bool = False, checkpoints: bool = False) -> AttentionMetadataBuilder:
+def make_builder(group: KVCacheGroup, align: bool = False, checkpoints: bool = False,
+                 num_speculative_tokens: int = 0) -> AttentionMetadataBuilder:
     """`align`: prefix caching's Mamba mode, where a row's state page is the column of its last
     scheduled token (`mamba_block_size` = the group's block size); `checkpoints`: cache mode "all",
     which also saves the states at the block boundaries inside prefill chunks (every recurrent builder)."""
@@ -42,6 +43,8 @@ def make_builder(group: KVCacheGroup, align: bool = False, checkpoints: bool = F
     kw = {"mamba_block_size": group.block_size} if align else {}
     if checkpoints:
         kw["prefill_checkpoints"] = True
+    if num_speculative_tokens:
+        kw["num_speculative_tokens"] = num_speculative_tokens
     if isinstance(spec, MambaSpec) and spec.mamba_type == "mamba2":
         return Mamba2MetadataBuilder(spec.chunk_size, **kw)
     if isinstance(spec, MambaSpec) and spec.mamba_type == "mamba1":
@@ -54,8 +57,9 @@ def make_builder(group: KVCacheGroup, align: bool = False, checkpoints: bool = F
 
 
 def init_attn_groups(kv_cache_groups: list[KVCacheGroup], align: bool = False,
-                     checkpoints: bool = False) -> list[AttentionGroup]:
-    return [AttentionGroup(g, make_builder(g, align, checkpoints)) for g in kv_cache_groups]
+                     checkpoints: bool = False, num_speculative_tokens: int = 0) -> list[AttentionGroup]:
+    return [AttentionGroup(g, make_builder(g, align, checkpoints, num_speculative_tokens))
+            for g in kv_cache_groups]
 
 
 @dataclass
@@ -80,7 +84,8 @@ def build_attn_metadata(*, attn_groups: list[AttentionGroup], num_reqs: int, num
                         block_tables: tuple[torch.Tensor, ...], slot_mappings: torch.Tensor,
                         producer: str, seq_lens_cpu_upper_bound: torch.Tensor | None = None,
                         is_prefilling: torch.Tensor | None = None,
-                        positions: torch.Tensor | None = None) -> AttnMetadata:
+                        positions: torch.Tensor | None = None, num_accepted_tokens: torch.Tensor | None = None,
+                        num_decode_draft_tokens_cpu: torch.Tensor | None = None) -> AttnMetadata:
     """`producer` names the model state calling this; contract errors report it."""
     groups, by_layer = [], {}
     for i, attn_group in enumerate(attn_groups):
@@ -91,7 +96,8 @@ def build_attn_metadata(*, attn_groups: list[AttentionGroup], num_reqs: int, num
             block_table_tensor=block_tables[i], slot_mapping=slot_mappings[i],
             seq_lens_cpu_upper_bound=(seq_lens_cpu_upper_bound[:num_reqs]
                                       if seq_lens_cpu_upper_bound is not None else None),
-            is_prefilling=is_prefilling, positions=positions)
+            is_prefilling=is_prefilling, positions=positions, num_accepted_tokens=num_accepted_tokens,
+            num_decode_draft_tokens_cpu=num_decode_draft_tokens_cpu)
         metadata = attn_group.builder.build(common, producer=producer)
         kv_group = attn_group.kv_cache_group
         groups.append(GroupMetadata(kv_group.group_id, kv_group.kind, type(attn_group.builder).__name__,

@@ -24,10 +24,13 @@ STAGED_INT32 = ("query_start_loc", "seq_lens")                        # staging 
 STAGED_INT64 = ("idx_mapping", "logits_indices", "positions")
 
 
-def staging_regions(max_num_reqs: int, max_num_tokens: int) -> tuple[dict, dict]:
-    """(int32, int64) staging regions of the input buffers, small first."""
+def staging_regions(max_num_reqs: int, max_num_tokens: int, max_num_logits: int | None = None
+                    ) -> tuple[dict, dict]:
+    """(int32, int64) staging regions of the input buffers, small first. `max_num_logits`: rows of
+    logits a step samples from (max_num_reqs, or with speculative decoding up to 1 + k per row)."""
     shapes = {"query_start_loc": (max_num_reqs + 1,), "seq_lens": (max_num_reqs,),
-              "idx_mapping": (max_num_reqs,), "logits_indices": (max_num_reqs,), "positions": (max_num_tokens,)}
+              "idx_mapping": (max_num_reqs,), "logits_indices": (max_num_logits or max_num_reqs,),
+              "positions": (max_num_tokens,)}
     return {n: shapes[n] for n in STAGED_INT32}, {n: shapes[n] for n in STAGED_INT64}
 
 
@@ -60,9 +63,28 @@ class InputBatch:
     seq_lens_cpu_upper_bound: torch.Tensor  # CPU int32 [B]: same values, no device sync needed
     input_ids: torch.Tensor                # device int32 [T]
     positions: torch.Tensor                # device int64 [T]
-    logits_indices: torch.Tensor           # device int64 [B]: last token of each row
+    logits_indices: torch.Tensor           # device int64 [L]: the tokens sampled from: the last of each
+                                           # row, and every token of a verify row (L = B + drafts)
     input_ids_sampled: bool = False        # a decode-only step: input ids are the last sampled tokens,
                                            # gathered on the device after the flush
+    # speculative decoding: drafts each row verifies (0: none; a verify row runs its last sampled
+    # token then its d drafts, and samples at all 1 + d of them)
+    num_draft_tokens: np.ndarray | None = None   # int32 [B], None when the step has no drafts
+    draft_token_ids: dict[str, list[int]] | None = None
+
+    @property
+    def num_drafts_np(self) -> np.ndarray:
+        """int32 [B]: drafts per row (zeros without speculative decoding)."""
+        if self.num_draft_tokens is None:
+            return np.zeros(self.num_reqs, dtype=np.int32)
+        return self.num_draft_tokens
+
+    @property
+    def cu_num_logits_np(self) -> np.ndarray:
+        """int32 [B+1]: row r's logits are rows cu[r]..cu[r+1]-1 of the step's logits (1 + its drafts)."""
+        cu = np.zeros(self.num_reqs + 1, dtype=np.int32)
+        np.cumsum(1 + self.num_drafts_np, out=cu[1:])
+        return cu
 
     @property
     def has_prefill(self) -> bool:
@@ -71,37 +93,44 @@ class InputBatch:
     @property
     def runs_as_decode_np(self) -> np.ndarray:
         """bool [B]: rows that run as decodes (see `runs_as_decode`)."""
-        return runs_as_decode(self.num_scheduled_tokens, self.num_computed_tokens_np)
+        return runs_as_decode(self.num_scheduled_tokens, self.num_computed_tokens_np, self.num_drafts_np)
 
     @property
     def num_decodes(self) -> int:
         return int(self.runs_as_decode_np.sum())
 
 
-def runs_as_decode(num_scheduled, num_computed):
+def runs_as_decode(num_scheduled, num_computed, num_drafts=0):
     """A row runs as a decode when it has one token on top of existing state -- also a one-token
-    prefill chunk that continues a saved state (vLLM #42430); the Mamba builders split the batch by
-    the same rule. Works on ints and on numpy arrays."""
-    return (num_scheduled == 1) & (num_computed > 0)
+    prefill chunk that continues a saved state (vLLM #42430) -- plus, with speculative decoding,
+    the drafts it verifies; the Mamba builders split the batch by the same rule. Works on ints and
+    on numpy arrays."""
+    return (num_scheduled - num_drafts == 1) & (num_computed > 0)
 
 
-def sort_batch(req_ids: list[str], num_scheduled: dict[str, int], num_computed: dict[str, int]
-               ) -> list[str]:
+def sort_batch(req_ids: list[str], num_scheduled: dict[str, int], num_computed: dict[str, int],
+               num_drafts: dict[str, int] | None = None) -> list[str]:
     """vLLM's batch order: decode rows first, then the rest by ascending token count. Mamba
     kernels split tokens as [decode | prefill] and trust this."""
+    drafts = num_drafts or {}
+
     def key(rid: str) -> tuple[int, int]:
-        return (0 if runs_as_decode(num_scheduled[rid], num_computed[rid]) else 1, num_scheduled[rid])
+        decode = runs_as_decode(num_scheduled[rid], num_computed[rid], drafts.get(rid, 0))
+        return (0 if decode else 1, num_scheduled[rid])
     return sorted(req_ids, key=key)
 
 
 def prepare_inputs(buffers: InputBuffers, req_states: RequestStates, req_ids: list[str],
-                   num_scheduled: dict[str, int]) -> InputBatch:
+                   num_scheduled: dict[str, int], drafts: dict[str, list[int]] | None = None) -> InputBatch:
     """Write this step's inputs into the persistent buffers (staged: they reach the device at the
     runner's flush); `req_ids` are already sorted. A decode-only step's input ids are left to
-    `gather_sampled_input_ids`, after the flush."""
+    `gather_sampled_input_ids`, after the flush. `drafts`: the drafts of verify rows (speculative
+    decoding), which follow the row's last sampled token."""
     b = len(req_ids)
     idx_np = np.array([req_states.req_id_to_index[r] for r in req_ids], dtype=np.int64)
     q = np.array([num_scheduled[r] for r in req_ids], dtype=np.int32)
+    drafts = {r: d for r, d in (drafts or {}).items() if d}
+    num_drafts = np.array([len(drafts.get(r, ())) for r in req_ids], dtype=np.int32) if drafts else None
     computed = req_states.num_computed_tokens[idx_np].copy()
     prefill_len = req_states.prefill_len[idx_np].copy()
     qsl = np.zeros(b + 1, dtype=np.int32)
@@ -113,6 +142,11 @@ def prepare_inputs(buffers: InputBuffers, req_states: RequestStates, req_ids: li
         np.zeros(0, dtype=np.int64)
     token_rows = np.repeat(np.arange(b), q)
     from_sampled = positions >= prefill_len[token_rows]
+    is_draft = None
+    if num_drafts is not None:               # a verify row: its last sampled token, then its drafts
+        is_draft = positions > computed[token_rows]
+        is_draft &= np.repeat(num_drafts > 0, q)
+        from_sampled &= ~is_draft
 
     d, stage = buffers, buffers.staging
     stage.put("idx_mapping", idx_np)
@@ -122,13 +156,16 @@ def prepare_inputs(buffers: InputBuffers, req_states: RequestStates, req_ids: li
     if not decode_only:
         ids = req_states.all_token_ids[torch.from_numpy(idx_np[token_rows]),
                                        torch.from_numpy(np.minimum(positions, prefill_len[token_rows] - 1))]
+        if is_draft is not None:
+            ids[torch.from_numpy(np.nonzero(is_draft)[0])] = torch.tensor(
+                [t for r in req_ids for t in drafts.get(r, ())], dtype=ids.dtype)
         copy_to(d.input_ids[:t], ids)
         if from_sampled.any():
             tok_idx = to_device(np.nonzero(from_sampled)[0], d.input_ids.device)
             rows = to_device(idx_np[token_rows[from_sampled]], d.input_ids.device)
             d.input_ids[tok_idx] = req_states.last_sampled_tokens[rows].to(torch.int32)
     stage.put("positions", positions.astype(np.int64))
-    _stage_rows(stage, qsl, seq_lens)
+    _stage_rows(stage, qsl, seq_lens, num_drafts)
 
     return InputBatch(
         req_ids=list(req_ids), num_reqs=b, num_tokens=t, max_query_len=int(q.max()) if b else 0,
@@ -137,14 +174,18 @@ def prepare_inputs(buffers: InputBuffers, req_states: RequestStates, req_ids: li
         is_prefilling_np=computed < prefill_len,
         query_start_loc=d.query_start_loc[:b + 1], query_start_loc_np=qsl,
         seq_lens=d.seq_lens[:b], seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens.astype(np.int32)),
-        input_ids=d.input_ids[:t], positions=d.positions[:t], logits_indices=d.logits_indices[:b],
-        input_ids_sampled=decode_only)
+        input_ids=d.input_ids[:t], positions=d.positions[:t],
+        logits_indices=d.logits_indices[:b + (0 if num_drafts is None else int(num_drafts.sum()))],
+        input_ids_sampled=decode_only, num_draft_tokens=num_drafts,
+        draft_token_ids={r: list(drafts[r]) for r in req_ids if r in drafts} if drafts else None)
 
 
-def _stage_rows(stage: Staging, qsl: np.ndarray, seq_lens: np.ndarray) -> None:
-    """query_start_loc, seq_lens and logits_indices of B rows (qsl int32 [B+1], seq_lens [B]). The
-    whole regions are written, so the rows past B need no separate fill: query_start_loc repeats
-    the total there, seq_lens is 0."""
+def _stage_rows(stage: Staging, qsl: np.ndarray, seq_lens: np.ndarray, num_drafts: np.ndarray | None = None
+                ) -> None:
+    """query_start_loc, seq_lens and logits_indices of B rows (qsl int32 [B+1], seq_lens [B];
+    `num_drafts` [B]: a verify row samples at its last 1 + d tokens). The whole regions are
+    written, so the rows past B need no separate fill: query_start_loc repeats the total there,
+    seq_lens is 0."""
     b = len(seq_lens)
     qsl_full = stage.host("query_start_loc")
     qsl_full[:] = qsl[-1]
@@ -154,7 +195,11 @@ def _stage_rows(stage: Staging, qsl: np.ndarray, seq_lens: np.ndarray) -> None:
     seq_lens_full[:] = 0
     seq_lens_full[:b] = seq_lens
     stage.written("seq_lens")
-    stage.put("logits_indices", qsl[1:].astype(np.int64) - 1)
+    last = qsl[1:].astype(np.int64) - 1
+    if num_drafts is None:
+        stage.put("logits_indices", last)
+    else:
+        stage.put("logits_indices", np.concatenate([np.arange(e - n, e + 1) for e, n in zip(last, num_drafts)]))
 
 
 def gather_sampled_input_ids(buffers: InputBuffers, req_states: RequestStates, num_rows: int) -> None:

@@ -3,7 +3,9 @@
 Layers are grouped by spec kind: one group of attention layers (paged K/V, `block_size` tokens
 per block) and one group of Mamba layers (one state slot per request). Unlike vLLM we do not
 unify page sizes across groups: each group has its own tensors and its own id space, and id 0
-of each is the null block/slot. A Mamba group's block-table row has one column: the state slot.
+of each is the null block/slot. A Mamba group's block-table row has one column: the state slot
+(with speculative decoding 1 + k: the state after each position of a verify step, vLLM's
+`state_indices_tensor_d` columns).
 """
 from __future__ import annotations
 
@@ -46,9 +48,9 @@ def make_kv_cache_groups(specs: dict[str, KVCacheSpec], cfg: RunnerConfig) -> li
             if cfg.enable_prefix_caching:      # "align": a position-indexed row, a page per checkpoint
                 groups.append(KVCacheGroup(len(groups), kind, spec, list(members), cfg.block_size,
                                            cfg.state_pages + 1, cfg.max_blocks_per_req))
-            else:                              # "none": one running state per request
+            else:       # "none": one running state per request (1 + k columns with speculative decoding)
                 groups.append(KVCacheGroup(len(groups), kind, spec, list(members), cfg.max_model_len,
-                                           cfg.state_pages + 1, 1))
+                                           cfg.state_pages + 1, cfg.state_columns))
     return groups
 
 

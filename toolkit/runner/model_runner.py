@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from toolkit.config import RunnerConfig
+from toolkit.config import RunnerConfig, SpeculativeConfig
 from toolkit.host import to_device, to_host
 from toolkit.layers.ops import TORCH_OPS, set_ops, triton_ops
 from toolkit.request import TokenLogprobs
@@ -40,6 +40,7 @@ from toolkit.runner.kv_cache import allocate_kv_caches, check_prefill_checkpoint
 from toolkit.runner.model_states import init_model_state
 from toolkit.runner.request_states import RequestStates
 from toolkit.runner.sampler import Sampler, compute_logprobs
+from toolkit.runner.spec_decode import NgramProposer, VerifyResult, verify
 from toolkit.runner.staging import Staging
 from toolkit.scheduler import NewRequestData, SchedulerOutput
 
@@ -59,6 +60,10 @@ class ExecuteModelState:
     graph: str = "eager"                 # what ran the forward: "eager", "padded eager", "graph"
     padded_size: int | None = None       # P: rows the forward ran (padded decode batch), else None
     state_copies: Any = None             # prefix caching: model_state.preprocess_state's StateCopies
+    # speculative decoding, set by sample_tokens: what the verification decided (None: no drafts this
+    # step), and the drafts proposed for each row's next step
+    verify: VerifyResult | None = None
+    proposed_drafts: dict[str, list[int]] = field(default_factory=dict)
     # set by sample_tokens (host, after the sync): each row's sampled token with its logprob and rank
     # (the top k its request asked for; every row while an observer records), and the prompt
     # logprobs of the prefill chunks whose request asked
@@ -80,8 +85,11 @@ class StepObserver(Protocol):
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, cfg: RunnerConfig):
+    def __init__(self, model: nn.Module, cfg: RunnerConfig, speculative_config: SpeculativeConfig | None = None):
         self.cfg = cfg
+        self.speculative_config = speculative_config
+        self.proposer = (NgramProposer(speculative_config.num_speculative_tokens, speculative_config.prompt_lookup_min,
+                                       speculative_config.prompt_lookup_max) if speculative_config else None)
         self.device = cfg.device
         self.model = model
         self.ops = TORCH_OPS if cfg.backend == "torch" else triton_ops(cfg.device)
@@ -94,10 +102,12 @@ class ModelRunner:
         model.bind_kv_cache(self.kv_caches)
         self.model_state.initialize_kv_cache(self.kv_cache_groups, self.kv_caches)
         self.attn_groups = init_attn_groups(self.kv_cache_groups, align=cfg.enable_prefix_caching,
-                                            checkpoints=cfg.prefill_checkpoints)
+                                            checkpoints=cfg.prefill_checkpoints,
+                                            num_speculative_tokens=cfg.num_speculative_tokens)
         self.req_states = RequestStates(cfg.max_num_seqs, cfg.max_model_len, cfg.device)
         widths = [g.width for g in self.kv_cache_groups]
-        inputs32, inputs64 = input_regions(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        max_num_logits = min(cfg.max_num_seqs * (1 + cfg.num_speculative_tokens), cfg.max_num_batched_tokens)
+        inputs32, inputs64 = input_regions(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_num_logits)
         tables32, tables64 = table_regions(widths, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.staging = Staging({**inputs32, **tables32}, {**inputs64, **tables64}, cfg.device)
         self.block_tables = BlockTables([g.block_size for g in self.kv_cache_groups], widths, cfg.max_num_seqs,
@@ -171,10 +181,11 @@ class ModelRunner:
             return None
         computed = {r: int(self.req_states.num_computed_tokens[self.req_states.req_id_to_index[r]])
                     for r in sched_out.num_scheduled_tokens}
+        drafts = sched_out.scheduled_spec_decode_tokens
         req_ids = sort_batch(list(sched_out.num_scheduled_tokens), sched_out.num_scheduled_tokens,
-                             computed)
+                             computed, {r: len(d) for r, d in drafts.items()})
         input_batch = prepare_inputs(self.input_buffers, self.req_states, req_ids,
-                                     sched_out.num_scheduled_tokens)
+                                     sched_out.num_scheduled_tokens, drafts)
         n = input_batch.num_reqs
         graphs = self.cudagraph_manager
         padded = graphs.padded_size(n, input_batch.num_tokens, bool(input_batch.runs_as_decode_np.all()))
@@ -212,9 +223,11 @@ class ModelRunner:
     @on_device
     @torch.inference_mode()
     def sample_tokens(self) -> dict[str, int]:
-        """Sample one token per row of the last executed batch; returns req_id -> token.
+        """Sample one token per row of the last executed batch (a verify row: one at each of its
+        positions, then `verify`); returns req_id -> the row's last kept token.
         `state.timings` gets "sample" and "wait" (host seconds waiting at the sync); on CUDA,
-        `state.device_timings` the device seconds of each stage (StageClock)."""
+        `state.device_timings` the device seconds of each stage (StageClock). With speculative
+        decoding, `state.verify` and `state.proposed_drafts` (spec_decode.py)."""
         state = self.execute_state
         if state is None:
             return {}
@@ -222,7 +235,8 @@ class ModelRunner:
         clock.skip()
         batch = state.input_batch
         hidden = state.hidden_states
-        # one token per row: the last tokens are rows 0..B-1 (a view, no gather)
+        # one token per row: the last tokens are rows 0..B-1 (a view, no gather); a verify row
+        # samples at each of its 1 + d positions (logits rows cu_num_logits[r]..cu_num_logits[r+1]-1)
         last = hidden[:batch.num_reqs] if batch.num_tokens == batch.num_reqs else hidden[batch.logits_indices]
         logits = self.model.compute_logits(last)
         state.logits = logits
@@ -231,18 +245,45 @@ class ModelRunner:
         # a row whose chunk ends before its known tokens do (partial prefill) draws nothing
         draws = batch.num_computed_tokens_np + batch.num_scheduled_tokens >= batch.prefill_len_np
         positions_np = batch.seq_lens_cpu_upper_bound.numpy()[:batch.num_reqs]
-        sampled = self.sampler(logits, batch.idx_mapping_np, batch.seq_lens, draws, positions_np)
+        if batch.num_draft_tokens is None:
+            sampled = self.sampler(logits, batch.idx_mapping_np, batch.seq_lens, draws, positions_np)
+        else:       # each logits row samples the token at its own position
+            per_row = 1 + batch.num_draft_tokens
+            positions_np = np.repeat(positions_np - batch.num_draft_tokens, per_row) + \
+                np.arange(len(logits)) - np.repeat(batch.cu_num_logits_np[:-1], per_row)
+            sampled = self.sampler(logits, np.repeat(batch.idx_mapping_np, per_row),
+                                   to_device(positions_np.astype(np.int64), self.device),
+                                   np.repeat(draws, per_row), positions_np)
         pending = self._logprobs(state, sampled)       # device work, copied to the host without blocking
         clock.mark("sample")
         sampled_np = sampled.cpu().numpy()      # the step's one device -> host copy (a sync)
         clock.mark("wait", event=False)
         state.device_timings = clock.device_times()
-        self._logprobs_to_host(state, pending)
-        self._post_update(batch, sampled, sampled_np)
-        self.model_state.postprocess_state(batch, sampled)
-        out = dict(zip(batch.req_ids, sampled_np.tolist()))
+        num_kept = np.ones(batch.num_reqs, dtype=np.int32)
+        if batch.num_draft_tokens is not None:
+            state.verify = verify(batch.req_ids, batch.draft_token_ids, batch.num_draft_tokens,
+                                  batch.cu_num_logits_np, sampled_np)
+            num_kept[batch.num_draft_tokens > 0] = state.verify.num_accepted
+        self._logprobs_to_host(state, pending, num_kept)
+        last_kept = self._post_update(batch, sampled, sampled_np, num_kept)
+        self.model_state.postprocess_state(batch, sampled, num_kept if self.proposer else None)
+        out = dict(zip(batch.req_ids, last_kept.tolist()))
+        if self.proposer is not None:
+            state.proposed_drafts = self._propose(batch)
         clock.mark("sample", event=False)
         state.timings = dict(clock.host)
+        return out
+
+    def _propose(self, batch: InputBatch) -> dict[str, list[int]]:
+        """Drafts for the next step of each row that consumed all its known tokens (its next step
+        is a decode), from the request's own tokens (n-gram prompt lookup)."""
+        rs, out = self.req_states, {}
+        for rid, idx in zip(batch.req_ids, batch.idx_mapping_np):
+            n = int(rs.total_len[idx])
+            if rs.num_computed_tokens[idx] == n - 1:
+                drafts = self.proposer.propose(rs.all_token_ids[idx, :n].numpy())
+                if drafts:
+                    out[rid] = drafts
         return out
 
     def _logprobs(self, state: ExecuteModelState, sampled: torch.Tensor):
@@ -278,20 +319,23 @@ class ModelRunner:
             prompt_part = (rows, starts, counts, tuple(to_host(t) for t in tensors))
         return sampled_part, prompt_part
 
-    def _logprobs_to_host(self, state: ExecuteModelState, pending) -> None:
+    def _logprobs_to_host(self, state: ExecuteModelState, pending, num_kept: np.ndarray) -> None:
         """After the sync: the host copies `_logprobs` issued, as TokenLogprobs per request, each
-        cut to the top k its request asked for (0 for rows that did not ask)."""
+        cut to the top k its request asked for (0 for rows that did not ask); a verify row's hold
+        one row per kept token (`num_kept` [B])."""
         sampled_part, prompt_part = pending
         batch, sampler = state.input_batch, self.sampler
-        positions = batch.seq_lens_cpu_upper_bound.numpy()
+        positions = batch.seq_lens_cpu_upper_bound.numpy() - batch.num_drafts_np
         if sampled_part is not None:
             ids, lps, ranks = (t.numpy() for t in sampled_part)
             want = sampler.num_logprobs[batch.idx_mapping_np]
+            first = batch.cu_num_logits_np
             every_row = self.observer is not None        # recording: every row shows its sampled token's
             state.sampled_logprobs = {
-                rid: TokenLogprobs(int(positions[row]), ids[row:row + 1, :1 + max(int(want[row]), 0)].copy(),
-                                   lps[row:row + 1, :1 + max(int(want[row]), 0)].copy(), ranks[row:row + 1].copy())
-                for row, rid in enumerate(batch.req_ids) if every_row or want[row] >= 0}
+                rid: TokenLogprobs(int(positions[row]), ids[a:b, :1 + max(int(want[row]), 0)].copy(),
+                                   lps[a:b, :1 + max(int(want[row]), 0)].copy(), ranks[a:b].copy())
+                for row, rid, a, b in zip(range(batch.num_reqs), batch.req_ids, first, first[:-1] + num_kept)
+                if every_row or want[row] >= 0}
         if prompt_part is not None:
             rows, starts, counts, tensors = prompt_part
             ids, lps, ranks = (t.numpy() for t in tensors)
@@ -303,18 +347,31 @@ class ModelRunner:
                 at += count
             state.prompt_logprobs = out
 
-    def _post_update(self, batch: InputBatch, sampled: torch.Tensor, sampled_cpu: np.ndarray) -> None:
-        """MRV2 `post_update`: remember each row's sample, advance num_computed_tokens, and append
-        the sample to the history of rows that consumed every known token (not partial prefills).
-        `sampled_cpu`: the host copy of `sampled`."""
+    def _post_update(self, batch: InputBatch, sampled: torch.Tensor, sampled_cpu: np.ndarray,
+                     num_kept: np.ndarray) -> np.ndarray:
+        """MRV2 `post_update`: remember each row's last kept sample, advance num_computed_tokens,
+        and append the kept samples to the history of rows that consumed every known token (not
+        partial prefills). A verify row keeps `num_kept[row]` of its samples; its rejected drafts'
+        positions are not computed (its KV there is overwritten later). `sampled_cpu`: the host
+        copy of `sampled` [L]. Returns each row's last kept sample (host int64 [B])."""
         rs = self.req_states
-        rs.last_sampled_tokens[batch.idx_mapping] = sampled
+        if batch.num_draft_tokens is None:
+            rs.last_sampled_tokens[batch.idx_mapping] = sampled
+            last = sampled_cpu
+        else:
+            index = batch.cu_num_logits_np[:-1] + num_kept - 1
+            rs.last_sampled_tokens[batch.idx_mapping] = sampled[to_device(index.astype(np.int64), self.device)]
+            last = sampled_cpu[index]
+        first = batch.cu_num_logits_np
+        rejected = 1 + batch.num_drafts_np - num_kept
         for row, idx in enumerate(batch.idx_mapping_np):
-            rs.num_computed_tokens[idx] += batch.num_scheduled_tokens[row]
+            rs.num_computed_tokens[idx] += batch.num_scheduled_tokens[row] - rejected[row]
             if rs.num_computed_tokens[idx] >= rs.total_len[idx]:
-                if rs.total_len[idx] < self.cfg.max_model_len:
-                    rs.all_token_ids[idx, rs.total_len[idx]] = sampled_cpu[row]
-                rs.total_len[idx] += 1
+                for token in sampled_cpu[first[row]:first[row] + num_kept[row]]:
+                    if rs.total_len[idx] < self.cfg.max_model_len:
+                        rs.all_token_ids[idx, rs.total_len[idx]] = token
+                    rs.total_len[idx] += 1
+        return last
 
     # ---- warmup -----------------------------------------------------------------------------
     @on_device

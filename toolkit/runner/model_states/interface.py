@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -45,8 +46,10 @@ class ModelState(ABC):
         what it did, for the step's record (None: nothing)."""
         return None
 
-    def postprocess_state(self, input_batch: InputBatch, sampled: torch.Tensor) -> None:
-        """After sampling."""
+    def postprocess_state(self, input_batch: InputBatch, sampled: torch.Tensor,
+                          num_accepted: np.ndarray | None = None) -> None:
+        """After sampling. `num_accepted` (speculative decoding): int32 [B], the tokens each row
+        kept (1 + its accepted drafts; 1 for rows without drafts)."""
 
     def prepare_inputs(self, input_batch: InputBatch) -> dict:
         """Extra model kwargs (vLLM: M-RoPE positions, embeddings); none for our models."""

@@ -9,7 +9,11 @@ What it adds over the default state (vLLM `model_states/mamba_hybrid.py`):
   page of the column before (a checkpoint, or a prefix hit's page), or zeroed when it starts from
   scratch (MRV2 `preprocess_state`; one batched copy per state tensor, no host sync);
 - `is_prefilling`, which the Mamba builders need to tell decodes from one-token prefill chunks;
-- forwarding `seq_lens_cpu_upper_bound` (the field vLLM forgot to forward, #46759).
+- forwarding `seq_lens_cpu_upper_bound` (the field vLLM forgot to forward, #46759);
+- speculative decoding: `num_accepted_tokens` per request row (device int32, 1 = the neutral
+  value), reset to 1 when a request takes the row (a stale count from the row's last request
+  would start it from a wrong column: vLLM #48132) and set after sampling to the tokens each
+  row kept (`postprocess_state`), and the two fields the Mamba builders then need.
 """
 from __future__ import annotations
 
@@ -39,12 +43,18 @@ class StateCopies:
 
 
 class MambaHybridModelState(DefaultModelState):
+    def __init__(self, model, cfg) -> None:
+        super().__init__(model, cfg)
+        self.num_speculative_tokens = cfg.num_speculative_tokens
+        self.num_accepted_tokens = torch.ones(cfg.max_num_seqs, dtype=torch.int32, device=cfg.device)
+
     def initialize_kv_cache(self, kv_cache_groups: list[KVCacheGroup], caches) -> None:
         self.mamba_groups = [g for g in kv_cache_groups if g.kind == "mamba"]
         self.state_tensors = [t for g in self.mamba_groups for name in g.layer_names
                               for t in caches[name]]
 
     def add_request(self, req_idx: int, new_req: NewRequestData) -> None:
+        self.num_accepted_tokens[req_idx] = 1
         if self.cfg.enable_prefix_caching:
             return                          # its running page is set up by preprocess_state
         slots = [s for g in self.mamba_groups for s in new_req.block_ids[g.group_id]]
@@ -88,7 +98,19 @@ class MambaHybridModelState(DefaultModelState):
         return StateCopies([input_batch.req_ids[r] for r in rows], (old[rows] + 1) * bs, source,
                            dst.astype(np.int64))
 
+    def postprocess_state(self, input_batch: InputBatch, sampled: torch.Tensor,
+                          num_accepted: np.ndarray | None = None) -> None:
+        """Speculative decoding: each row's request keeps `num_accepted` [B] (1 for rows without
+        drafts), where its next step finds its state (column num_accepted - 1)."""
+        if self.num_speculative_tokens and input_batch.num_reqs:
+            values = np.ones(input_batch.num_reqs, dtype=np.int32) if num_accepted is None else num_accepted
+            self.num_accepted_tokens[input_batch.idx_mapping] = to_device(values.astype(np.int32), self.device)
+
     def attn_metadata_kwargs(self, input_batch: InputBatch, for_capture: bool) -> dict:
         kwargs = super().attn_metadata_kwargs(input_batch, for_capture)
         kwargs["is_prefilling"] = torch.from_numpy(input_batch.is_prefilling_np)
+        if self.num_speculative_tokens:
+            kwargs["num_accepted_tokens"] = self.num_accepted_tokens[input_batch.idx_mapping]
+            drafts = np.where(input_batch.is_prefilling_np, -1, input_batch.num_drafts_np)
+            kwargs["num_decode_draft_tokens_cpu"] = torch.from_numpy(drafts.astype(np.int32))
         return kwargs

@@ -1,0 +1,227 @@
+"""Speculative decoding (issue 26): a run with drafts yields the tokens of a run without them.
+
+The sampler is keyed on (seed, position, token), so verification accepts a draft exactly when it
+equals the token plain decoding samples at that position; every test below compares a speculative
+run with a plain run of the same engine settings, token for token (greedy and seeded rows mixed).
+
+Drafts come from two proposers:
+- `ScriptedProposer` (tests only): the plain run's own continuation, wrong at chosen positions, so
+  every verify step accepts a known number of drafts (all, some, none). Random-weight presets
+  rarely repeat themselves, so prompt lookup alone would leave the verify path idle on them.
+- the real n-gram proposer, on the trained demo model and a repetitive prompt.
+A wrong state column, a stale `num_accepted_tokens` or a wrong rollback changes the tokens.
+"""
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+import pytest
+
+from toolkit import LLM, SamplingParams
+from toolkit.config import SpeculativeConfig, resolve_speculative_config
+from toolkit.errors import NotSupportedYetError
+from toolkit.runner.spec_decode import NgramProposer
+
+FAMILY_PRESETS = ["tiny-llama", "tiny-mamba", "tiny-falcon-mamba", "tiny-mamba2", "tiny-bamba", "tiny-jamba",
+                  "tiny-lfm2", "tiny-nemotron-h", "tiny-granite-hybrid", "tiny-qwen3-next", "tiny-zamba2",
+                  "tiny-falcon-h1"]
+# one preset per recurrent family (and attention alone) for the k sweep
+K_SWEEP = ["tiny-llama", "tiny-mamba", "tiny-mamba2", "tiny-lfm2", "tiny-qwen3-next"]
+
+_rng = np.random.default_rng(26)
+PROMPTS = [_rng.integers(3, 200, n).tolist() for n in (30, 17, 9)]
+PARAMS = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+          SamplingParams(max_tokens=18, temperature=0.9, seed=7, ignore_eos=True),
+          SamplingParams(max_tokens=14, temperature=0.7, top_k=20, ignore_eos=True)]
+ENGINE = dict(device="cpu", max_num_seqs=4, max_num_batched_tokens=24)    # the 30-token prompt is chunked
+
+
+class ScriptedProposer:
+    """Proposes the reference continuation of the request whose tokens the context starts with,
+    with one draft made wrong on every `wrong_every`-th call (at a position that cycles; None:
+    never), so that verify rows accept all, some and none of their drafts. A context no reference starts with
+    (the run already diverged) gets no drafts, and the token comparison reports the divergence."""
+
+    def __init__(self, references: list[list[int]], k: int, wrong_every: int | None = 3):
+        self.references, self.k, self.wrong_every, self.calls = references, k, wrong_every, 0
+
+    def propose(self, context: np.ndarray) -> list[int]:
+        ctx = context.tolist()
+        for ref in self.references:
+            if ref[:len(ctx)] == ctx:
+                drafts = list(ref[len(ctx):len(ctx) + self.k])
+                self.calls += 1
+                if drafts and self.wrong_every and self.calls % self.wrong_every == 1:
+                    at = self.calls % len(drafts)
+                    drafts[at] = (drafts[at] + 1) % 200
+                return drafts
+        return []
+
+
+def generate(llm: LLM, prompts=PROMPTS, params=PARAMS) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@cache
+def plain_tokens(preset: str) -> tuple[tuple[int, ...], ...]:
+    llm = LLM(preset, inspect="off", **ENGINE)
+    out = tuple(tuple(t) for t in generate(llm))
+    llm.shutdown()
+    return out
+
+
+def spec_run(preset: str, k: int, references, inspect: str = "off", **engine) -> tuple[list[list[int]], LLM]:
+    llm = LLM(preset, inspect=inspect, speculative_config={"method": "ngram", "num_speculative_tokens": k},
+              **{**ENGINE, **engine})
+    llm.model_runner.proposer = ScriptedProposer(references, k)
+    return generate(llm), llm
+
+
+def references(preset: str) -> list[list[int]]:
+    return [p + list(o) for p, o in zip(PROMPTS, plain_tokens(preset))]
+
+
+@pytest.mark.parametrize("preset", FAMILY_PRESETS)
+def test_tokens_equal_plain_decoding(preset):
+    """k = 3, chunked prefill, greedy + seeded rows in one batch, the runtime checks on."""
+    got, llm = spec_run(preset, 3, references(preset), inspect="metadata")
+    assert got == [list(t) for t in plain_tokens(preset)]
+    stats = llm.stats()
+    # the scripted drafts make rows accept all, some and none: all three paths ran
+    assert stats["spec_verify_rows"] > 5 and 0 < stats["spec_accepted_drafts"] < stats["spec_draft_tokens"]
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("k", [1, 5])
+@pytest.mark.parametrize("preset", K_SWEEP)
+def test_tokens_equal_for_k(preset, k):
+    got, llm = spec_run(preset, k, references(preset))
+    assert got == [list(t) for t in plain_tokens(preset)]
+    assert llm.stats()["spec_accepted_drafts"] > 0
+    llm.shutdown()
+
+
+def test_preemption_mid_speculation():
+    """A pool too small for all three requests: some are preempted (their drafts dropped, their
+    state recomputed from scratch, num_accepted reset) and the tokens still equal plain decoding."""
+    preset = "tiny-bamba"
+    got, llm = spec_run(preset, 3, references(preset), inspect="metadata", block_size=4, num_kv_blocks=14)
+    assert got == [list(t) for t in plain_tokens(preset)]
+    assert any(rec.preempted_request_ids for rec in llm.trace)
+    llm.shutdown()
+
+
+def test_slot_reuse_starts_from_column_zero():
+    """vLLM #48132: a request row's num_accepted_tokens must be reset to 1 when a new request takes
+    the row. Two requests accept drafts and finish, leaving counts > 1 in both rows; then an n = 2
+    request forks, and a child whose row was not used by its parent runs its first step -- the last
+    prompt token on the parent's copied state, a decode -- from column num_accepted - 1: column 0
+    after a reset, a stale column without one."""
+    preset = "tiny-mamba2"
+    forked = SamplingParams(n=2, max_tokens=10, temperature=0.8, seed=3, ignore_eos=True)
+    # 16 = 1 (the prefill's token) + 3 steps of 4 + a last step keeping 3: both rows end at count 3
+    first_params = [SamplingParams(**{**vars(p), "max_tokens": 16}) for p in PARAMS[:2]]
+
+    def run(spec: bool) -> list[list[int]]:
+        llm = LLM(preset, inspect="off", **{**ENGINE, "max_num_seqs": 2},
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3} if spec else None)
+        if spec:
+            llm.model_runner.proposer = ScriptedProposer(references(preset)[:2], 3, wrong_every=None)
+        first = generate(llm, PROMPTS[:2], first_params)
+        if spec:
+            rows = llm.model_runner.model_state.num_accepted_tokens
+            assert (rows > 1).all(), f"both rows should end with accepted drafts, got {rows.tolist()}"
+        children = llm.generate([{"prompt_token_ids": PROMPTS[2]}], forked)[0].outputs
+        llm.shutdown()
+        return first + [list(c.token_ids) for c in children]
+
+    assert run(True) == run(False)
+
+
+def test_stop_token_inside_accepted_drafts():
+    """A stop id among a verify row's accepted drafts ends the request there: the tokens after it
+    are dropped, as plain decoding never samples them."""
+    preset = "tiny-lfm2"
+    full = list(plain_tokens(preset)[0])
+    stop = full[6]
+    params = [SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[stop])]
+    llm = LLM(preset, inspect="off", **ENGINE)
+    want = generate(llm, PROMPTS[:1], params)
+    llm.shutdown()
+    got, llm = spec_run(preset, 5, references(preset))
+    llm.model_runner.proposer = ScriptedProposer([PROMPTS[0] + full], 5, wrong_every=None)
+    assert generate(llm, PROMPTS[:1], params) == want and want[0][-1] == stop and len(want[0]) <= 7
+    llm.shutdown()
+
+
+def test_logprobs_equal_plain_decoding():
+    preset = "tiny-jamba"
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)]
+    llm = LLM(preset, inspect="off", **ENGINE)
+    want = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params)[0].outputs[0]
+    llm.shutdown()
+    llm = LLM(preset, inspect="off", speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **ENGINE)
+    llm.model_runner.proposer = ScriptedProposer([PROMPTS[0] + list(want.token_ids)], 3)
+    got = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params)[0].outputs[0]
+    assert llm.stats()["spec_accepted_drafts"] > 0
+    assert got.token_ids == want.token_ids and len(got.logprobs) == len(want.logprobs)
+    for mine, theirs in zip(got.logprobs, want.logprobs):
+        assert mine.keys() == theirs.keys()
+        for tok in mine:
+            assert mine[tok].rank == theirs[tok].rank
+            assert mine[tok].logprob == pytest.approx(theirs[tok].logprob, abs=1e-4)
+    llm.shutdown()
+
+
+def test_ngram_drafts_on_the_demo_model():
+    """The real proposer on a trained model and a repetitive prompt: drafts are proposed and
+    accepted, and the tokens equal plain decoding."""
+    prompt = "the cat sat on the mat. the cat sat on the mat. the cat sat on the mat. the cat"
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    llm = LLM("demo-hybrid", device="cpu", inspect="off")
+    want = llm.generate([prompt], params)[0].outputs[0].token_ids
+    llm.shutdown()
+    llm = LLM("demo-hybrid", device="cpu", inspect="off",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+                                  "prompt_lookup_max": 4})
+    got = llm.generate([prompt], params)[0].outputs[0].token_ids
+    stats = llm.stats()
+    llm.shutdown()
+    assert got == want
+    assert stats["spec_accepted_drafts"] > 0 and stats["spec_mean_accepted_length"] > 1
+
+
+# ---- the proposer and the config ------------------------------------------------------------------
+
+def test_ngram_proposer_longest_match_earliest_occurrence():
+    p = NgramProposer(k=3, min_n=1, max_n=3)
+    ctx = np.array([1, 2, 3, 9, 2, 3, 4, 5, 1, 2, 3])
+    # "1 2 3" (n = 3) occurred at 0: the 3 tokens after it
+    assert p.propose(ctx) == [9, 2, 3]
+    # only "3" matches for n = 1 ("x 3" never occurred): the earliest "3" is at 2
+    assert p.propose(np.array([7, 3, 5, 6, 8, 3])) == [5, 6, 8]
+    assert p.propose(np.array([1, 2, 3, 4])) == []                    # nothing repeats
+    assert NgramProposer(3, 2, 2).propose(np.array([5, 5])) == []     # too short for a 2-gram match
+    assert NgramProposer(3, 1, 1).propose(np.array([4, 6, 4])) == [6, 4]   # fewer than k follow
+
+
+def test_speculative_config_rules():
+    assert resolve_speculative_config(None) is None
+    cfg = resolve_speculative_config({"method": "ngram", "num_speculative_tokens": 2})
+    assert cfg == SpeculativeConfig("ngram", 2, 5, 5)                  # vLLM: both unset -> 5 and 5
+    assert resolve_speculative_config({"method": "ngram", "num_speculative_tokens": 2,
+                                       "prompt_lookup_max": 3}).prompt_lookup_min == 3
+    for bad, match in [({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+                       ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+                       ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+                         "prompt_lookup_max": 2}, "prompt_lookup_min=4 > prompt_lookup_max=2"),
+                       ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown key")]:
+        with pytest.raises(ValueError, match=match):
+            resolve_speculative_config(bad)
+    with pytest.raises(NotSupportedYetError, match="draft_model"):
+        resolve_speculative_config({"method": "draft_model", "model": "tiny-mamba", "num_speculative_tokens": 2})
+    with pytest.raises(NotSupportedYetError, match="enable_prefix_caching"):
+        LLM("tiny-bamba", device="cpu", enable_prefix_caching=True,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})

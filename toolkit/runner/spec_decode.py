@@ -1,0 +1,94 @@
+"""Speculative decoding on the runner: the n-gram proposer and the verification of a step's drafts.
+
+A verify row runs its last sampled token t0 and its d drafts x1..xd as 1 + d query tokens. The
+target's token at each of those positions, s0..sd, is sampled from the logits there exactly as a
+plain decode would sample it (the sampler is keyed on (seed, position, token): a position's sample
+is a pure function of its logits). Draft x(j+1) is accepted while it equals s(j); the row keeps
+s0..sa, a = the accepted drafts, which are the tokens plain decoding would have produced. So a
+run with speculation yields the same tokens as one without, greedy and seeded (a stronger promise
+than rejection sampling's "same distribution"). `num_accepted_tokens` = a + 1 (vLLM's count,
+which includes the target's own token) picks the state column the row's next step starts from.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+
+class NgramProposer:
+    """Prompt lookup (vLLM V1's CPU `NgramProposer`): find the longest n-gram, n in [min_n, max_n],
+    that ends the context and occurred earlier in it (the earliest such occurrence), and propose
+    the up to k tokens that followed it. No match, or a context shorter than min_n: no drafts."""
+
+    def __init__(self, k: int, min_n: int, max_n: int):
+        self.k, self.min_n, self.max_n = k, min_n, max_n
+
+    def propose(self, context: np.ndarray) -> list[int]:
+        """context: int [N], the request's tokens so far (prompt + outputs). Returns <= k ids."""
+        n_ctx = len(context)
+        for n in range(min(self.max_n, n_ctx - 1), self.min_n - 1, -1):
+            windows = sliding_window_view(context[:n_ctx - 1], n)     # occurrences ending before the last token
+            hits = np.nonzero((windows == context[n_ctx - n:]).all(axis=1))[0]
+            if len(hits):
+                start = int(hits[0]) + n
+                return context[start:start + self.k].tolist()
+        return []
+
+
+@dataclass
+class VerifyResult:
+    """What one step's verification decided, per verify row (rows with drafts), in batch order."""
+    req_ids: list[str]
+    drafts: list[list[int]]            # x1..xd of each row
+    target: list[list[int]]            # s0..sd: the target's token at each position of the row
+    num_accepted: np.ndarray           # int32 [R]: a + 1, the tokens each row keeps (vLLM num_accepted_tokens)
+
+    def kept(self, row: int) -> list[int]:
+        """The tokens row `row` keeps: its accepted drafts, then the target's token after them."""
+        return self.target[row][:int(self.num_accepted[row])]
+
+
+def verify(req_ids: list[str], drafts: dict[str, list[int]], num_drafts: np.ndarray,
+           cu_num_logits: np.ndarray, sampled: np.ndarray) -> VerifyResult:
+    """Accept each verify row's drafts while they equal the target's samples. `sampled`: int [L],
+    the target's token at every logits row (cu_num_logits [B+1] delimits a row's)."""
+    rows = np.nonzero(num_drafts > 0)[0]
+    ids, ds, targets, accepted = [], [], [], np.zeros(len(rows), dtype=np.int32)
+    for i, row in enumerate(rows):
+        rid = req_ids[row]
+        d = drafts[rid]
+        s = sampled[cu_num_logits[row]:cu_num_logits[row + 1]].tolist()
+        a = 0
+        while a < len(d) and d[a] == s[a]:
+            a += 1
+        ids.append(rid)
+        ds.append(list(d))
+        targets.append(s)
+        accepted[i] = a + 1
+    return VerifyResult(ids, ds, targets, accepted)
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counts over an engine's verify rows (`LLM.stats()`; warmup's steps are not counted)."""
+    num_verify_rows: int = 0           # decode rows that carried drafts
+    num_draft_tokens: int = 0          # drafts proposed and verified
+    num_accepted_drafts: int = 0       # drafts equal to the target's token
+
+    def add(self, result: VerifyResult | None) -> None:
+        if result is None:
+            return
+        self.num_verify_rows += len(result.req_ids)
+        self.num_draft_tokens += sum(len(d) for d in result.drafts)
+        self.num_accepted_drafts += int(result.num_accepted.sum()) - len(result.req_ids)
+
+    def as_dict(self) -> dict[str, float | int]:
+        """acceptance rate: accepted / proposed drafts; mean accepted length: tokens a verify row
+        keeps (its accepted drafts + the target's own token, vLLM's mean acceptance length)."""
+        rows, drafts = self.num_verify_rows, self.num_draft_tokens
+        return {"spec_verify_rows": rows, "spec_draft_tokens": drafts,
+                "spec_accepted_drafts": self.num_accepted_drafts,
+                "spec_acceptance_rate": self.num_accepted_drafts / drafts if drafts else 0.0,
+                "spec_mean_accepted_length": (self.num_accepted_drafts + rows) / rows if rows else 0.0}
