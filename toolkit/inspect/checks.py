@@ -99,8 +99,9 @@ def check_metadata(groups, scheduled, ledger: CacheLedger, where: str) -> list[V
         table = gm.common.block_table_tensor
         if gm.kind == "mamba":
             md = gm.metadata
-            got = [] if md.state_indices_tensor_d is None else md.state_indices_tensor_d.view(md.num_decodes, -1).tolist()
-            got += [] if md.state_indices_tensor_p is None else [[i] for i in md.state_indices_tensor_p.tolist()]
+            decode, prefill = md.state_indices_tensor_d, md.state_indices_tensor_p
+            got = [] if decode is None else decode.view(md.num_decodes, -1).tolist()
+            got += [] if prefill is None else [[i] for i in prefill.tolist()]
             spec = gm.common.num_accepted_tokens is not None     # speculative decoding: 1 + k columns held
             for row, (rid, slots) in enumerate(zip(rids, got)):
                 held = ledger.holdings.get(rid, [[]] * len(ledger.group_kinds))[gm.group_id]
