@@ -24,6 +24,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -360,3 +361,25 @@ def run_to_completion(llm: LLM) -> dict:
     while llm.has_unfinished_requests():
         outs.update({o.request_id: o for o in llm.step().outputs})
     return outs
+
+
+class ScriptedProposer:
+    """Proposes the reference continuation of the request whose tokens the context starts with,
+    with one draft made wrong on every `wrong_every`-th call (at a position that cycles; None:
+    never), so that verify rows accept all, some and none of their drafts. A context no reference starts with
+    (the run already diverged) gets no drafts, and the token comparison reports the divergence."""
+
+    def __init__(self, references: list[list[int]], k: int, wrong_every: int | None = 3):
+        self.references, self.k, self.wrong_every, self.calls = references, k, wrong_every, 0
+
+    def propose(self, context: np.ndarray) -> list[int]:
+        ctx = context.tolist()
+        for ref in self.references:
+            if ref[:len(ctx)] == ctx:
+                drafts = list(ref[len(ctx):len(ctx) + self.k])
+                self.calls += 1
+                if drafts and self.wrong_every and self.calls % self.wrong_every == 1:
+                    at = self.calls % len(drafts)
+                    drafts[at] = (drafts[at] + 1) % 200
+                return drafts
+        return []

@@ -7,6 +7,8 @@ import pytest
 from toolkit import LLM, InvariantError, MetadataContractError, ModelStateError, SamplingParams, ToolkitError
 from toolkit.inspect import faults
 
+from harness import ScriptedProposer
+
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 FAULT_NAMES = [f.name for f in faults.catalogue()]
 # presets on which a fault is a fault (routing an attention-free model wrongly needs one; a hit
@@ -50,8 +52,29 @@ def prefix_workload(preset: str, **engine) -> None:
         llm.shutdown()
 
 
+def spec_workload(preset: str, **extra) -> None:
+    """Speculative decoding (k = 3) on one request row: two requests one after the other, each
+    verifying drafts (its plain run's own continuation) and ending with 3 tokens kept at its last
+    step, so the second takes a row whose count is 3."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12], list(range(20, 32))]
+    engine = dict(device="cpu", dtype="float32", max_num_seqs=1, max_num_batched_tokens=8, max_model_len=64)
+    plain = LLM(preset, inspect="off", **engine)
+    refs = [p + list(o.outputs[0].token_ids) for p, o in
+            zip(prompts, plain.generate([{"prompt_token_ids": p} for p in prompts], GREEDY))]
+    plain.shutdown()
+    llm = LLM(preset, speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **engine, **extra)
+    llm.model_runner.proposer = ScriptedProposer(refs, 3, wrong_every=None)
+    try:
+        for p in prompts:
+            llm.add_request({"prompt_token_ids": p}, GREEDY)
+            while llm.has_unfinished_requests():
+                llm.step()
+    finally:
+        llm.shutdown()
+
+
 def run_workload(fault: faults.Fault, preset: str) -> None:
-    (prefix_workload if fault.needs == "prefix caching" else workload)(preset)
+    {"prefix caching": prefix_workload, "speculative decoding": spec_workload}.get(fault.needs, workload)(preset)
 
 
 def cases():
@@ -102,6 +125,20 @@ def test_workload_without_faults_raises_nothing(preset):
 def test_prefix_workload_without_faults_raises_nothing_in_full_mode(preset):
     """Every prefix-caching check on, the cold-state oracle included, on each recurrent family."""
     prefix_workload(preset, inspect="full")
+
+
+@pytest.mark.parametrize("preset", ["tiny-bamba", "tiny-mamba", "tiny-lfm2", "tiny-qwen3-next"])
+def test_spec_workload_without_faults_raises_nothing_in_full_mode(preset):
+    """Every speculative-decoding check on, the cold-state oracle of each verify row's start included."""
+    spec_workload(preset, inspect="full")
+
+
+def test_cold_oracle_catches_a_verify_step_on_the_wrong_column():
+    with faults.inject("verify_starts_from_last_column"):
+        with pytest.raises(InvariantError) as err:
+            spec_workload("tiny-mamba2", inspect="full")
+    cold = [v for v in err.value.violations if v.check == "spec_start_state_equals_plain"]
+    assert cold and "request '0'" in cold[0].where and "num_accepted_tokens=1" in cold[0].message
 
 
 def test_violations_are_in_the_trace_and_the_step_completes():

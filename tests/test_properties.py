@@ -120,6 +120,7 @@ class EngineConfig:
     cudagraph_mode: str = "none"   # "padded_eager": decode batches padded to capture sizes (1, 2, 4)
     enable_prefix_caching: bool = False
     cache_mode: str = "align"      # with prefix caching: "align" or "all" (internal checkpoints)
+    spec_k: int = 0                # speculative decoding (n-gram, 1- to 3-grams): drafts per row; 0: off
 
 
 @dataclass(frozen=True)
@@ -178,13 +179,13 @@ class Interrupt(BaseException):
 
 
 def _make_config(max_num_seqs: int, budget: int, block_size: int, room: int, mode: str,
-                 caching: bool = False, cache_mode: str = "align") -> EngineConfig:
+                 caching: bool = False, cache_mode: str = "align", spec_k: int = 0) -> EngineConfig:
     """`room` (tokens, shrinks towards 0): the cache holds the largest possible request (40
     prompt + 8 output tokens) plus `room` tokens; below 0 the largest requests are refused (a
     valid outcome), a little above it two mid-sized requests running together preempt."""
     largest = -(-(MAX_PROMPT + MAX_TOKENS - 1) // block_size)
     return EngineConfig(max_num_seqs, budget, block_size, max(2, largest + 1 + room // block_size), mode,
-                        caching, cache_mode)
+                        caching, cache_mode, 0 if caching else spec_k)   # not together yet
 
 
 # small budgets are favoured: with a large one a request is admitted whole, and rarely preempted
@@ -193,7 +194,7 @@ engine_configs = st.sampled_from(["none", "padded_eager"]).flatmap(lambda mode: 
     1, 6 if mode == "padded_eager" else 4).flatmap(lambda seqs: st.builds(
         _make_config, st.just(seqs), st.integers(seqs, 8) | st.integers(seqs, 24),
         st.sampled_from([2, 4, 8]), st.integers(-12, 24), st.just(mode), st.booleans(),
-        st.sampled_from(["align", "all"]))))
+        st.sampled_from(["align", "all"]), st.sampled_from([0, 0, 1, 3]))))
 # Mamba2's internal checkpoints sit on chunk ends (chunk 16 in these presets): "all" needs a block
 # size that 16 divides, which the drawn sizes are not; those engines run "align"
 CHUNK_16 = {"tiny-mamba2", "tiny-bamba"}
@@ -264,8 +265,9 @@ def alone(preset: str, prompt: tuple[int, ...], sp: SamplingParams
 
 
 def sampled_logits(llm: LLM, rid: str) -> list[torch.Tensor]:
-    """The logits row each of the request's output tokens was sampled from (from llm.trace)."""
-    return [rec.logits_of(rid) for rec in llm.trace if rid in rec.kept_token_ids]
+    """The logits row each of the request's output tokens was sampled from (from llm.trace; a
+    verify row's step keeps one per accepted draft and one more)."""
+    return [row for rec in llm.trace if rid in rec.kept_token_ids for row in rec.kept_logits(rid)]
 
 
 def sample_alone(logits: torch.Tensor, sp: SamplingParams, position: int) -> int:
@@ -343,11 +345,15 @@ def check_ledger(llm: LLM) -> None:
                 assert kv.caching or i not in seen, f"id {i} of group {g} shared by {seen[i]} and {rid}"
                 seen.setdefault(i, set()).add(rid)
         assert seen == pool.holders, f"group {g}: rows hold {seen}, the pool counts {pool.holders}"
+    k = llm.cfg.num_speculative_tokens
     for req in sched.running:
         assert 0 < req.num_computed_tokens <= req.num_tokens
         for g, group in enumerate(kv.groups):
             ids = holdings[req.request_id][g]
-            if group.kind == "attention" or kv.aligned(g):   # the blocks (columns) its computed tokens fill
+            if group.kind == "attention" and k:   # rejected drafts' blocks stay allocated (as in vLLM)
+                assert -(-req.num_computed_tokens // group.block_size) <= len(ids) \
+                    <= -(-(req.num_computed_tokens + k) // group.block_size), (req.request_id, ids)
+            elif group.kind == "attention" or kv.aligned(g):   # the blocks (columns) its computed tokens fill
                 assert len(ids) == -(-req.num_computed_tokens // group.block_size), (req.request_id, ids)
             if kv.aligned(g) and not sched.prefill_checkpoints:    # the running page, and at most
                 assert ids[-1] and len([i for i in ids if i]) <= 2, f"{req.request_id}: row {ids}"   # its source
@@ -357,7 +363,7 @@ def check_ledger(llm: LLM) -> None:
                     assert not i or pool.hash_of.get(i) == req.block_hashes[c] or req.block_hashes[c] in pool.cached, \
                         f"{req.request_id}: page {i} in column {c} is neither its checkpoint nor a duplicate of one"
             elif group.kind == "mamba":
-                assert len(ids) == 1, f"{req.request_id}: one state slot per request, got {ids}"
+                assert len(ids) == 1 + k, f"{req.request_id}: 1 + k state slots per request, got {ids}"
 
 
 def check_books(llm: LLM, rec) -> None:
@@ -393,13 +399,16 @@ def check_books(llm: LLM, rec) -> None:
     for gm in rec.attn_metadata:
         if gm.kind == "mamba":
             md = gm.metadata
-            parts = [t for t in (md.state_indices_tensor_d, md.state_indices_tensor_p) if t is not None]
+            d = md.state_indices_tensor_d       # speculative decoding: [D, 1 + k], the row's first slot first
+            parts = [t for t in (d if d is None or d.dim() == 1 else d[:, 0], md.state_indices_tensor_p)
+                     if t is not None]
             slots = torch.cat(parts).tolist()
             assert slots[rows:] == [0] * padded, f"padded rows off the null slot: {slots}"
             slots = slots[:rows]
             assert len(slots) == rows and 0 not in slots, f"state indices {slots}"
             assert len(set(slots)) == len(slots), f"two rows on one slot: {slots}"
-            decode = [s.num_tokens == 1 and s.num_computed_before > 0 for s in rec.scheduled]
+            drafts = [len(rec.spec[s.request_id].drafts) if s.request_id in rec.spec else 0 for s in rec.scheduled]
+            decode = [s.num_tokens - n == 1 and s.num_computed_before > 0 for s, n in zip(rec.scheduled, drafts)]
             assert decode == [True] * (md.num_decodes - padded) + [False] * md.num_prefills
         else:
             bs = sched.kv.groups[gm.group_id].block_size
@@ -603,6 +612,8 @@ def run_program(preset: str, config: EngineConfig, ops: list) -> Books:
               max_num_batched_tokens=config.max_num_batched_tokens,
               num_kv_blocks=config.num_kv_blocks, cudagraph_mode=config.cudagraph_mode,
               enable_prefix_caching=config.enable_prefix_caching, mamba_cache_mode=mamba_cache_mode(preset, config),
+              speculative_config={"method": "ngram", "num_speculative_tokens": config.spec_k, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 3} if config.spec_k else None,
               trace_capacity=None, **F32)   # logits, for ties
     assert llm.vocab_size == VOCAB
     usable = llm.stats()["kv_blocks_total"] or 10**9       # attention-free: no KV limit

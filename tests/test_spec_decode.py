@@ -23,6 +23,8 @@ from toolkit.config import SpeculativeConfig, resolve_speculative_config
 from toolkit.errors import NotSupportedYetError
 from toolkit.runner.spec_decode import NgramProposer
 
+from harness import ScriptedProposer
+
 FAMILY_PRESETS = ["tiny-llama", "tiny-mamba", "tiny-falcon-mamba", "tiny-mamba2", "tiny-bamba", "tiny-jamba",
                   "tiny-lfm2", "tiny-nemotron-h", "tiny-granite-hybrid", "tiny-qwen3-next", "tiny-zamba2",
                   "tiny-falcon-h1"]
@@ -35,28 +37,6 @@ PARAMS = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
           SamplingParams(max_tokens=18, temperature=0.9, seed=7, ignore_eos=True),
           SamplingParams(max_tokens=14, temperature=0.7, top_k=20, ignore_eos=True)]
 ENGINE = dict(device="cpu", max_num_seqs=4, max_num_batched_tokens=24)    # the 30-token prompt is chunked
-
-
-class ScriptedProposer:
-    """Proposes the reference continuation of the request whose tokens the context starts with,
-    with one draft made wrong on every `wrong_every`-th call (at a position that cycles; None:
-    never), so that verify rows accept all, some and none of their drafts. A context no reference starts with
-    (the run already diverged) gets no drafts, and the token comparison reports the divergence."""
-
-    def __init__(self, references: list[list[int]], k: int, wrong_every: int | None = 3):
-        self.references, self.k, self.wrong_every, self.calls = references, k, wrong_every, 0
-
-    def propose(self, context: np.ndarray) -> list[int]:
-        ctx = context.tolist()
-        for ref in self.references:
-            if ref[:len(ctx)] == ctx:
-                drafts = list(ref[len(ctx):len(ctx) + self.k])
-                self.calls += 1
-                if drafts and self.wrong_every and self.calls % self.wrong_every == 1:
-                    at = self.calls % len(drafts)
-                    drafts[at] = (drafts[at] + 1) % 200
-                return drafts
-        return []
 
 
 def generate(llm: LLM, prompts=PROMPTS, params=PARAMS) -> list[list[int]]:
@@ -225,3 +205,21 @@ def test_speculative_config_rules():
     with pytest.raises(NotSupportedYetError, match="enable_prefix_caching"):
         LLM("tiny-bamba", device="cpu", enable_prefix_caching=True,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("preset", ["tiny-bamba", "tiny-qwen3-next"])
+def test_triton_kernels_verify_like_torch(preset):
+    """backend="triton" (under TRITON_INTERPRET=1 on the CPU): the verify rows' per-position loop runs
+    the Triton decode kernels on gathered tokens and state slots; tokens equal plain decoding's. Two
+    presets cover the four decode kernels a verify row runs (conv and Mamba2 state update; conv and
+    gated delta rule) at interpreter speed; Mamba1's and short conv's decode kernels are the torch
+    path's equals in tests/test_backend_triton.py, and take the same gathered inputs here."""
+    pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows")
+    prompts, params = PROMPTS[:2], [SamplingParams(**{**vars(p), "max_tokens": 6}) for p in PARAMS[:2]]
+    llm = LLM(preset, inspect="off", backend="triton", dtype="float32",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **ENGINE)
+    llm.model_runner.proposer = ScriptedProposer(references(preset)[:2], 3)
+    got = generate(llm, prompts, params)
+    assert llm.stats()["spec_accepted_drafts"] > 0
+    llm.shutdown()
+    assert got == [list(t[:6]) for t in plain_tokens(preset)[:2]]

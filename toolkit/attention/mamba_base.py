@@ -149,19 +149,22 @@ class BaseMambaMetadataBuilder(AttentionMetadataBuilder):
         self.num_speculative_tokens = num_speculative_tokens
         if num_speculative_tokens:
             self.required_fields = self.required_fields + SPEC_DECODE_FIELDS
-        # align mode: (device, B) -> the persistent int32 [B] the state indices of a B-row batch
-        # are gathered into (one per batch size seen: at most max_num_reqs of them, B ints each)
+        # align mode (and speculative decoding's column 0): (device, B) -> the persistent int32 [B] the
+        # state indices of a B-row batch are gathered into (one per batch size seen: at most
+        # max_num_reqs of them, B ints each)
         self._align_buffers: dict[tuple[torch.device, int], torch.Tensor] = {}
 
     def state_indices(self, common: CommonAttentionMetadata) -> torch.Tensor:
         """Device int32 [B]: the state slot of every row (see the module docstring for the modes)."""
         table = common.block_table_tensor
-        if self.mamba_block_size is None:
+        if self.mamba_block_size is None and table.shape[1] == 1:
             return table[:, 0]
         key = (table.device, table.shape[0])
         out = self._align_buffers.get(key)
         if out is None:        # never replaced: a graph captured on it keeps reading it
             out = self._align_buffers[key] = torch.empty(table.shape[0], dtype=table.dtype, device=table.device)
+        if self.mamba_block_size is None:        # speculative decoding: column 0 of 1 + k, made contiguous
+            return out.copy_(table[:, 0])
         return align_state_indices(table, common.seq_lens, self.mamba_block_size, out=out)
 
     def split(self, common: CommonAttentionMetadata, producer: str = "") -> MambaSplit:

@@ -89,6 +89,42 @@ def check_ledger(scheduler, runner, where: str) -> list[Violation]:
     return out
 
 
+def check_spec_columns(groups, scheduled, kept_last_step: dict[str, int], where: str) -> list[Violation]:
+    """Speculative decoding, each decode row of the Mamba metadata: `num_accepted_tokens` is the
+    count its request kept at its last step (1 for a request new to its row: vLLM #48132), and its
+    first position starts from the column that count points at (`spec_src_slots_d[0]` =
+    `state_indices_tensor_d[row, num_accepted - 1]`)."""
+    out: list[Violation] = []
+    for gm in groups:
+        md = gm.metadata
+        if gm.kind != "mamba" or gm.common.num_accepted_tokens is None:
+            continue
+        every_row = gm.common.num_accepted_tokens.tolist()       # what the model state gathered, [B]
+        for row, got in enumerate(every_row):
+            rid = scheduled[row].request_id
+            want = kept_last_step.get(rid, 1)
+            if got != want:
+                out.append(Violation("accepted_count_carried",
+                                     f"{where}, group {gm.group_id} ({gm.builder}), request {rid!r} (row {row})",
+                                     "num_accepted_tokens", f"is {got}, but the request kept {want} token(s) "
+                                     "at its last step (a request new to its row starts at 1)"))
+        if md.num_decodes == 0:
+            continue
+        accepted, columns = md.num_accepted_tokens.tolist(), md.state_indices_tensor_d.tolist()
+        starts = md.spec_src_slots_d[0].tolist()
+        for row in range(md.num_decodes):
+            rid = scheduled[row].request_id
+            label = f"{where}, group {gm.group_id} ({gm.builder}), request {rid!r} (row {row})"
+            col = accepted[row] - 1
+            if not 0 <= col < len(columns[row]) or starts[row] != columns[row][col]:
+                where_state = (f"column {col}, slot {columns[row][col]}" if 0 <= col < len(columns[row])
+                               else f"column {col}, outside its {len(columns[row])} columns")
+                out.append(Violation("verify_starts_at_accepted_column", label, "spec_src_slots_d",
+                                     f"position 0 starts from slot {starts[row]}, but num_accepted_tokens="
+                                     f"{accepted[row]} puts its state in {where_state}"))
+    return out
+
+
 def check_metadata(groups, scheduled, ledger: CacheLedger, where: str) -> list[Violation]:
     """A real step's metadata against the ledger taken when the step was scheduled.
     `groups`: list[GroupMetadata]; `scheduled`: list[ScheduledRequest] in batch order."""
@@ -328,11 +364,16 @@ def check_checkpoints_at_block_end(scheduler, runner, state, where: str) -> list
     return out
 
 
-def check_logits(logits: torch.Tensor, req_ids: list[str], where: str) -> list[Violation]:
+def check_logits(logits: torch.Tensor, req_ids: list[str], where: str,
+                 cu_num_logits: np.ndarray | None = None) -> list[Violation]:
+    """logits [L, V]: one row per sampled position; `cu_num_logits` [B+1] maps them to batch rows
+    (speculative decoding: a verify row has 1 + d), None for one row per request."""
     bad = ~torch.isfinite(logits).all(dim=-1)
-    return [Violation("logits_finite", f"{where}, request {req_ids[row]!r}", "logits",
-                      f"{int((~torch.isfinite(logits[row])).sum())} non-finite values")
-            for row in torch.nonzero(bad).flatten().tolist()]
+    rows = (np.arange(len(logits)) if cu_num_logits is None
+            else np.searchsorted(cu_num_logits, np.arange(len(logits)), side="right") - 1)
+    return [Violation("logits_finite", f"{where}, request {req_ids[rows[i]]!r}", "logits",
+                      f"{int((~torch.isfinite(logits[i])).sum())} non-finite values")
+            for i in torch.nonzero(bad).flatten().tolist()]
 
 
 def check_shutdown(runner) -> list[Violation]:

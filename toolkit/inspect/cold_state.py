@@ -10,6 +10,11 @@ the state a request admitted with a prefix hit starts from (copied from a checkp
 state at the hit's position, within `STATE_TOLERANCE` of the state's dtype: a checkpoint saved at
 the wrong position, a skipped pre-copy or a stale page all show up there. It costs one prefill of the
 hit's tokens per distinct prefix (cached), so it runs only in full mode.
+
+With speculative decoding (`check_spec_start_states`, full mode), each verify row's starting state --
+the slot its first position copies from, the column its last step's accepted count points at --
+is compared the same way with a cold prefill of the request's computed tokens: the state plain
+decoding would hold there. One prefill per decode row and step.
 """
 from __future__ import annotations
 
@@ -60,7 +65,7 @@ class ColdReplay:
         n = len(token_ids)
         cfg = dataclasses.replace(main.cfg, max_num_seqs=1, max_num_batched_tokens=n, max_model_len=n + 1,
                                   num_kv_blocks=None, enable_prefix_caching=False, cudagraph_mode="none",
-                                  num_state_pages=None, mamba_cache_mode="none")
+                                  num_state_pages=None, mamba_cache_mode="none", num_speculative_tokens=0)
         try:
             scratch = ModelRunner(main.model, cfg)          # binds the model to its own caches
             groups = scratch.kv_cache_groups
@@ -80,6 +85,53 @@ class ColdReplay:
         finally:
             main.model.bind_kv_cache(main.kv_caches)
             set_ops(main.model, main.ops)
+
+
+def _compare(runner, group, name: str, slot: int, cold: list[torch.Tensor], names: list[str]):
+    """(state label, max |diff|, bad elements, atol, rtol) of each state tensor of layer `name` at
+    `slot` that differs from the cold state beyond STATE_TOLERANCE."""
+    out = []
+    for i, (ours, ref) in enumerate(zip(runner.kv_caches[name], cold)):
+        atol, rtol = STATE_TOLERANCE.get(ours.dtype, STATE_TOLERANCE[torch.float32])
+        ours = ours[slot].float()
+        bad = exceeds(ours, ref.float(), atol, rtol)
+        if bool(bad.any()):
+            label = names[i] if i < len(names) else f"state tensor {i}"
+            out.append((label, float((ours - ref.float()).abs().max()), int(bad.sum()), atol, rtol))
+    return out
+
+
+def check_spec_start_states(replay: ColdReplay, scheduler, runner, state, where: str,
+                            state_names: dict[str, list[str]] | None = None) -> list[Violation]:
+    """Before the forward, speculative decoding, inspect="full": each decode row starts (the slot
+    its position 0 copies from, `spec_src_slots_d[0]`) from the state a cold prefill of its computed
+    tokens computes, within STATE_TOLERANCE of the state's dtype."""
+    batch = state.input_batch
+    out: list[Violation] = []
+    for gm in state.attn_metadata.groups:
+        md = gm.metadata
+        if getattr(md, "spec_src_slots_d", None) is None:
+            continue
+        group = next(g for g in runner.kv_cache_groups if g.group_id == gm.group_id)
+        starts = md.spec_src_slots_d[0].tolist()
+        accepted = md.num_accepted_tokens.tolist()
+        for row in range(md.num_decodes):
+            rid = batch.req_ids[row]
+            req = scheduler.requests.get(rid)
+            computed = int(batch.num_computed_tokens_np[row])
+            if req is None or computed == 0:
+                continue
+            cold = replay.states(req.all_token_ids[:computed])
+            for name in group.layer_names:
+                for label, diff, n, atol, rtol in _compare(runner, group, name, starts[row], cold[name],
+                                                           (state_names or {}).get(name, [])):
+                    out.append(Violation(
+                        "spec_start_state_equals_plain", f"{where}, request {rid!r}, layer {name}",
+                        f"{label} at slot {starts[row]}", f"the state its verify step starts from "
+                        f"(num_accepted_tokens={accepted[row]}) differs from the state plain decoding holds "
+                        f"after its {computed} computed tokens: max |diff| {diff:.3g} (atol {atol:g} + rtol "
+                        f"{rtol:g} * |cold|) in {n} elements"))
+    return out
 
 
 def check_hit_states(replay: ColdReplay, scheduler, runner, state, where: str,

@@ -41,7 +41,8 @@ class Fault:
     detection: str          # how the toolkit reports it
     detected_by: str        # the exception type (or check name) a test expects
     plant: Callable[[contextlib.ExitStack], None]
-    needs: str = ""         # what the engine must run with for the fault to matter ("prefix caching")
+    needs: str = ""         # what the engine must run with for the fault to matter ("prefix caching",
+                            # "speculative decoding")
 
     def _repr_html_(self) -> str:
         return catalogue_html([self])
@@ -132,8 +133,8 @@ class CapturedGraphsStandIn:
 def _plant_graph_manager_kept(stack: contextlib.ExitStack) -> None:
     original_init, original_shutdown = ModelRunner.__init__, ModelRunner.shutdown
 
-    def init_with_graphs(self, model, cfg):
-        original_init(self, model, cfg)
+    def init_with_graphs(self, model, cfg, *args, **kwargs):
+        original_init(self, model, cfg, *args, **kwargs)
         self.cudagraph_manager = CapturedGraphsStandIn(self)
 
     def shutdown_keeping_graphs(self):
@@ -155,9 +156,10 @@ def _plant_padded_row_on_real_slot(stack: contextlib.ExitStack) -> None:
 
 
 def _plant_prefill_before_decode(stack: contextlib.ExitStack) -> None:
-    def prefills_first(req_ids, num_scheduled, num_computed):
-        return sorted(req_ids, key=lambda r: (1 if runs_as_decode(num_scheduled[r], num_computed[r]) else 0,
-                                              num_scheduled[r]))
+    def prefills_first(req_ids, num_scheduled, num_computed, num_drafts=None):
+        drafts = num_drafts or {}
+        return sorted(req_ids, key=lambda r: (1 if runs_as_decode(num_scheduled[r], num_computed[r],
+                                                                  drafts.get(r, 0)) else 0, num_scheduled[r]))
     _patch(stack, model_runner, "sort_batch", prefills_first)
 
 
@@ -224,6 +226,28 @@ def _plant_hit_without_checkpoint(stack: contextlib.ExitStack) -> None:
         return PrefixHit(blocks * lookup.block_size, ids, tuple(blocks for _ in self.groups))
     _patch(stack, KVCacheManager, "lookup", attention_decides)
     _patch(stack, KVCacheManager, "prefix_hit", from_older_checkpoint)
+
+
+def _plant_verify_from_last_column(stack: contextlib.ExitStack) -> None:
+    original = BaseMambaMetadataBuilder.spec_fields
+
+    def from_last(self, common, s):
+        fields = original(self, common, s)
+        starts = fields["spec_src_slots_d"].clone()
+        starts[0] = fields["state_indices_tensor_d"][:, -1]     # the last column, whatever was accepted
+        fields["spec_src_slots_d"] = starts
+        return fields
+    _patch(stack, BaseMambaMetadataBuilder, "spec_fields", from_last)
+
+
+def _plant_accepted_not_reset(stack: contextlib.ExitStack) -> None:
+    original = MambaHybridModelState.add_request
+
+    def keeps_count(self, req_idx, new_req):
+        stale = self.num_accepted_tokens[req_idx].clone()       # the row's last request's count
+        original(self, req_idx, new_req)
+        self.num_accepted_tokens[req_idx] = stale
+    _patch(stack, MambaHybridModelState, "add_request", keeps_count)
 
 
 _CATALOGUE = [
@@ -305,6 +329,18 @@ _CATALOGUE = [
           "vLLM #45238 (hits silently wrong or 0% when the checkpoint lies in request-unique tokens)",
           "InvariantError (hit_backed_by_every_group) at the step admitting it, naming request, group and "
           "column", "hit_backed_by_every_group", _plant_hit_without_checkpoint, "prefix caching"),
+    Fault("verify_starts_from_last_column",
+          "a verify step's recurrent layers start from the last of the row's 1 + k state columns instead of "
+          "the one its accepted count points at: after a rejection the state holds rejected drafts",
+          "vLLM spec-decode state indexing (the initial state must come from column num_accepted - 1)",
+          "InvariantError (verify_starts_at_accepted_column) after the step, naming request, group and slots",
+          "verify_starts_at_accepted_column", _plant_verify_from_last_column, "speculative decoding"),
+    Fault("num_accepted_not_reset",
+          "a request taking a freed request row keeps the row's last num_accepted_tokens: its first decode "
+          "starts from a stale state column",
+          "vLLM #48132 (MRV2 kept a stale num_accepted_tokens on slot reuse)",
+          "InvariantError (accepted_count_carried) after the step, naming request and group",
+          "accepted_count_carried", _plant_accepted_not_reset, "speculative decoding"),
 ]
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from toolkit.host import to_host
@@ -35,10 +36,11 @@ from toolkit.inspect.capture import (
     resolve_layers,
     resolve_requests,
 )
-from toolkit.inspect.cold_state import ColdReplay, check_hit_states
+from toolkit.inspect.cold_state import ColdReplay, check_hit_states, check_spec_start_states
 from toolkit.inspect.step_record import (
     TOP_K_LOGITS,
     LayerState,
+    SpecRow,
     StateCopy,
     StepRecord,
     Violation,
@@ -93,7 +95,34 @@ def step_record(step: StepOutcome, backend: str, logits: torch.Tensor | None = N
                      if new.num_cached_tokens},
         prefix_lookups={new.req_id: new.prefix_lookup for new in step.sched_out.scheduled_new_reqs
                         if new.prefix_lookup is not None},
-        state_copies=state_copies(state.state_copies) if state else [])
+        state_copies=state_copies(state.state_copies) if state else [],
+        spec=spec_rows(state, step.sampled) if state else {},
+        proposed_drafts=dict(state.proposed_drafts) if state else {})
+
+
+def spec_rows(state: ExecuteModelState, sampled: dict[str, int]) -> dict[str, SpecRow]:
+    """Per decode row of a speculative step: the verification's outcome (`state.verify`) and the
+    state columns from the step's Mamba metadata (what the layers read)."""
+    batch = state.input_batch
+    if state.verify is None and batch.num_draft_tokens is None and not any(
+            getattr(g.metadata, "num_accepted_tokens", None) is not None for g in state.attn_metadata.groups):
+        return {}
+    mamba = next((g.metadata for g in state.attn_metadata.groups
+                  if getattr(g.metadata, "num_accepted_tokens", None) is not None), None)
+    accepted = mamba.num_accepted_tokens.tolist() if mamba is not None else None
+    columns = mamba.state_indices_tensor_d.tolist() if mamba is not None else None
+    verified = {rid: i for i, rid in enumerate(state.verify.req_ids)} if state.verify else {}
+    out = {}
+    for row in np.nonzero(batch.runs_as_decode_np)[0]:
+        rid = batch.req_ids[row]
+        if rid in verified:
+            i = verified[rid]
+            drafts, target, kept = state.verify.drafts[i], state.verify.target[i], int(state.verify.num_accepted[i])
+        else:
+            drafts, target, kept = [], [sampled[rid]], 1
+        out[rid] = SpecRow(drafts, target, kept, accepted[row] - 1 if accepted else None,
+                           columns[row] if columns else None)
+    return out
 
 
 def state_copies(copies) -> list[StateCopy]:
@@ -139,7 +168,11 @@ class Recorder:
         self._states_refused = False
         self.capture = self.make_filter(layers, requests)
         # prefix caching in full mode: the oracle of `checkpoint_equals_cold_state`
-        self.cold = ColdReplay(runner) if mode == "full" and scheduler.kv.caching else None
+        self.spec = runner.cfg.num_speculative_tokens > 0
+        self.cold = ColdReplay(runner) if mode == "full" and (scheduler.kv.caching or self.spec) else None
+        # speculative decoding: the tokens each request kept at its last step (what its next step's
+        # num_accepted_tokens must say; a request (re)admitted starts at 1)
+        self._kept_last_step: dict[str, int] = {}
         runner.observer = self
 
     def make_filter(self, layers: LayerSpec = None, requests: RequestSpec = None,
@@ -161,6 +194,11 @@ class Recorder:
         self._ledger_at_schedule = checks.ledger_of(self.scheduler) if self.checks_on else None
         if self.checks_on and self.scheduler.kv.caching and sched_out is not None:
             self._pending += checks.check_hits_backed(self.scheduler, sched_out, where)
+        if self.spec and sched_out is not None:
+            for rid in sched_out.finished_req_ids:
+                self._kept_last_step.pop(rid, None)
+            for new in sched_out.scheduled_new_reqs:
+                self._kept_last_step.pop(new.req_id, None)
 
     def before_forward(self, runner, state) -> None:
         if self.mode == "full" and self.capture.layers:
@@ -185,8 +223,10 @@ class Recorder:
             if self.scheduler.kv.caching:
                 self._pending += checks.check_cached_not_written(self.scheduler, runner, state, self.where)
                 self._pending += checks.check_state_copies(runner, state, self.where, names)
-        if self.cold is not None:
+        if self.cold is not None and self.scheduler.kv.caching:
             self._pending += check_hit_states(self.cold, self.scheduler, runner, state, self.where, names)
+        if self.cold is not None and self.spec and self.checks_on:
+            self._pending += check_spec_start_states(self.cold, self.scheduler, runner, state, self.where, names)
 
     def after_forward(self, runner, state) -> None:
         if self._before is not None:
@@ -214,12 +254,19 @@ class Recorder:
             record.violations += checks.check_metadata(record.attn_metadata, record.scheduled,
                                                        self._ledger_at_schedule, self.where)
             if state.logits is not None:
-                record.violations += checks.check_logits(state.logits, state.input_batch.req_ids, self.where)
+                record.violations += checks.check_logits(state.logits, state.input_batch.req_ids, self.where,
+                                                          state.input_batch.cu_num_logits_np)
+            if self.spec:
+                record.violations += checks.check_spec_columns(record.attn_metadata, record.scheduled,
+                                                               self._kept_last_step, self.where)
             if self.scheduler.kv.caching:
                 record.violations += checks.check_checkpoints_at_block_end(self.scheduler, self.runner, state,
                                                                            self.where)
         if self.checks_on:
             record.violations += checks.check_ledger(self.scheduler, self.runner, self.where)
+        if self.spec and state is not None:
+            for rid in state.input_batch.req_ids:
+                self._kept_last_step[rid] = record.spec[rid].num_accepted if rid in record.spec else 1
         self._before = self._after = self._logits = self._top = None
         self._pending = []
         self.trace.append(record)

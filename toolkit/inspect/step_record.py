@@ -121,6 +121,32 @@ class StateCopy:
 
 
 @dataclass
+class SpecRow:
+    """One decode row of a speculative engine's step (a verify row; d = 0 drafts is possible):
+    what it verified and decided, and (recurrent layers) where its states are."""
+    drafts: list[int]                  # x1..xd, the drafts it ran after its last sampled token
+    target: list[int]                  # s0..sd, the target's token at each of its 1 + d positions
+    num_accepted: int                  # tokens kept: accepted drafts + 1 (vLLM num_accepted_tokens)
+    start_column: int | None           # the state column this step started from (num_accepted_tokens - 1
+                                       # in the step's Mamba metadata); None without recurrent layers
+    columns: list[int] | None          # its 1 + k state slots (state_indices_tensor_d row); None likewise
+
+    @property
+    def accepted_drafts(self) -> int:
+        return self.num_accepted - 1
+
+    @property
+    def next_column(self) -> int:
+        """The state column its next step starts from (the state after its last kept position)."""
+        return self.num_accepted - 1
+
+    @property
+    def target_at_rejection(self) -> int | None:
+        """The target's own token where the first draft was rejected (None: every draft accepted)."""
+        return self.target[self.accepted_drafts] if self.accepted_drafts < len(self.drafts) else None
+
+
+@dataclass
 class StepRecord:
     step_index: int | None                       # the user's step counter; None for warmup
     scheduled: list[ScheduledRequest]            # in batch order (decodes first)
@@ -163,6 +189,10 @@ class StepRecord:
     # shared-prefix junction and why the hit is what it is (`.reason`). With prefix caching off,
     # a lookup that says so (`not_searched`).
     prefix_lookups: dict[str, PrefixLookup] = field(default_factory=dict)
+    # speculative decoding: per decode row (request id), what it verified (SpecRow), and the drafts
+    # proposed after the step for each row's next step
+    spec: dict[str, SpecRow] = field(default_factory=dict)
+    proposed_drafts: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_warmup(self) -> bool:
@@ -186,11 +216,21 @@ class StepRecord:
         return sum(s.num_tokens for s in self.scheduled)
 
     def logits_of(self, request_id: str) -> torch.Tensor:
-        """float32 [V]: the logits this request's row was sampled from."""
+        """float32 [V]: the logits this request's row was sampled from (a verify row: the logits of
+        its last kept token; `kept_logits` has one row per kept token)."""
+        return self.kept_logits(request_id)[-1]
+
+    def kept_logits(self, request_id: str) -> torch.Tensor:
+        """float32 [n, V]: the logits of each token this request's row kept (n = 1, or a verify
+        row's accepted drafts + 1). The record's `logits` hold one row per sampled position,
+        `input_batch.cu_num_logits_np` delimiting each batch row's."""
         if self.logits is None:
             why = DROPPED if "logits" in self.dropped else "this record holds no logits"
             raise KeyError(f"no logits for request {request_id!r} in this step: {why}")
-        return self.logits[self.input_batch.req_ids.index(request_id)]
+        row = self.input_batch.req_ids.index(request_id)
+        first = int(self.input_batch.cu_num_logits_np[row])
+        n = self.spec[request_id].num_accepted if request_id in self.spec else 1
+        return self.logits[first:first + n]
 
     def logprob_of(self, request_id: str) -> TokenLogprobs:
         """The sampled token of this request's row with its logprob, rank and top k (raw logprobs:
