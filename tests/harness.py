@@ -379,7 +379,7 @@ class ScriptedProposer:
                 drafts = list(ref[len(ctx):len(ctx) + self.k])
                 self.calls += 1
                 if drafts and self.wrong_every and self.calls % self.wrong_every == 1:
-                    at = self.calls % len(drafts)
+                    at = (self.calls // self.wrong_every) % len(drafts)
                     drafts[at] = (drafts[at] + 1) % 200
                 return drafts
         return []

@@ -13,7 +13,9 @@ A wrong state column, a stale `num_accepted_tokens` or a wrong rollback changes 
 """
 from __future__ import annotations
 
+import re
 from functools import cache
+from html import unescape
 
 import numpy as np
 import pytest
@@ -21,7 +23,10 @@ import pytest
 from toolkit import LLM, SamplingParams
 from toolkit.config import SpeculativeConfig, resolve_speculative_config
 from toolkit.errors import NotSupportedYetError
+from toolkit.inspect.record_views import step_record_html
+from toolkit.inspect.spec_views import spec_step_html
 from toolkit.runner.spec_decode import NgramProposer
+from toolkit.widgets.views import view_names
 
 from harness import ScriptedProposer
 
@@ -223,3 +228,77 @@ def test_triton_kernels_verify_like_torch(preset):
     assert llm.stats()["spec_accepted_drafts"] > 0
     llm.shutdown()
     assert got == [list(t[:6]) for t in plain_tokens(preset)[:2]]
+
+
+# ---- what a step shows: StepRecord.spec, the Speculation view, the trace ----------------------------
+CHIP = re.compile(r'class="sd-pos sd-(\w+)" title="position (\d+) · input (\w+) · target sampled (\d+) \((\w+)\)')
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    preset = "tiny-bamba"
+    got, llm = spec_run(preset, 3, references(preset), inspect="metadata")
+    yield llm
+    llm.shutdown()
+
+
+def test_record_says_what_each_verify_row_did(recorded):
+    rows = [(rec, rid, row) for rec in recorded.trace if not rec.is_warmup for rid, row in rec.spec.items()]
+    assert rows and any(row.drafts for _, _, row in rows)
+    outcomes = set()
+    for rec, rid, row in rows:
+        assert len(row.target) == len(row.drafts) + 1 and 1 <= row.num_accepted <= len(row.target)
+        a = row.accepted_drafts
+        assert row.drafts[:a] == row.target[:a]                     # accepted: equal to the target's token
+        if a < len(row.drafts):                                     # rejected: differs, and is reported
+            assert row.drafts[a] != row.target[a] and row.target_at_rejection == row.target[a]
+        # the state columns: the request's 1 + k slots, started where its last step's count points
+        if rid in rec.ledger.holdings:      # (a request that finished in the step holds nothing)
+            assert row.columns == rec.ledger.holdings[rid][rec.ledger.group_kinds.index("mamba")]
+        assert rec.kept_token_ids[rid] == row.target[row.num_accepted - 1]
+        assert tuple(rec.kept_logits(rid).shape) == (row.num_accepted, recorded.vocab_size)
+        outcomes.add("all" if a == len(row.drafts) and a else "some" if a else "none" if row.drafts else "no drafts")
+    assert {"all", "some", "none"} <= outcomes
+    # the start column is the next column of the request's previous step (its num_accepted - 1)
+    last: dict[str, int] = {}
+    for _, rid, row in rows:
+        if rid in last:
+            assert row.start_column == last[rid]
+        last[rid] = row.next_column
+
+
+def test_speculation_view_draws_each_position(recorded):
+    rec = next(r for r in recorded.trace if any(0 < s.accepted_drafts < len(s.drafts) for s in r.spec.values()))
+    page = spec_step_html(rec, enabled=True)
+    for rid, row in rec.spec.items():
+        assert f"request {rid!r}: {len(row.drafts)} draft" in unescape(page)
+    chips = [(state, int(j), inp, int(t), kept) for state, j, inp, t, kept in CHIP.findall(unescape(page))]
+    assert len(chips) == sum(len(r.target) for r in rec.spec.values())
+    want = []
+    for row in rec.spec.values():
+        a = row.accepted_drafts
+        for j, t in enumerate(row.target):
+            state = "input" if j == 0 else "accepted" if j <= a else "rejected" if j == a + 1 else "unchecked"
+            want.append((state, j, "last" if j == 0 else str(row.drafts[j - 1]), t,
+                         "kept" if j < row.num_accepted else "dropped"))
+    assert chips == want
+    assert "Speculation" in step_record_html(rec) and "target at rejection" in step_record_html(rec)
+    assert "speculative decoding is off" in spec_step_html(rec, enabled=False)
+    plain = LLM("tiny-bamba", device="cpu", max_num_seqs=2)
+    plain.generate([{"prompt_token_ids": PROMPTS[2]}], PARAMS[0])
+    assert "no speculative decode rows" in spec_step_html(plain.trace[-1])
+    plain.shutdown()
+
+
+def test_inspector_tab_and_saved_trace(recorded, tmp_path):
+    from toolkit.inspect.trace import Trace
+    from toolkit.widgets import StepInspector
+    inspector = StepInspector(recorded)
+    inspector.tabs.selected_index = list(view_names()).index("Speculation")
+    assert "Verify rows of this step" in inspector.speculation.html.value or \
+        "no row of this step was a decode" in inspector.speculation.html.value
+    recorded.trace.save(tmp_path / "t")
+    loaded = Trace.load(tmp_path / "t")
+    mine = [r for r in recorded.trace if r.spec]
+    theirs = [r for r in loaded if r.spec]
+    assert [r.spec for r in mine] == [r.spec for r in theirs]

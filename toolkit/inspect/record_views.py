@@ -16,6 +16,7 @@ import torch
 
 from toolkit.inspect import html as H
 from toolkit.inspect.prefix_views import prefix_cache_table_html
+from toolkit.inspect.spec_views import spec_table_html
 from toolkit.inspect.step_record import DROPPED
 from toolkit.inspect.summaries import (
     array_label,
@@ -96,7 +97,10 @@ def row_holdings(rec: Any, row: int) -> tuple[int | None, list[int] | None]:
             continue
         if gm.kind == "mamba" and slot is None:
             md = gm.metadata                        # rows are decodes first, as the batch
-            parts = [t for t in (md.state_indices_tensor_d, md.state_indices_tensor_p) if t is not None]
+            d = md.state_indices_tensor_d
+            if d is not None and d.dim() == 2:      # speculative decoding: the slot position 0 starts from
+                d = md.spec_src_slots_d[0]
+            parts = [t for t in (d, md.state_indices_tensor_p) if t is not None]
             indices = torch.cat(parts).tolist() if parts else []
             slot = int(indices[row]) if row < len(indices) else None
         elif gm.kind == "attention" and blocks is None:
@@ -201,6 +205,7 @@ def step_record_html(rec: Any) -> str:
         parts.append(H.div(why_no_rows(rec), H.MUTED))
     parts.append(_outputs_html(rec))
     parts.append(prefix_cache_table_html(rec))
+    parts.append(spec_table_html(rec))
     parts += [H.section(_group_summary(g), _group_body(g)) for g in rec.attn_metadata]
     parts.append(_violations_html(rec.violations))
     parts.append(_dropped_html(rec))

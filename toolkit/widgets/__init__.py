@@ -6,10 +6,11 @@ from toolkit.widgets.views import (
     BlockTableView,
     MetadataView,
     PrefixCacheView,
+    SpecDecodeView,
     StateView,
     TimelineView,
     WarmupMemoryView,
 )
 
 __all__ = ["StepInspector", "BatchView", "MetadataView", "BlockTableView", "StateView", "TimelineView",
-           "WarmupMemoryView", "PrefixCacheView"]
+           "WarmupMemoryView", "PrefixCacheView", "SpecDecodeView"]

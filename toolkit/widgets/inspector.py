@@ -11,7 +11,9 @@ and requests the next steps record (`llm.set_inspect_filter`); a line with the t
 bytes against its budget; a history slider over `llm.trace` (warmup stages included and labelled).
 Tabs: Batch, Metadata, Blocks (KV blocks and state slots), State, Timeline, Warmup (and memory),
 Prefix cache (the step's lookups: each admitted request's hash chain block by block, its hit and
-why; where each recurrent state came from; and, on the latest record, what the cache holds now).
+why; where each recurrent state came from; and, on the latest record, what the cache holds now),
+Speculation (each decode row's drafts against the target's tokens, the accepted run, the first
+rejection and the recurrent state columns).
 The widget tree is built once; moving the slider or stepping sets values, and only the visible tab
 is redrawn (the others when they are opened).
 
@@ -38,6 +40,7 @@ from toolkit.widgets.views import (
     BlockTableView,
     MetadataView,
     PrefixCacheView,
+    SpecDecodeView,
     StateView,
     TimelineView,
     WarmupMemoryView,
@@ -88,8 +91,9 @@ class StepInspector:
         self.timeline = TimelineView()
         self.warmup = WarmupMemoryView()
         self.prefix = PrefixCacheView()
+        self.speculation = SpecDecodeView()
         self._views = [self.batch, self.metadata, self.blocks, self.state, self.timeline, self.warmup,
-                       self.prefix]
+                       self.prefix, self.speculation]
         self.tabs = W.Tab(children=[v.widget for v in self._views])
         for i, name in enumerate(view_names()):
             self.tabs.set_title(i, name)
@@ -274,7 +278,8 @@ class StepInspector:
              lambda: self.blocks.show(rec), lambda: self.state.show(trace, rec),
              lambda: self.timeline.show(trace),
              lambda: self.warmup.show(trace, self.llm.memory_report()),
-             lambda: self.prefix.show(rec, self.llm.prefix_cache, self.slider.value == len(trace) - 1)][index]()
+             lambda: self.prefix.show(rec, self.llm.prefix_cache, self.slider.value == len(trace) - 1),
+             lambda: self.speculation.show(rec, self.llm.speculative_config is not None)][index]()
         except Exception as err:                      # not marked drawn: the next visit tries again
             self.status.value = self._said + H.exception(err, f"raised while drawing the {view_names()[index]} tab")
             return

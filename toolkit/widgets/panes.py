@@ -27,6 +27,7 @@ from toolkit.inspect.record_views import (
     why_no_metadata,
 )
 from toolkit.inspect.serialize import equal
+from toolkit.inspect.spec_views import spec_step_html
 from toolkit.inspect.step_record import DROPPED
 from toolkit.inspect.summaries import (
     device_of,
@@ -177,7 +178,11 @@ def block_tables_html(record: Any) -> str:
     for gm in record.attn_metadata:
         table = gm.common.block_table_tensor
         labels = [s.request_id for s in record.scheduled] or [f"pad {i}" for i in range(table.shape[0])]
-        if gm.kind == "mamba" and table.shape[1] == 1:
+        if gm.kind == "mamba" and gm.common.num_accepted_tokens is not None:
+            png = plots.block_grid_png(table.tolist(), labels,
+                                       f"group {gm.group_id}: state slots per row, column j = the state after "
+                                       "verify position j (speculative decoding)")
+        elif gm.kind == "mamba" and table.shape[1] == 1:
             png = plots.block_grid_png(table.tolist(), labels,
                                        f"group {gm.group_id}: state slot per row (grey = null slot 0)")
         elif gm.kind == "mamba":                    # prefix caching: a page per block column
@@ -283,3 +288,12 @@ def warmup_memory_html(trace: Any, memory: Any = None) -> str:
     if memory is not None:
         body += H.title("memory ledger") + memory.table_html()
     return H.wrap(body)
+
+
+# ---- Speculation ---------------------------------------------------------------------------------
+def speculation_pane_html(record: Any, enabled: bool | None = None) -> str:
+    """The Speculation tab: each decode row's drafts against the target's tokens, its accepted run
+    and its state columns (`spec_step_html`)."""
+    if record is None:
+        return H.note(NO_RECORDS)
+    return spec_step_html(record, enabled)

@@ -3,6 +3,7 @@
     BatchView(record), MetadataView(record, previous), BlockTableView(record),
     StateView(trace, layer, request, record, inspect), TimelineView(trace), WarmupMemoryView(trace, memory),
     PrefixCacheView(record, report, latest)
+    SpecDecodeView(record, enabled)
 
 A view is built once (`self.widget`, an ipywidgets box) and updated by setting values
 (`show(...)`); its content comes from pure functions (`toolkit.widgets.panes`,
@@ -210,6 +211,18 @@ class PrefixCacheView(_HtmlView):
         return panes.prefix_cache_pane_html(record, report, latest)
 
 
+class SpecDecodeView(_HtmlView):
+    """Speculative decoding at the record's step: each decode row's drafts against the tokens the
+    target sampled, the accepted run, the first rejection, and the recurrent state columns (where
+    the step started, where the next one starts). `enabled`: whether the engine speculates."""
+
+    def __init__(self, record=None, enabled: bool | None = None):
+        super().__init__(record, enabled)
+
+    def render(self, record, enabled: bool | None = None) -> str:
+        return panes.speculation_pane_html(record, enabled)
+
+
 class WarmupMemoryView(_HtmlView):
     def __init__(self, trace=None, memory: Any = None):
         super().__init__(trace, memory)
@@ -219,4 +232,4 @@ class WarmupMemoryView(_HtmlView):
 
 
 def view_names() -> Sequence[str]:
-    return ("Batch", "Metadata", "Blocks", "State", "Timeline", "Warmup", "Prefix cache")
+    return ("Batch", "Metadata", "Blocks", "State", "Timeline", "Warmup", "Prefix cache", "Speculation")
