@@ -34,7 +34,7 @@ SETUP = "scripts/setup_browser_test.sh"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
 # the kernel of a notebook: CPU Triton and no hub access, as in tests/conftest.py
 KERNEL_ENV = {"TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-TABS = ("Batch", "Metadata", "Blocks", "State", "Timeline", "Warmup", "Prefix cache")
+TABS = ("Batch", "Metadata", "Blocks", "State", "Timeline", "Warmup", "Prefix cache", "Speculation")
 
 
 class MissingBrowserTools(RuntimeError):

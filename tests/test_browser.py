@@ -8,7 +8,9 @@
   inspector's status line; the Step after it runs; last (the notebook's engine caches prefixes),
   type a 20-token prompt into the request box, Run to end, add it again, Step, and find in the
   Prefix cache tab the second request's hit of 16 tokens: its one block chip marked hit and
-  checkpointed, the reason, where its state came from and what the cache holds now;
+  checkpointed, the reason, where its state came from and what the cache holds now; then
+  `speculate()` switches the inspector to demo-hybrid with n-gram drafts: a repetitive prompt, Step
+  twice, and the Speculation tab draws the verify row's drafts against the target's tokens;
 - the notebook exported by nbconvert (widget state stored, widget JS from the local npm install),
   opened from file:// with every other request aborted: the rendered widget shows the Metadata tab.
 
@@ -69,6 +71,14 @@ def _forget(name: str) -> None:
 
 def _values_as_text(values: list) -> str:
     return str(values)             # how the Metadata view previews a short int list: "[3, 12]"
+
+
+# demo-hybrid's token ids of "for i in range(10):\n    print(i)\n" three times, cut after the third
+# line's indent: greedy decoding goes on with spaces and `print`, which prompt lookup proposes
+SPEC_PROMPT = ("1, 105, 114, 117, 35, 108, 35, 108, 113, 35, 117, 100, 113, 106, 104, 43, 52, 51, 44, 61, 13, 35, "
+               "35, 35, 35, 115, 117, 108, 113, 119, 43, 108, 44, 13, 105, 114, 117, 35, 108, 35, 108, 113, 35, 117, "
+               "100, 113, 106, 104, 43, 52, 51, 44, 61, 13, 35, 35, 35, 35, 115, 117, 108, 113, 119, 43, 108, 44, 13, "
+               "105, 114, 117, 35, 108, 35, 108, 113, 35, 117, 100, 113, 106, 104, 43, 52, 51, 44, 61, 13, 35, 35, 35")
 
 
 def test_inspector_live_in_jupyterlab(lab, tmp_path):
@@ -156,6 +166,27 @@ def test_inspector_live_in_jupyterlab(lab, tmp_path):
             shot = tmp_path / "lab_5_prefix_cache.png"
             nb.inspector.screenshot(path=shot)
             _keep(shot, "test_browser_lab_prefix_cache.png")
+
+            # speculative decoding: the inspector switches to an engine with n-gram drafts; a repetitive
+            # prompt's first decode verifies drafts, and the Speculation tab draws them against the target
+            assert nb.run_code("speculate()") == ""
+            nb.wait_text(nb.status_line, "now showing LLM('demo-hybrid'")
+            nb.add_request(SPEC_PROMPT)
+            nb.click_step()                                      # the prefill (and the drafts it proposes)
+            nb.click_step()                                      # the verify step
+            panel = nb.open_tab("Speculation")
+            nb.wait_text(panel, "Verify rows of this step (1)")
+            text = panel.inner_text()
+            m = re.search(r"request '(\w+)': (\d+) drafts?, (\d+) accepted", text)
+            assert m and int(m.group(2)) >= 1, text[:2000]
+            drafts, accepted = int(m.group(2)), int(m.group(3))
+            assert panel.locator(".sd-pos").count() == 1 + drafts
+            assert panel.locator(".sd-pos.sd-accepted").count() == accepted
+            assert panel.locator(".sd-pos.sd-input").count() == 1
+            assert "the next step starts from column" in text
+            shot = tmp_path / "lab_6_speculation.png"
+            nb.inspector.screenshot(path=shot)
+            _keep(shot, "test_browser_lab_speculation.png")
             assert not errors, errors
         except Exception:
             page.screenshot(path=tmp_path / "lab_failure.png")

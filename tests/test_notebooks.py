@@ -52,7 +52,7 @@ def test_notebooks_exist():
     for expected in ("01_quickstart.ipynb", "02_hybrid_warmup_and_inference.ipynb",
                      "03_attention_free_models.ipynb", "04_debugging_a_warmup_crash.ipynb",
                      "05_cuda_graphs_and_shutdown.ipynb", "06_compare_with_transformers.ipynb",
-                     "07_prefix_caching_on_a_hybrid.ipynb"):
+                     "07_prefix_caching_on_a_hybrid.ipynb", "08_speculative_decoding_on_a_hybrid.ipynb"):
         assert expected in names, f"notebooks/{expected} is missing (found {names})"
     assert SANITIZE.is_file()
 

@@ -302,3 +302,31 @@ def test_inspector_tab_and_saved_trace(recorded, tmp_path):
     mine = [r for r in recorded.trace if r.spec]
     theirs = [r for r in loaded if r.spec]
     assert [r.spec for r in mine] == [r.spec for r in theirs]
+
+
+def test_diff_traces_lines_a_speculative_run_up_with_a_plain_one():
+    """inspect="full": a verify row's states are recorded at the column it kept (before: the one it
+    started from); `diff_traces` keys a verify row's kept tokens on their positions, so a speculative
+    run agrees with a plain one token by token, logits row by logits row and state by state, and a
+    verify step that starts from the wrong column (checks off) is found where it first changes a state."""
+    from toolkit.inspect import diff_traces, faults
+    preset = "tiny-mamba2"
+    plain = LLM(preset, inspect="full", **ENGINE)
+    generate(plain)
+    got, spec = spec_run(preset, 3, references(preset), inspect="full")
+    diff = diff_traces(plain.trace, spec.trace)
+    assert diff.identical and diff.num_states_compared > 0 and diff.num_logits_compared > 20, diff
+    for rec in spec.trace:
+        for ls in rec.states:
+            for rid, row in rec.spec.items():
+                if rid in ls.request_ids:
+                    assert ls.slots[ls.request_ids.index(rid)] == row.columns[row.start_column]
+    with faults.inject("verify_starts_from_last_column"):
+        broken = LLM(preset, inspect="full", checks=False,
+                     speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **ENGINE)
+        broken.model_runner.proposer = ScriptedProposer(references(preset), 3)
+        generate(broken)
+    diff = diff_traces(plain.trace, broken.trace)
+    assert not diff.identical and diff.what.startswith("state "), diff
+    for llm in (plain, spec, broken):
+        llm.shutdown()

@@ -146,7 +146,9 @@ def capture_rows(req_ids: list[str], capture: CaptureFilter) -> list[int]:
 def gather_states(runner, state, capture: CaptureFilter, rows: list[int], host_slots: dict[str, list[int]]
                   ) -> Captured:
     """The chosen layers' states at the chosen rows' slots (column 0 of the Mamba group's device
-    block table; with prefix caching, the rows' running pages, `host_slots`), copied to the host.
+    block table; with prefix caching the rows' running pages, with speculative decoding the
+    column each verify row starts from or, after the step, leaves its kept state in: `host_slots`),
+    copied to the host.
     Nothing is read for a layer or row that is not chosen."""
     req_ids = state.input_batch.req_ids
     chosen = set(capture.layers)
@@ -155,7 +157,7 @@ def gather_states(runner, state, capture: CaptureFilter, rows: list[int], host_s
         for group in runner.kv_cache_groups:
             if group.kind != "mamba" or not chosen.intersection(group.layer_names):
                 continue
-            if runner.block_tables.aligned[group.group_id]:
+            if runner.block_tables.aligned[group.group_id] or runner.cfg.num_speculative_tokens:
                 first = next(n for n in group.layer_names if n in chosen)
                 slots = to_device(np.asarray(host_slots[first], dtype=np.int64), runner.device)
             else:

@@ -210,6 +210,10 @@ class Recorder:
             self._host_slots = {n: runner.block_tables.state_pages(g.group_id, idx, seq_lens).tolist()
                                 for g in runner.kv_cache_groups if g.kind == "mamba"
                                 for n in g.layer_names if n in chosen}
+            if self.spec:               # a verify row starts from the column its accepted count points at
+                starts = self._spec_start_slots(state)
+                self._host_slots = {n: [starts.get(r, slot) for r, slot in zip(self._rows, slots)]
+                                    for n, slots in self._host_slots.items()}
             # room in the trace first (before and after, every chosen row and layer), so that the
             # process never holds more than the budget; a step larger than the budget gathers nothing
             need = 2 * len(self._rows) * sum(self._slot_bytes[n] for n in self._host_slots)
@@ -229,8 +233,17 @@ class Recorder:
             self._pending += check_spec_start_states(self.cold, self.scheduler, runner, state, self.where, names)
 
     def after_forward(self, runner, state) -> None:
-        if self._before is not None:
+        if self._before is not None and not self.spec:      # speculative decoding: after sampling (record_step)
             self._after = gather_states(runner, state, self.capture, self._rows, self._host_slots)
+
+    @staticmethod
+    def _spec_start_slots(state) -> dict[int, int]:
+        """Batch row -> the slot a verify row's first position copies from (its Mamba metadata)."""
+        for gm in state.attn_metadata.groups:
+            md = gm.metadata
+            if getattr(md, "spec_src_slots_d", None) is not None:
+                return dict(enumerate(md.spec_src_slots_d[0].tolist()))
+        return {}
 
     def after_logits(self, runner, state) -> None:
         self._logits = to_host(state.logits)
@@ -242,6 +255,14 @@ class Recorder:
         """The step's record, with the full-mode fields and the checks' violations, appended to
         the trace; raises InvariantError (after recording) if a check failed."""
         record = step_record(step, self.backend, self._logits)
+        if self.spec and self._before is not None and step.exec_state is not None:
+            # the state each verify row kept: the column of its last kept position (the cache is as the
+            # forward left it: sampling and the update write no state)
+            rids = step.exec_state.input_batch.req_ids
+            kept = {row: record.spec[rids[row]] for row in self._rows if rids[row] in record.spec}
+            after = {n: [kept[row].columns[kept[row].next_column] if row in kept and kept[row].columns else slot
+                         for row, slot in zip(self._rows, slots)] for n, slots in self._host_slots.items()}
+            self._after = gather_states(self.runner, step.exec_state, self.capture, self._rows, after)
         record.ledger = checks.ledger_of(self.scheduler)
         record.states = self._layer_states()
         if self._states_refused:

@@ -1,7 +1,9 @@
 """`diff_traces(a, b)`: where two traces of the same workload part (a fault planted in one,
 chunked vs unchunked prefill, ...). Steps need not align: both traces are keyed on (request id,
 position), and at each position the recurrent states, the logits row and the kept token are
-compared in that order.
+compared in that order. A verify row of speculative decoding gives a position per token it kept
+(the target's token and logits row there), and its states at its last kept position; so a run with
+speculation can be diffed against one without.
 """
 from __future__ import annotations
 
@@ -102,10 +104,22 @@ def _collect(trace: Iterable) -> tuple[dict[str, dict[int, _Point]], dict[str, i
             continue
         states = list(getattr(rec, "states", None) or [])
         row_ids = rec.request_ids
+        spec = getattr(rec, "spec", {})
         for s in rec.scheduled:
             rid = s.request_id
             first_step.setdefault(rid, rec.step_index)
-            p = int(s.num_computed_before) + int(s.num_tokens)
+            row = spec.get(rid)
+            if row is not None and row.drafts:      # a verify row: a position per kept token
+                start = int(s.num_computed_before) + 1
+                for i, token in enumerate(row.target[:row.num_accepted]):
+                    pt = points.setdefault(rid, {}).setdefault(start + i, _Point(rec.step_index))
+                    if pt.token is None and rid in rec.kept_token_ids:
+                        pt.token = int(token)
+                    if rec.logits is not None and pt.logits is None:
+                        pt.logits = rec.kept_logits(rid)[i].detach().float().cpu()
+                p = start + row.num_accepted - 1     # the recurrent states: those after its last kept token
+            else:
+                p = int(s.num_computed_before) + int(s.num_tokens)
             pt = points.setdefault(rid, {}).get(p)
             if pt is None:
                 pt = points[rid][p] = _Point(rec.step_index)
@@ -113,7 +127,8 @@ def _collect(trace: Iterable) -> tuple[dict[str, dict[int, _Point]], dict[str, i
                 pt.token = int(rec.kept_token_ids[rid])
             if rec.logits is not None and pt.logits is None:
                 r = (rec.input_batch.req_ids.index(rid) if rec.input_batch is not None else row_ids.index(rid))
-                pt.logits = rec.logits[r].detach().float().cpu()
+                pt.logits = rec.logits[int(rec.input_batch.cu_num_logits_np[r])].detach().float().cpu() \
+                    if rec.input_batch is not None else rec.logits[r].detach().float().cpu()
             if states and pt.states is None:
                 got = {}
                 for ls in states:

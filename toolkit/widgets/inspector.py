@@ -195,12 +195,23 @@ class StepInspector:
             self._say(H.exception(err, "raised by Reset while building the new engine: the inspector "
                                        "keeps the old engine, unchanged"))
             return
+        self._switch(old, f"reset: a new {engine.__name__}({args['model']!r}, ...)", "Reset")
+
+    def use(self, llm: LLM) -> None:
+        """Show and step another engine from now on (the one shown until now is shut down), as
+        Reset does with a new engine built from the same arguments."""
+        if llm.inspect == "off":
+            raise ValueError("StepInspector reads llm.trace, which inspect='off' leaves empty")
+        old, self.llm = self.llm, llm
+        self._switch(old, f"now showing {type(llm).__name__}({llm.model_name!r}, ...)", "use()")
+
+    def _switch(self, old: LLM, said: str, action: str) -> None:
         self.state.inspect = self.llm.inspect
         try:
             old.shutdown()
-            self._say(H.wrap(H.escape(f"reset: a new {engine.__name__}({args['model']!r}, ...)")))
+            self._say(H.wrap(H.escape(said)))
         except Exception as err:
-            self._say(H.exception(err, "raised by Reset while shutting the old engine down: the "
+            self._say(H.exception(err, f"raised by {action} while shutting the old engine down: the "
                                        "inspector shows the new engine"))
         self._follow_latest()
 
