@@ -1,14 +1,16 @@
-"""Screenshots of the StepInspector's seven views in JupyterLab, for the README:
+"""Screenshots of the StepInspector's eight views in JupyterLab, for the README:
 
     .venv/bin/python scripts/screenshot_views.py [--model tiny-bamba] [--out docs/images]
 
-writes inspector_{batch,metadata,blocks,state,timeline,warmup,prefix_cache}.png (each at most --max-kb, 200 KB
-by default: larger shots are stored with a 256-colour palette). It runs
+writes inspector_{batch,metadata,blocks,state,timeline,warmup,prefix_cache,speculation}.png (each at
+most --max-kb, 200 KB by default: larger shots are stored with a 256-colour palette). It runs
 tests/notebooks/inspector_browser.ipynb on `--model` in a throwaway JupyterLab, clicks Step twice
 (step 1: a chunked prefill next to a fresh one), shows Batch, Metadata, Blocks and
 State (a Mamba layer, request '0', whose state carries over from step 0), then clicks Run to end
 and shows Timeline and Warmup; then serves one prompt twice (the notebook's engine caches prefixes)
-and shows the Prefix cache tab at the step that admitted the second. Needs what
+and shows the Prefix cache tab at the step that admitted the second; last, switches the inspector
+to demo-hybrid with n-gram drafts (the notebook's speculate()), adds a repetitive prompt, steps
+twice and shows the Speculation tab. Needs what
 scripts/setup_browser_test.sh installs.
 """
 from __future__ import annotations
@@ -32,8 +34,10 @@ SHOTS = [  # (file stem, tab, text the drawn view contains)
     ("timeline", "Timeline", None),
     ("warmup", "Warmup", "memory ledger"),
     ("prefix_cache", "Prefix cache", "hit 16 of 20 tokens"),
+    ("speculation", "Speculation", "Verify rows of this step"),
 ]
 PREFIX_PROMPT = ", ".join(str(t) for t in range(40, 60))     # 20 token ids: one full block of 16 to hit
+from test_browser import SPEC_PROMPT  # noqa: E402  (demo-hybrid token ids whose decode verifies drafts)
 
 
 def main(argv=None) -> int:
@@ -73,6 +77,12 @@ def main(argv=None) -> int:
                         nb.add_request(PREFIX_PROMPT)
                         nb.click_and_follow("Run to end")
                         nb.add_request(PREFIX_PROMPT)
+                        nb.click_step()
+                    if stem == "speculation":                  # the notebook's speculate(): n-gram drafts
+                        nb.run_code("speculate()")
+                        nb.wait_text(nb.status_line, "now showing")
+                        nb.add_request(SPEC_PROMPT)
+                        nb.click_step()
                         nb.click_step()
                     panel = nb.open_tab(tab)
                     if stem == "state":

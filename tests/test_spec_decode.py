@@ -330,3 +330,34 @@ def test_diff_traces_lines_a_speculative_run_up_with_a_plain_one():
     assert not diff.identical and diff.what.startswith("state "), diff
     for llm in (plain, spec, broken):
         llm.shutdown()
+
+
+# ---- padded verify batches (the CUDA-graph path, run eagerly on the CPU) ------------------------------
+@pytest.mark.parametrize("preset", ["tiny-bamba", "tiny-mamba", "tiny-lfm2", "tiny-qwen3-next"])
+def test_padded_eager_verify_batches_equal_unpadded(preset):
+    """cudagraph_mode="padded_eager": decode batches whose rows all carry k drafts are padded to the
+    next capture size with padded verify rows of 1 + k tokens on the null block and slot, as a graph
+    captured for that size would run them. Tokens equal plain decoding's and each kept token's logits
+    equal the unpadded speculative run's."""
+    runs = {}
+    for mode in ("none", "padded_eager"):
+        got, llm = spec_run(preset, 3, references(preset), inspect="metadata", cudagraph_mode=mode)
+        runs[mode] = (got, [(rec.step_index, rid, rec.kept_logits(rid)) for rec in llm.trace
+                            if not rec.is_warmup for rid in rec.kept_token_ids], list(llm.trace))
+        llm.shutdown()
+    assert runs["none"][0] == runs["padded_eager"][0] == [list(t) for t in plain_tokens(preset)]
+    padded = [r for r in runs["padded_eager"][2] if r.padded_size is not None and r.spec]
+    assert padded, "no verify batch was padded"
+    assert all(r.graph == "padded eager" and r.input_batch.num_tokens == 4 * len(r.scheduled) for r in padded)
+    for (step, rid, a), (step_b, rid_b, b) in zip(runs["none"][1], runs["padded_eager"][1], strict=True):
+        assert (step, rid) == (step_b, rid_b)
+        assert (a - b).abs().max().item() <= 1e-5, f"step {step}, request {rid}"
+
+
+def test_ngram_pads_to_k_drafts_with_graphs():
+    """With decode graphs (here padded_eager) the n-gram proposer always gives k drafts, the missing
+    ones the last token repeated (MRV2's rule), so decode batches stay uniform."""
+    p = NgramProposer(k=3, min_n=1, max_n=2, pad=True)
+    assert p.propose(np.array([1, 2, 3, 4])) == [4, 4, 4]                  # no match: all padding
+    assert p.propose(np.array([7, 8, 9, 7])) == [8, 9, 7]
+    assert p.propose(np.array([5, 6, 5])) == [6, 5, 5]                     # one short: padded

@@ -153,6 +153,8 @@ class BaseMambaMetadataBuilder(AttentionMetadataBuilder):
         # state indices of a B-row batch are gathered into (one per batch size seen: at most
         # max_num_reqs of them, B ints each)
         self._align_buffers: dict[tuple[torch.device, int], torch.Tensor] = {}
+        # speculative decoding: (device, D, J) -> the four [J, D] loop tensors (spec_fields)
+        self._spec_buffers: dict[tuple[torch.device, int, int], tuple[torch.Tensor, ...]] = {}
 
     def state_indices(self, common: CommonAttentionMetadata) -> torch.Tensor:
         """Device int32 [B]: the state slot of every row (see the module docstring for the modes)."""
@@ -219,17 +221,27 @@ class BaseMambaMetadataBuilder(AttentionMetadataBuilder):
         valid = j < lens[None, :]                                   # [J, D]
         token = qsl[None, :] + np.minimum(j, lens[None, :] - 1)
         device = columns.device
-        valid_d = to_device(valid, device)
         num_positions = valid.shape[0]
-        src = torch.zeros(valid.shape, dtype=columns.dtype, device=device)
+        # written in place into buffers kept per shape: a CUDA graph captured for a uniform verify
+        # batch reads the addresses every later step of that shape rewrites
+        key = (device, d, num_positions)
+        if key not in self._spec_buffers:
+            self._spec_buffers[key] = (torch.empty((num_positions, d), dtype=torch.int64, device=device),
+                                       torch.empty((num_positions, d), dtype=columns.dtype, device=device),
+                                       torch.empty((num_positions, d), dtype=columns.dtype, device=device),
+                                       torch.empty((num_positions, d), dtype=torch.int64, device=device))
+        token_d, src, dst, out = self._spec_buffers[key]
+        token_d.copy_(to_device(token, device))
+        out.copy_(to_device(np.where(valid, token, s.num_decode_tokens), device))
+        valid_d = to_device(valid, device)
         src[0] = columns.gather(1, (accepted - 1).long()[:, None])[:, 0]
         src[1:] = columns.T[:num_positions - 1]
+        src.masked_fill_(~valid_d, 0)
+        dst.copy_(columns.T[:num_positions])
+        dst.masked_fill_(~valid_d, 0)
         return dict(state_indices_tensor_d=columns, query_start_loc_d=common.query_start_loc[:d + 1],
-                    num_accepted_tokens=accepted,
-                    spec_token_index_d=to_device(token, device),
-                    spec_src_slots_d=torch.where(valid_d, src, 0),
-                    spec_dst_slots_d=torch.where(valid_d, columns.T[:num_positions], 0),
-                    spec_out_index_d=to_device(np.where(valid, token, s.num_decode_tokens), device))
+                    num_accepted_tokens=accepted, spec_token_index_d=token_d, spec_src_slots_d=src,
+                    spec_dst_slots_d=dst, spec_out_index_d=out)
 
     def checkpoint_fields(self, common: CommonAttentionMetadata, s: MambaSplit) -> dict:
         """The internal checkpoints of the prefill rows (see the module docstring), or Nones."""

@@ -99,7 +99,8 @@ def check_spec_columns(groups, scheduled, kept_last_step: dict[str, int], where:
         md = gm.metadata
         if gm.kind != "mamba" or gm.common.num_accepted_tokens is None:
             continue
-        every_row = gm.common.num_accepted_tokens.tolist()       # what the model state gathered, [B]
+        # what the model state gathered, [B]; padded rows (a padded decode batch) are the null id's
+        every_row = gm.common.num_accepted_tokens.tolist()[:len(scheduled)]
         for row, got in enumerate(every_row):
             rid = scheduled[row].request_id
             want = kept_last_step.get(rid, 1)
@@ -112,7 +113,7 @@ def check_spec_columns(groups, scheduled, kept_last_step: dict[str, int], where:
             continue
         accepted, columns = md.num_accepted_tokens.tolist(), md.state_indices_tensor_d.tolist()
         starts = md.spec_src_slots_d[0].tolist()
-        for row in range(md.num_decodes):
+        for row in range(min(md.num_decodes, len(scheduled))):
             rid = scheduled[row].request_id
             label = f"{where}, group {gm.group_id} ({gm.builder}), request {rid!r} (row {row})"
             col = accepted[row] - 1

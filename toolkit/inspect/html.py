@@ -64,6 +64,13 @@ CHIP_STATES = {
     "missing": f"background:{BG};color:{FG};border:1px solid {LINE}",
     "capped": f"background:{HEAD_BG};color:#8c959f;border:1px dashed {LINE}",
 }
+# a position of a verify row (the Speculation tab): its input draft accepted, rejected, unchecked
+SPEC_CHIP_STATES = {
+    "input": CHIP_STATES["missing"],
+    "accepted": CHIP_STATES["hit"],
+    "rejected": f"background:{BAD_BG};color:{BAD_FG};border:1px solid {RED}",
+    "unchecked": CHIP_STATES["capped"],
+}
 JUNCTION = (f"display:inline-block;padding:1px 3px;margin:1px;border-left:3px solid #0969da;color:#0969da;"
             f"font-size:10px;font-weight:600;vertical-align:top;{MONO}")
 CHIP_ROW = "display:flex;flex-wrap:wrap;align-items:flex-start;margin:2px 0 4px 0"

@@ -17,12 +17,7 @@ from typing import Any
 from toolkit.inspect import html as H
 
 CLASS_PREFIX = "sd-"         # chip classes: sd-pos sd-input / sd-accepted / sd-rejected / sd-unchecked
-POSITION_STATES = {
-    "input": H.CHIP_STATES["missing"],
-    "accepted": H.CHIP_STATES["hit"],
-    "rejected": "background:#ffebe9;color:#82071e;border:1px solid #cf222e",
-    "unchecked": H.CHIP_STATES["capped"],
-}
+POSITION_STATES = H.SPEC_CHIP_STATES
 WORDS = {"input": "the row's last sampled token (verified already)",
          "accepted": "draft accepted: it equals the token the target sampled at the position before",
          "rejected": "first rejected draft: the row keeps the target's token at the position before instead",

@@ -1,7 +1,7 @@
 """CUDA graphs for decode batches (MRV2 `CudaGraphManager`, FULL mode for uniform decode only).
 
-A decode batch of n rows (every row one token on top of saved state) is padded to the next capture
-size P >= n: the P - n padded rows read token 0 at position 0, their block-table rows point at the
+A decode batch of n rows (every row one token on top of saved state; with speculative decoding every
+row its last sampled token and k drafts, 1 + k tokens) is padded to the next capture size P >= n: the P - n padded rows read token 0 at position 0, their block-table rows point at the
 null block / null state slot 0, their tokens' KV slots are PAD_SLOT_ID (nothing written) and their
 seq_len is 1 (so attention never softmaxes an empty row). Their outputs are dropped before the
 logits. Mixed prefill/decode batches, and decode batches larger than the largest capture size, run
@@ -91,10 +91,14 @@ class CudaGraphManager:
     runner wrote the step's inputs into the persistent buffers) and returns its static output.
     """
 
-    def __init__(self, mode: str, max_num_seqs: int, device: torch.device, max_tokens: int | None = None):
+    def __init__(self, mode: str, max_num_seqs: int, device: torch.device, max_tokens: int | None = None,
+                 tokens_per_row: int = 1):
         self.mode = mode
         self.device = device
-        self.sizes = capture_sizes(max_num_seqs, max_tokens)
+        # speculative decoding: a decode row is a verify row of 1 + k tokens; graphs are for batches
+        # whose rows all carry k drafts (vLLM's FULL graphs: uniform 1 + k decode batches)
+        self.tokens_per_row = tokens_per_row
+        self.sizes = capture_sizes(max_num_seqs, None if max_tokens is None else max_tokens // tokens_per_row)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.forwards: dict[int, Callable[[], torch.Tensor]] = {}   # keep each graph's inputs alive
@@ -103,7 +107,9 @@ class CudaGraphManager:
         self.report: CaptureReport | None = None
 
     def padded_size(self, num_reqs: int, num_tokens: int, all_decode: bool) -> int | None:
-        if self.mode == "none" or not all_decode or num_tokens != num_reqs or num_reqs > self.sizes[-1]:
+        """The capture size a decode batch runs at (rows), or None: run eagerly at its own size."""
+        if (self.mode == "none" or not all_decode or num_tokens != num_reqs * self.tokens_per_row
+                or num_reqs > self.sizes[-1]):
             return None
         return next(s for s in self.sizes if s >= num_reqs)
 

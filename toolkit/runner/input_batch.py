@@ -210,10 +210,12 @@ def gather_sampled_input_ids(buffers: InputBuffers, req_states: RequestStates, n
     d.input_ids[:num_rows] = req_states.last_sampled_tokens[d.idx_mapping[:num_rows]]
 
 
-def make_dummy(buffers: InputBuffers, num_reqs: int, num_tokens: int) -> InputBatch:
+def make_dummy(buffers: InputBuffers, num_reqs: int, num_tokens: int, num_drafts: int = 0) -> InputBatch:
     """A batch for warmup/profiling (MRV2 `InputBatch.make_dummy`): tokens split evenly, ids and
     positions zero, seq_len == query_len, no row prefilling, and a non-None upper bound. Its
-    block tables point at the null block and its slot mappings are all PAD_SLOT_ID."""
+    block tables point at the null block and its slot mappings are all PAD_SLOT_ID. `num_drafts`
+    (speculative decoding's graph capture): every row a verify row of 1 + num_drafts tokens,
+    sampled at each of them."""
     q = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int32)
     q[num_reqs - num_tokens % num_reqs:] += 1         # ascending, so the batch order holds
     qsl = np.zeros(num_reqs + 1, dtype=np.int32)
@@ -221,9 +223,11 @@ def make_dummy(buffers: InputBuffers, num_reqs: int, num_tokens: int) -> InputBa
     d, stage = buffers, buffers.staging
     d.input_ids[:num_tokens] = 0
     stage.put("positions", np.zeros(num_tokens, dtype=np.int64))
-    _stage_rows(stage, qsl, q)
+    drafts = np.full(num_reqs, num_drafts, dtype=np.int32) if num_drafts else None
+    _stage_rows(stage, qsl, q, drafts)
     stage.put("idx_mapping", np.zeros(num_reqs, dtype=np.int64))
     zeros = np.zeros(num_reqs, dtype=np.int32)
+    num_logits = num_reqs * (1 + num_drafts)
     return InputBatch(
         req_ids=[f"dummy-{i}" for i in range(num_reqs)], num_reqs=num_reqs, num_tokens=num_tokens,
         max_query_len=int(q.max()), idx_mapping=d.idx_mapping[:num_reqs],
@@ -232,41 +236,51 @@ def make_dummy(buffers: InputBuffers, num_reqs: int, num_tokens: int) -> InputBa
         query_start_loc=d.query_start_loc[:num_reqs + 1], query_start_loc_np=qsl,
         seq_lens=d.seq_lens[:num_reqs], seq_lens_cpu_upper_bound=torch.from_numpy(q.copy()),
         input_ids=d.input_ids[:num_tokens], positions=d.positions[:num_tokens],
-        logits_indices=d.logits_indices[:num_reqs])
+        logits_indices=d.logits_indices[:num_logits], num_draft_tokens=drafts)
 
 
 def pad_decode_batch(buffers: InputBuffers, batch: InputBatch, size: int) -> InputBatch:
-    """The batch a decode graph of `size` rows runs: `batch`'s n decode rows, then size - n padded
-    rows that read token 0 at position 0 with seq_len 1 (a one-key attention row, never an empty
-    softmax). Their block tables and slot mappings are set by the runner (null block, PAD_SLOT_ID).
-    Writes the padded rows into the persistent buffers; `batch` itself is unchanged."""
+    """The batch a decode graph of `size` rows runs: `batch`'s n decode rows (t tokens each: 1, or
+    with speculative decoding 1 + k), then size - n padded rows of t tokens at positions 0..t-1 with
+    seq_len t (never an empty softmax), reading token 0. Their block tables and slot mappings are
+    set by the runner (null block, PAD_SLOT_ID). Writes the padded rows into the persistent
+    buffers; `batch` itself is unchanged."""
     n = batch.num_reqs
-    if batch.num_tokens != n or size < n:
-        raise ValueError(f"pad_decode_batch: {n} rows / {batch.num_tokens} tokens is not a decode "
+    t = batch.num_tokens // n if n else 1
+    drafts = batch.num_drafts_np
+    if batch.num_tokens != n * t or size < n or (t > 1 and not (drafts == t - 1).all()):
+        raise ValueError(f"pad_decode_batch: {n} rows / {batch.num_tokens} tokens is not a uniform decode "
                          f"batch that fits {size} rows")
     d, stage = buffers, buffers.staging
-    d.input_ids[n:size] = 0
-    qsl = np.arange(size + 1, dtype=np.int32)
-    for name, values in (("positions", 0), ("seq_lens", 1), ("idx_mapping", 0)):
-        stage.host(name)[n:size] = values
-        stage.written(name, size)
+    pad = size - n
+    d.input_ids[n * t:size * t] = 0
+    qsl = np.arange(size + 1, dtype=np.int32) * t
+    for name, values in (("positions", np.tile(np.arange(t), pad)), ("seq_lens", t), ("idx_mapping", 0)):
+        rows = slice(n * t, size * t) if name == "positions" else slice(n, size)
+        stage.host(name)[rows] = values
+        stage.written(name, rows.stop)
     qsl_full = stage.host("query_start_loc")
     qsl_full[n + 1:size + 1] = qsl[n + 1:]
-    qsl_full[size + 1:] = size
+    qsl_full[size + 1:] = size * t
     stage.written("query_start_loc")
-    stage.host("logits_indices")[n:size] = qsl[n:size]
-    stage.written("logits_indices", size)
-    pad = size - n
-    seq_lens = np.concatenate([batch.seq_lens_cpu_upper_bound.numpy(), np.ones(pad, dtype=np.int32)])
+    if t == 1:
+        stage.host("logits_indices")[n:size] = qsl[n:size]
+        stage.written("logits_indices", size)
+    else:                           # a verify row samples at each of its t tokens
+        stage.host("logits_indices")[n * t:size * t] = np.arange(n * t, size * t)
+        stage.written("logits_indices", size * t)
+    seq_lens = np.concatenate([batch.seq_lens_cpu_upper_bound.numpy(), np.full(pad, t, dtype=np.int32)])
     return InputBatch(
-        req_ids=batch.req_ids + [f"pad-{i}" for i in range(pad)], num_reqs=size, num_tokens=size,
-        max_query_len=1, idx_mapping=d.idx_mapping[:size],
+        req_ids=batch.req_ids + [f"pad-{i}" for i in range(pad)], num_reqs=size, num_tokens=size * t,
+        max_query_len=t, idx_mapping=d.idx_mapping[:size],
         idx_mapping_np=np.concatenate([batch.idx_mapping_np, np.zeros(pad, dtype=np.int64)]),
-        num_scheduled_tokens=np.ones(size, dtype=np.int32),
+        num_scheduled_tokens=np.full(size, t, dtype=np.int32),
         num_computed_tokens_np=np.concatenate([batch.num_computed_tokens_np, np.zeros(pad, dtype=np.int32)]),
         prefill_len_np=np.concatenate([batch.prefill_len_np, np.zeros(pad, dtype=np.int32)]),
         is_prefilling_np=np.zeros(size, dtype=bool),
         query_start_loc=d.query_start_loc[:size + 1], query_start_loc_np=qsl,
         seq_lens=d.seq_lens[:size], seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens),
-        input_ids=d.input_ids[:size], positions=d.positions[:size], logits_indices=d.logits_indices[:size],
-        input_ids_sampled=batch.input_ids_sampled)
+        input_ids=d.input_ids[:size * t], positions=d.positions[:size * t],
+        logits_indices=d.logits_indices[:size * t], input_ids_sampled=batch.input_ids_sampled,
+        num_draft_tokens=None if t == 1 else np.full(size, t - 1, dtype=np.int32),
+        draft_token_ids=batch.draft_token_ids)

@@ -88,8 +88,11 @@ class ModelRunner:
     def __init__(self, model: nn.Module, cfg: RunnerConfig, speculative_config: SpeculativeConfig | None = None):
         self.cfg = cfg
         self.speculative_config = speculative_config
+        # with decode graphs, MRV2's rule: always k drafts (padded with the last token), so that decode
+        # batches are uniform 1 + k rows a graph can replay
         self.proposer = (NgramProposer(speculative_config.num_speculative_tokens, speculative_config.prompt_lookup_min,
-                                       speculative_config.prompt_lookup_max) if speculative_config else None)
+                                       speculative_config.prompt_lookup_max, pad=cfg.cudagraph_mode != "none")
+                         if speculative_config else None)
         self.device = cfg.device
         self.model = model
         self.ops = TORCH_OPS if cfg.backend == "torch" else triton_ops(cfg.device)
@@ -116,7 +119,7 @@ class ModelRunner:
         self.input_buffers = InputBuffers(self.staging, cfg.max_num_batched_tokens, cfg.device)
         self.sampler = Sampler(cfg.max_num_seqs, cfg.device, self.ops.gumbel_argmax)
         self.cudagraph_manager = CudaGraphManager(cfg.cudagraph_mode, cfg.max_num_seqs, cfg.device,
-                                                  model.max_graph_tokens())
+                                                  model.max_graph_tokens(), 1 + cfg.num_speculative_tokens)
         self.execute_state: ExecuteModelState | None = None
         self.observer: StepObserver | None = None
         self.clock = StageClock(use_events=cfg.device.type == "cuda")
@@ -188,12 +191,15 @@ class ModelRunner:
                                      sched_out.num_scheduled_tokens, drafts)
         n = input_batch.num_reqs
         graphs = self.cudagraph_manager
-        padded = graphs.padded_size(n, input_batch.num_tokens, bool(input_batch.runs_as_decode_np.all()))
+        uniform = bool(input_batch.runs_as_decode_np.all()) and (
+            graphs.tokens_per_row == 1 or bool((input_batch.num_drafts_np == graphs.tokens_per_row - 1).all()))
+        padded = graphs.padded_size(n, input_batch.num_tokens, uniform)
         # the forward runs `forward_batch`: the batch itself, or it padded to a capture size
         forward_batch = input_batch if padded is None else pad_decode_batch(self.input_buffers, input_batch, padded)
         block_tables = self.block_tables.gather_block_tables(input_batch.idx_mapping_np, padded)
         slot_mappings = self.block_tables.compute_slot_mappings(
-            input_batch.idx_mapping_np, input_batch.query_start_loc_np, input_batch.num_computed_tokens_np, padded)
+            input_batch.idx_mapping_np, input_batch.query_start_loc_np, input_batch.num_computed_tokens_np,
+            None if padded is None else padded * graphs.tokens_per_row)
         self.staging.flush()                    # the step's host data, one copy per dtype (staging.py)
         if input_batch.input_ids_sampled:
             gather_sampled_input_ids(self.input_buffers, self.req_states, n)
@@ -402,7 +408,8 @@ class ModelRunner:
         records the forward."""
         with torch.inference_mode():
             return self.cudagraph_manager.capture(
-                lambda size, vary_tokens=False: self._prepare_dummy(size, size, True, vary_tokens)[3],
+                lambda size, vary_tokens=False: self._prepare_dummy(
+                    size, size * self.cudagraph_manager.tokens_per_row, True, vary_tokens)[3],
                 self._check_graph if check else None, progress)
 
     def _check_graph(self, size: int, run_eager, replay) -> str | None:
@@ -437,7 +444,9 @@ class ModelRunner:
         """Write a dummy batch into the persistent buffers and build its metadata. Returns
         (batch, block_tables, attn_metadata, forward), `forward()` running the model on it.
         `vary_tokens`: token ids other than the capture's zeros (the capture check's inputs)."""
-        batch = make_dummy(self.input_buffers, num_reqs, num_tokens)
+        # a capture of speculative decoding's graphs: uniform verify rows of 1 + k tokens
+        drafts = self.cfg.num_speculative_tokens if for_capture else 0
+        batch = make_dummy(self.input_buffers, num_reqs, num_tokens, drafts)
         block_tables = self.block_tables.null_block_tables(num_reqs)
         slot_mappings = self.block_tables.pad_slot_mappings(num_tokens)
         self.staging.flush()

@@ -20,13 +20,22 @@ from numpy.lib.stride_tricks import sliding_window_view
 class NgramProposer:
     """Prompt lookup (vLLM V1's CPU `NgramProposer`): find the longest n-gram, n in [min_n, max_n],
     that ends the context and occurred earlier in it (the earliest such occurrence), and propose
-    the up to k tokens that followed it. No match, or a context shorter than min_n: no drafts."""
+    the up to k tokens that followed it. No match, or a context shorter than min_n: no drafts.
+    `pad` (decode graphs on): always k drafts, the missing ones the last token repeated (MRV2's GPU
+    n-gram speculator), so that decode batches are uniform; a padded draft is verified like any."""
 
-    def __init__(self, k: int, min_n: int, max_n: int):
+    def __init__(self, k: int, min_n: int, max_n: int, pad: bool = False):
         self.k, self.min_n, self.max_n = k, min_n, max_n
+        self.pad = pad          # MRV2's GPU rule: always k drafts, missing ones the last token repeated
 
     def propose(self, context: np.ndarray) -> list[int]:
         """context: int [N], the request's tokens so far (prompt + outputs). Returns <= k ids."""
+        drafts = self._lookup(context)
+        if self.pad and len(context):
+            drafts += [int(context[-1])] * (self.k - len(drafts))
+        return drafts
+
+    def _lookup(self, context: np.ndarray) -> list[int]:
         n_ctx = len(context)
         for n in range(min(self.max_n, n_ctx - 1), self.min_n - 1, -1):
             windows = sliding_window_view(context[:n_ctx - 1], n)     # occurrences ending before the last token
