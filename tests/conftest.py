@@ -54,3 +54,22 @@ def model_pair(request, hf_folders):
 def hf_model(model_pair):
     """The HF model on model_pair's folder (fp32, eval) whose `generate` ignores EOS (harness.load_hf)."""
     return load_hf(model_pair[1])
+
+
+# ---- pytest-xdist groups (`make test`: --dist loadgroup) ------------------------------------------
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Put a test's xdist_group name on its node id on pytest 9 too. pytest-xdist (3.8) does it by
+    setting `item._nodeid`, which pytest 9 (whose node ids are `item._id`, a NodeId) no longer reads:
+    every test is then scheduled alone and the groups (the Triton recordings and the compile tests
+    that need them in the same process) are split over the workers. Only on an xdist worker under
+    --dist loadgroup, where xdist's own hook has run first; a no-op where that hook worked."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        names = {str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                 for m in item.iter_markers("xdist_group")}
+        if not names or "@" in item.nodeid.rpartition("]")[2]:
+            continue
+        from _pytest.nodeid import NodeId
+        item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(sorted(names))}")

@@ -14,6 +14,12 @@ launched by
   specializations); and the Gumbel debug kernel (`gumbel_debug`, launched by no engine).
 Each workload records under a label (WORKLOADS: label -> run); test_compile_for_gpus.py runs, one
 test each, those not recorded yet in this process (all of them when it runs alone).
+
+The workloads come in three groups (WORKLOAD_GROUPS: the parity runs, the bf16 engines with the Gumbel
+debug kernel, the fp16 engines with the shape-true presets). Each launch is recorded in RECORDED (all of
+them: benchmarks/kernel_compile.py) and in its group's own KernelSpecs (GROUP_RECORDED), which one
+compile test per group compiles. Each group is one pytest-xdist group (test_compile_for_gpus.py), so
+that under `make test` the three run on whichever workers are free instead of serially on one.
 """
 from __future__ import annotations
 
@@ -31,8 +37,18 @@ from harness import BATCH_LIMITS, BATCH_PROMPT_LENS, DEVICE, F32, MAX_TOKENS, TI
 RECORDED = KernelSpecs()
 
 
+@contextlib.contextmanager
+def recording(label: str):
+    """Record the launches inside under `label` in RECORDED and in its group's GROUP_RECORDED."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(RECORDED.recording(label))
+        if label in GROUP_OF:
+            stack.enter_context(GROUP_RECORDED[GROUP_OF[label]].recording(label))
+        yield
+
+
 def _recorded(backend: str, label: str):
-    return RECORDED.recording(label) if backend == "triton" else contextlib.nullcontext()
+    return recording(label) if backend == "triton" else contextlib.nullcontext()
 
 
 # ---- the backend-parity runs (test_backend_triton.py) ---------------------------------------------
@@ -129,7 +145,7 @@ ENGINE_PROMPTS = [(3, 4, 0.0), (30, 2, 0.0), (2, 2, 1.0)]       # (prompt length
 
 def engine_run(model: str, dtype: str) -> None:
     """One triton engine: chunked prefill, mixed steps, a padded decode batch, greedy and sampled rows."""
-    with RECORDED.recording(f"engine:{model}:{dtype}"):
+    with recording(f"engine:{model}:{dtype}"):
         with LLM(model, device=DEVICE, dtype=dtype, backend="triton", **ENGINE_LIMITS) as llm:
             for n, max_tokens, temperature in ENGINE_PROMPTS:
                 llm.add_request({"prompt_token_ids": prompts_of([n], llm.vocab_size, seed=n)[0]},
@@ -151,7 +167,7 @@ def shape_run(preset: str, dtype: str) -> None:
 def gumbel_debug_run() -> None:
     """The Gumbel noise kernel (gumbel_debug: the kernel's hashes and noise, for the kernel tests)."""
     from toolkit.kernels import gumbel
-    with RECORDED.recording("gumbel_debug"):
+    with recording("gumbel_debug"):
         seeds = torch.tensor([[1, 2], [3, 4]], device=DEVICE)
         positions = torch.tensor([5, 6], device=DEVICE)
         gumbel.gumbel_debug(seeds, positions, 300)
@@ -161,21 +177,35 @@ def gumbel_debug_run() -> None:
 # (attention and RoPE, Mamba1 and MoE, Mamba2 and the gated norm, short conv, Gated DeltaNet)
 BF16_MODELS = TINY_PRESETS + list(DEMO_MODELS)
 FP16_MODELS = ["tiny-bamba", "tiny-jamba", "tiny-lfm2", "tiny-qwen3-next", "tiny-mamba"]
-EXTRA_WORKLOADS: dict[str, Callable[[], object]] = {
+BF16_WORKLOADS: dict[str, Callable[[], object]] = {
     **{f"engine:{m}:bfloat16": (lambda m=m: engine_run(m, "bfloat16")) for m in BF16_MODELS},
-    **{f"engine:{m}:float16": (lambda m=m: engine_run(m, "float16")) for m in FP16_MODELS},
-    **{f"engine:{p}-trimmed:bfloat16": (lambda p=p: shape_run(p, "bfloat16")) for p in SHAPE_TRIMS},
     "gumbel_debug": gumbel_debug_run,
 }
+FP16_SHAPE_WORKLOADS: dict[str, Callable[[], object]] = {
+    **{f"engine:{m}:float16": (lambda m=m: engine_run(m, "float16")) for m in FP16_MODELS},
+    **{f"engine:{p}-trimmed:bfloat16": (lambda p=p: shape_run(p, "bfloat16")) for p in SHAPE_TRIMS},
+}
+EXTRA_WORKLOADS = {**BF16_WORKLOADS, **FP16_SHAPE_WORKLOADS}
 WORKLOADS = {**PARITY_WORKLOADS, **EXTRA_WORKLOADS}
 
+# The groups (the two engine groups take about the same interpreter time): the parity runs
+# (test_backend_triton.py records them as it compares); the bf16 engines on every tiny preset and demo
+# model, with the Gumbel debug kernel: together they launch every kernel (test_compile_for_gpus.py
+# checks it); the fp16 engines and the shape-true presets.
+WORKLOAD_GROUPS: dict[str, dict[str, Callable[[], object]]] = {
+    "parity": PARITY_WORKLOADS, "engines-bf16": BF16_WORKLOADS, "engines-fp16-shapes": FP16_SHAPE_WORKLOADS}
+GROUP_OF = {label: group for group, workloads in WORKLOAD_GROUPS.items() for label in workloads}
+GROUP_RECORDED = {group: KernelSpecs() for group in WORKLOAD_GROUPS}
 
-def record_all() -> list[str]:
-    """Run every workload RECORDED has no complete recording of yet; returns their labels."""
+
+def record_all(group: str | None = None) -> list[str]:
+    """Run every workload (of `group`, or of all groups) that has no complete recording yet in this
+    process; returns their labels."""
     ran = []
-    for label, run in WORKLOADS.items():
-        if label not in RECORDED.labels:
+    for label, run in (WORKLOADS if group is None else WORKLOAD_GROUPS[group]).items():
+        done = RECORDED if group is None else GROUP_RECORDED[group]
+        if label not in done.labels:
             run()
             ran.append(label)
-            assert label in RECORDED.labels, f"workload {label!r} recorded under another label"
+            assert label in done.labels, f"workload {label!r} recorded under another label"
     return ran

@@ -8,8 +8,12 @@ have and in the register file; and every kernel in toolkit/kernels must have bee
 per-kernel registers, spills and shared memory are in benchmarks/RESULTS.md
 (benchmarks/kernel_compile.py prints them).
 
-This file runs after test_backend_triton.py: its parity runs have recorded already, the other
-workloads run here, one test each (all of them when this file runs alone), then one test compiles.
+The workloads come in three groups (kernel_workloads.WORKLOAD_GROUPS), each compiled by its own test
+(the specializations its runs recorded) and each one pytest-xdist group, so that `make test` runs the
+three on whichever workers are free. The parity group shares its worker with test_backend_triton.py,
+which runs first: its parity runs have recorded already. The other workloads run here, one test each
+(all of them when this file runs alone), then their group's test compiles. The bf16 group launches
+every kernel in toolkit/kernels.
 """
 from __future__ import annotations
 
@@ -27,31 +31,53 @@ pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; 
 import toolkit.inspect.kernel_specs as ks
 from toolkit.models import PRESETS, get_model_class
 
-from kernel_workloads import RECORDED, SHAPE_TRIMS, WORKLOADS, record_all, trimmed_config
+from kernel_workloads import (
+    GROUP_OF,
+    GROUP_RECORDED,
+    SHAPE_TRIMS,
+    WORKLOAD_GROUPS,
+    WORKLOADS,
+    record_all,
+    trimmed_config,
+)
 
 ARCHS = (80, 90)
-# with pytest-xdist, in the worker that ran test_backend_triton.py's recordings (same group)
-pytestmark = pytest.mark.xdist_group("triton-kernels")
+# with pytest-xdist, each workload group in one worker, the parity group in the one that ran
+# test_backend_triton.py's recordings (same xdist group)
+XDIST_GROUPS = {"parity": "triton-kernels", "engines-bf16": "triton-kernels-bf16",
+                "engines-fp16-shapes": "triton-kernels-fp16-shapes"}
+assert XDIST_GROUPS.keys() == WORKLOAD_GROUPS.keys()
 
 
-@pytest.mark.parametrize("label", list(WORKLOADS))
+def _in_group(value: str, group: str):
+    return pytest.param(value, marks=pytest.mark.xdist_group(XDIST_GROUPS[group]))
+
+
+@pytest.mark.parametrize("label", [_in_group(label, GROUP_OF[label]) for label in WORKLOADS])
 def test_workload_runs_on_triton_and_records(label):
     """One workload of kernel_workloads.py (a backend-parity run that test_backend_triton.py ran in
     this process has recorded already: nothing to do)."""
-    if label not in RECORDED.labels:
+    recorded = GROUP_RECORDED[GROUP_OF[label]]
+    if label not in recorded.labels:
         WORKLOADS[label]()
-    assert label in RECORDED.labels
+    assert label in recorded.labels
 
 
-@pytest.mark.timeout(1800)     # when selected alone it runs every workload first
-def test_every_kernel_specialization_compiles_for_sm80_and_sm90():
-    ran = record_all()          # none after the tests above; all when this test runs alone (slow)
-    missing = sorted(set(ks.launched_kernels()) - RECORDED.kernels)
-    assert not missing, f"no workload launched {missing}: add one to kernel_workloads.py"
+@pytest.mark.timeout(1800)     # when selected alone it runs its group's workloads first
+@pytest.mark.parametrize("group", [_in_group(group, group) for group in WORKLOAD_GROUPS])
+def test_every_kernel_specialization_compiles_for_sm80_and_sm90(group):
+    """What `group`'s workloads recorded, compiled for sm_80 and sm_90; the bf16 group (every model)
+    must have launched every kernel."""
+    ran = record_all(group)     # none after the tests above; all when this test runs alone (slow)
+    recorded = GROUP_RECORDED[group]
+    if group == "engines-bf16":
+        missing = sorted(set(ks.launched_kernels()) - recorded.kernels)
+        assert not missing, (f"no bf16 workload launched {missing}: add one to kernel_workloads.py "
+                             "(BF16_WORKLOADS, which must launch every kernel)")
     start = time.perf_counter()
-    results = ks.compile_specs(RECORDED.specs.values(), ARCHS)
-    print(f"\n{len(RECORDED.kernels)} kernels, {len(RECORDED.specs)} specializations, {len(results)} compiles "
-          f"in {time.perf_counter() - start:.0f} s ({len(ran)} workloads recorded in this test)\n"
+    results = ks.compile_specs(recorded.specs.values(), ARCHS)
+    print(f"\n{group}: {len(recorded.kernels)} kernels, {len(recorded.specs)} specializations, {len(results)} "
+          f"compiles in {time.perf_counter() - start:.0f} s ({len(ran)} workloads recorded in this test)\n"
           f"{ks.markdown_table(results)}")
     bad = ks.problems(results)
     failed = sum(not r.ok for r in results)
