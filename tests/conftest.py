@@ -66,10 +66,13 @@ def pytest_collection_modifyitems(config, items):
     --dist loadgroup, where xdist's own hook has run first; a no-op where that hook worked."""
     if not getattr(config.option, "loadgroup", False):
         return
+    try:
+        from _pytest.nodeid import NodeId       # pytest 9's node id type (private: absent, nothing to fix)
+    except ImportError:
+        return
     for item in items:
         names = {str(m.args[0] if m.args else m.kwargs.get("name", "default"))
                  for m in item.iter_markers("xdist_group")}
         if not names or "@" in item.nodeid.rpartition("]")[2]:
             continue
-        from _pytest.nodeid import NodeId
         item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(sorted(names))}")
