@@ -67,7 +67,7 @@ def pytest_collection_modifyitems(config, items):
     if not getattr(config.option, "loadgroup", False):
         return
     try:
-        from _pytest.nodeid import NodeId       # pytest 9's node id type (private: absent, nothing to fix)
+        from _pytest.nodeid import NodeId  # pytest 9's node id type (private: absent, nothing to fix)
     except ImportError:
         return
     for item in items:
