@@ -97,7 +97,8 @@ def step_record(step: StepOutcome, backend: str, logits: torch.Tensor | None = N
                         if new.prefix_lookup is not None},
         state_copies=state_copies(state.state_copies) if state else [],
         spec=spec_rows(state, step.sampled) if state else {},
-        proposed_drafts=dict(state.proposed_drafts) if state else {})
+        proposed_drafts={rid: d for rid, d in state.proposed_drafts.items()        # for requests still running
+                         if rid not in {r.request_id for r in step.finished}} if state else {})
 
 
 def spec_rows(state: ExecuteModelState, sampled: dict[str, int]) -> dict[str, SpecRow]:
