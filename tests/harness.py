@@ -383,3 +383,6 @@ class ScriptedProposer:
                     drafts[at] = (drafts[at] + 1) % 200
                 return drafts
         return []
+
+    def propose_many(self, contexts: list[np.ndarray]) -> list[list[int]]:
+        return [self.propose(c) for c in contexts]

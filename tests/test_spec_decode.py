@@ -205,8 +205,15 @@ def test_speculative_config_rules():
                        ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown key")]:
         with pytest.raises(ValueError, match=match):
             resolve_speculative_config(bad)
-    with pytest.raises(NotSupportedYetError, match="draft_model"):
-        resolve_speculative_config({"method": "draft_model", "model": "tiny-mamba", "num_speculative_tokens": 2})
+    assert resolve_speculative_config({"method": "draft_model", "model": "tiny-mamba",
+                                       "num_speculative_tokens": 2}).model == "tiny-mamba"
+    with pytest.raises(ValueError, match="needs 'model'"):
+        resolve_speculative_config({"method": "draft_model", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="'model' is for method='draft_model'"):
+        resolve_speculative_config({"method": "ngram", "model": "tiny-mamba", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="a vocabulary of 320 tokens, the target 'demo-hybrid' 264"):
+        LLM("demo-hybrid", device="cpu",
+            speculative_config={"method": "draft_model", "model": "tiny-mamba", "num_speculative_tokens": 2})
     with pytest.raises(NotSupportedYetError, match="enable_prefix_caching"):
         LLM("tiny-bamba", device="cpu", enable_prefix_caching=True,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
@@ -361,3 +368,30 @@ def test_ngram_pads_to_k_drafts_with_graphs():
     assert p.propose(np.array([1, 2, 3, 4])) == [4, 4, 4]                  # no match: all padding
     assert p.propose(np.array([7, 8, 9, 7])) == [8, 9, 7]
     assert p.propose(np.array([5, 6, 5])) == [6, 5, 5]                     # one short: padded
+
+
+# ---- the draft-model proposer -------------------------------------------------------------------
+@pytest.mark.parametrize("preset", FAMILY_PRESETS)
+def test_draft_model_tokens_equal_plain_decoding(preset):
+    """method "draft_model": an attention-free draft (tiny-mamba2, the tiny presets' vocabulary) runs in
+    its own engine (its own state slots and KV blocks, prefix caching on) and proposes k greedy
+    tokens; the target's tokens equal plain decoding's, greedy and seeded, with chunked prefill."""
+    llm = LLM(preset, inspect="metadata", **ENGINE,
+              speculative_config={"method": "draft_model", "model": "tiny-mamba2", "num_speculative_tokens": 3})
+    assert generate(llm) == [list(t) for t in plain_tokens(preset)]
+    stats = llm.stats()
+    assert stats["spec_verify_rows"] > 5 and stats["spec_draft_tokens"] > 0
+    assert llm.draft.stats()["prompt_tokens_skipped"] > 0        # proposals reuse the draft's own cache
+    llm.shutdown()
+    assert llm.draft._closed
+
+
+def test_a_draft_equal_to_the_target_is_always_accepted_on_greedy_rows():
+    llm = LLM("tiny-jamba", inspect="off", **ENGINE,
+              speculative_config={"method": "draft_model", "model": "tiny-jamba", "num_speculative_tokens": 4})
+    greedy = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)] * 2
+    assert generate(llm, PROMPTS[:2], greedy) == [list(t) for t in plain_tokens("tiny-jamba")[:1]] + \
+        generate(LLM("tiny-jamba", inspect="off", **ENGINE), PROMPTS[1:2], greedy[:1])
+    stats = llm.stats()
+    assert stats["spec_acceptance_rate"] == 1.0 and stats["spec_mean_accepted_length"] > 3
+    llm.shutdown()

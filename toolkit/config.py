@@ -6,8 +6,6 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkit.errors import NotSupportedYetError
-
 
 @dataclass
 class RunnerConfig:
@@ -96,7 +94,9 @@ class SpeculativeConfig:
     """`LLM(speculative_config={...})`, with vLLM's key names (`vllm/config/speculative.py`).
 
     method                  "ngram": prompt lookup, the continuation of the longest earlier match of
-                            the context's last n tokens (n in [prompt_lookup_min, prompt_lookup_max])
+                            the context's last n tokens (n in [prompt_lookup_min, prompt_lookup_max]);
+                            "draft_model": a smaller model with the same vocabulary (`model`) proposes
+                            k tokens greedily
     num_speculative_tokens  k >= 1 drafts per decode row; each verify step runs 1 + d tokens (d <= k)
     prompt_lookup_min/max   both unset: 5 and 5; one set: the other takes its value (as vLLM)
     """
@@ -104,6 +104,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
+    model: str | None = None        # draft_model: a preset, demo model or HF folder
 
 
 def resolve_speculative_config(spec: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -120,9 +121,12 @@ def resolve_speculative_config(spec: dict | SpeculativeConfig | None) -> Specula
     method = spec.get("method")
     if method not in SPEC_METHODS:
         raise ValueError(f"speculative_config method={method!r}: use one of {SPEC_METHODS}")
-    if method == "draft_model":
-        raise NotSupportedYetError("speculative_config method='draft_model' is not built yet; "
-                                   "use method='ngram'")
+    model = spec.get("model")
+    if method == "draft_model" and (not isinstance(model, str) or not model):
+        raise ValueError("speculative_config method='draft_model' needs 'model': a preset, demo model or "
+                         "HF folder with the target's vocabulary")
+    if method == "ngram" and model is not None:
+        raise ValueError("speculative_config 'model' is for method='draft_model'; n-gram drafts need no model")
     k = spec.get("num_speculative_tokens")
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"speculative_config num_speculative_tokens={k!r}: must be an int >= 1")
@@ -135,7 +139,7 @@ def resolve_speculative_config(spec: dict | SpeculativeConfig | None) -> Specula
             raise ValueError(f"speculative_config {name}={value!r}: must be an int >= 1")
     if lo > hi:
         raise ValueError(f"speculative_config prompt_lookup_min={lo} > prompt_lookup_max={hi}")
-    return SpeculativeConfig(method, k, lo, hi)
+    return SpeculativeConfig(method, k, lo, hi, model)
 
 
 def resolve_mamba_cache_mode(mode: str | None, enable_prefix_caching: bool) -> str:

@@ -42,7 +42,7 @@ from toolkit.request import (
 from toolkit.runner.cudagraph import CaptureReport
 from toolkit.runner.cudagraph import resolve_mode as resolve_cudagraph_mode
 from toolkit.runner.model_runner import ModelRunner
-from toolkit.runner.spec_decode import SpecDecodeStats
+from toolkit.runner.spec_decode import DraftModelProposer, SpecDecodeStats
 from toolkit.sampling import SamplingParams, check_seed, derive_seed
 from toolkit.scheduler import Scheduler
 from toolkit.tokenizer import collect_eos_token_ids, load_tokenizer
@@ -101,7 +101,11 @@ class LLM:
         self.tokenizer = load_tokenizer(loaded.tokenizer_dir, self.vocab_size)
         self.eos_token_ids = collect_eos_token_ids(loaded.config, loaded.source, self.tokenizer)
 
-        self.model_runner = ModelRunner(loaded.model, self.cfg, self.speculative_config)
+        self.draft = None         # speculative_config method "draft_model": the draft engine
+        proposer = None
+        if self.speculative_config is not None and self.speculative_config.method == "draft_model":
+            self.draft, proposer = self._draft_engine(self.speculative_config, dev, dt, seed, backend)
+        self.model_runner = ModelRunner(loaded.model, self.cfg, self.speculative_config, proposer)
         groups = self.model_runner.kv_cache_groups
         attn = [g for g in groups if g.kind == "attention"]
         self.scheduler = Scheduler(
@@ -127,6 +131,31 @@ class LLM:
                           if inspect != "off" or self.checks else None)
         self._memory = MemoryMarks(self.model_runner, self.trace, dev)
         self._memory.mark("load")
+
+    def _draft_engine(self, spec, device, dtype, seed: int, backend: str):
+        """The draft model's own engine (its KV blocks and state slots; prefix caching on, so that a
+        proposal recomputes only what follows its last cached checkpoint of the context) and the
+        proposer that runs it on all the step's contexts at once."""
+        draft = LLM(spec.model, device=device, dtype=dtype, max_num_seqs=self.cfg.max_num_seqs,
+                    max_num_batched_tokens=self.cfg.max_num_batched_tokens, block_size=self.cfg.block_size,
+                    seed=seed, inspect="off", checks=False, backend=backend, enforce_eager=True,
+                    enable_prefix_caching=True)
+        if draft.vocab_size != self.vocab_size:
+            draft.shutdown()
+            raise ValueError(f"speculative_config model={spec.model!r} has a vocabulary of {draft.vocab_size} "
+                             f"tokens, the target {self.model_name!r} {self.vocab_size}: a draft model must share "
+                             "the target's vocabulary")
+        greedy = SamplingParams(max_tokens=spec.num_speculative_tokens, temperature=0.0, ignore_eos=True)
+        room = draft.cfg.max_model_len - spec.num_speculative_tokens
+
+        def generate(contexts: list[list[int]], k: int) -> list[list[int]]:
+            fits = [i for i, c in enumerate(contexts) if len(c) <= room]       # longer: no drafts
+            outs = draft.generate([{"prompt_token_ids": contexts[i]} for i in fits], greedy) if fits else []
+            drafts = [[] for _ in contexts]
+            for i, out in zip(fits, outs):
+                drafts[i] = list(out.outputs[0].token_ids)
+            return drafts
+        return draft, DraftModelProposer(generate, spec.num_speculative_tokens)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -390,6 +419,8 @@ class LLM:
         if self._closed:
             return
         self._closed = True
+        if self.draft is not None:
+            self.draft.shutdown()
         runner = self.model_runner
         runner.shutdown()
         collect()

@@ -85,14 +85,18 @@ class StepObserver(Protocol):
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, cfg: RunnerConfig, speculative_config: SpeculativeConfig | None = None):
+    def __init__(self, model: nn.Module, cfg: RunnerConfig, speculative_config: SpeculativeConfig | None = None,
+                 proposer: Any = None):
+        """`proposer`: what proposes drafts (speculative decoding): `propose_many(contexts)` -> drafts per
+        context; None: the n-gram proposer of `speculative_config` (method "ngram")."""
         self.cfg = cfg
         self.speculative_config = speculative_config
         # with decode graphs, MRV2's rule: always k drafts (padded with the last token), so that decode
         # batches are uniform 1 + k rows a graph can replay
-        self.proposer = (NgramProposer(speculative_config.num_speculative_tokens, speculative_config.prompt_lookup_min,
-                                       speculative_config.prompt_lookup_max, pad=cfg.cudagraph_mode != "none")
-                         if speculative_config else None)
+        if proposer is None and speculative_config is not None:
+            proposer = NgramProposer(speculative_config.num_speculative_tokens, speculative_config.prompt_lookup_min,
+                                     speculative_config.prompt_lookup_max, pad=cfg.cudagraph_mode != "none")
+        self.proposer = proposer
         self.device = cfg.device
         self.model = model
         self.ops = TORCH_OPS if cfg.backend == "torch" else triton_ops(cfg.device)
@@ -283,14 +287,11 @@ class ModelRunner:
     def _propose(self, batch: InputBatch) -> dict[str, list[int]]:
         """Drafts for the next step of each row that consumed all its known tokens (its next step
         is a decode), from the request's own tokens (n-gram prompt lookup)."""
-        rs, out = self.req_states, {}
-        for rid, idx in zip(batch.req_ids, batch.idx_mapping_np):
-            n = int(rs.total_len[idx])
-            if rs.num_computed_tokens[idx] == n - 1:
-                drafts = self.proposer.propose(rs.all_token_ids[idx, :n].numpy())
-                if drafts:
-                    out[rid] = drafts
-        return out
+        rs = self.req_states
+        rows = [(rid, idx) for rid, idx in zip(batch.req_ids, batch.idx_mapping_np)
+                if rs.num_computed_tokens[idx] == rs.total_len[idx] - 1]
+        contexts = [rs.all_token_ids[idx, :int(rs.total_len[idx])].numpy() for _, idx in rows]
+        return {rid: drafts for (rid, _), drafts in zip(rows, self.proposer.propose_many(contexts)) if drafts}
 
     def _logprobs(self, state: ExecuteModelState, sampled: torch.Tensor):
         """Logprobs of the step's sampled tokens (rows that ask, or every row while an observer

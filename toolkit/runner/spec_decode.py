@@ -11,6 +11,7 @@ which includes the target's own token) picks the state column the row's next ste
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,6 +45,28 @@ class NgramProposer:
                 start = int(hits[0]) + n
                 return context[start:start + self.k].tolist()
         return []
+
+
+    def propose_many(self, contexts: list[np.ndarray]) -> list[list[int]]:
+        return [self.propose(c) for c in contexts]
+
+
+class DraftModelProposer:
+    """A smaller model with the same vocabulary proposes k tokens greedily (vLLM's "draft_model",
+    `StandaloneARSpeculator`). `generate(contexts, k)` runs the draft engine -- an LLM of its own, with
+    its own KV blocks and state slots, built by the facade (the runner does not import it) -- on every
+    context at once and returns its k greedy tokens per context. The draft engine caches prefixes,
+    so each step recomputes only what follows its last checkpoint of the context (a recurrent draft
+    model needs no rollback: every proposal starts from a cached state of verified tokens)."""
+
+    def __init__(self, generate: Callable[[list[list[int]], int], list[list[int]]], k: int):
+        self.generate, self.k = generate, k
+
+    def propose(self, context: np.ndarray) -> list[int]:
+        return self.propose_many([context])[0]
+
+    def propose_many(self, contexts: list[np.ndarray]) -> list[list[int]]:
+        return self.generate([c.tolist() for c in contexts], self.k) if contexts else []
 
 
 @dataclass
