@@ -4,6 +4,7 @@
     python3 scripts/vllm_reference.py --venv /tmp/vref     # another scratch folder
     python3 scripts/vllm_reference.py --batches 500 --seed 23 --out tests/data/vllm_builder_goldens.json
     python3 scripts/vllm_reference.py --mode align         # prefix caching: tests/data/vllm_builder_goldens_align.json
+    python3 scripts/vllm_reference.py --mode spec          # speculative decoding: ..._spec.json
 
 Two stages, one file per cache mode (MODES):
 
@@ -33,6 +34,23 @@ Two stages, one file per cache mode (MODES):
 
 Cache modes (MODES), a golden file each:
   - "none": prefix caching off; block table [B, 1], column 0 = the state slot.
+  - "spec": speculative decoding (issue 26), prefix caching off (mamba_cache_mode "none"; this project
+    refuses prefix caching + spec). Each builder once per k of SPEC_KS (names `<builder>_k<k>`), from a
+    VllmConfig with `SpeculativeConfig(method="ngram", num_speculative_tokens=k)` -- what makes
+    `vllm_config.num_speculative_tokens` k, hence the builders' `use_spec_decode`, their reorder
+    threshold 1 + k and their [D, 1 + k] decode state indices -- and a MambaSpec with k spec blocks, on
+    its own batches (`draw_spec_batch`, SPEC_ROW_KINDS; `batch_range` per builder): verify rows ("spec
+    decode", 1 + d tokens, d in 0..k, num_accepted_tokens 1..k+1) mixed with one-token prefill chunks on
+    saved state, fresh one-token prompts, first / continuing / (2..k+1)-token prefill chunks and the
+    runner's padded decode batches, in this project's row order or MRV2's; block tables [B, 1 + k] of
+    distinct slots. `build_kwargs` passes `num_accepted_tokens` and `num_decode_draft_tokens_cpu` as
+    MRV2's MambaHybridModelState.prepare_attn builds them (`mrv2_decode_draft_tokens`: -1 for every row
+    that is not a decode; num_accepted_tokens 1 for those rows). Left out (SPEC_LEFT_OUT, recorded with
+    a check on every batch in `speculative.left_out`): vLLM's Mamba1 builder, which has no spec path
+    (its build() drops the spec kwargs; MRV2 passes it none). Also left out: MRV2's "padded prompt
+    tail" rows (a one-token prompt tail padded with placeholder drafts: MRV2 clears their
+    is_prefilling first, so a builder sees a plain verify row), and CUDA-graph padding of spec batches
+    (cudagraph_mode NONE on this CPU config).
   - "align": vLLM's mode when prefix caching is on (`CacheConfig(enable_prefix_caching=True,
     block_size=bs)`; vLLM then sets mamba_cache_mode = "align" and mamba_block_size = block_size, and
     requires chunked prefill, on by default). Block table [B, cdiv(max_model_len, bs)], position-indexed;
@@ -43,12 +61,6 @@ Cache modes (MODES), a golden file each:
     there). The MambaSpec here keeps vLLM's default of 0 checkpoint blocks and a bare VllmConfig
     leaves `hash_block_size` None, so vLLM builds no checkpoint metadata (the file records both).
 
-Extension points (not built: this project has no speculative decoding or prefill checkpoints yet;
-nothing here fakes them):
-  - Speculative rows: a batch has no `num_accepted_tokens` / `num_decode_draft_tokens_cpu` yet;
-    `build_kwargs` is the one place they reach `builder.build(...)` (vLLM's builders take them as
-    keyword arguments), ROW_KINDS / `draw_row` the place a "spec decode" row kind is drawn, and the
-    `absent` groups of the test's field map the fields that then become compared.
 """
 from __future__ import annotations
 
@@ -65,9 +77,10 @@ VLLM_VERSION = "0.33.0"
 TORCH_VERSION = "2.13.0"
 DEFAULT_VENV = Path.home() / ".cache" / "runnerscope" / f"vllm-{VLLM_VERSION}-venv"
 DEFAULT_OUT = {"none": REPO / "tests" / "data" / "vllm_builder_goldens.json",
-               "align": REPO / "tests" / "data" / "vllm_builder_goldens_align.json"}
+               "align": REPO / "tests" / "data" / "vllm_builder_goldens_align.json",
+               "spec": REPO / "tests" / "data" / "vllm_builder_goldens_spec.json"}
 DEFAULT_SEED = 23
-DEFAULT_BATCHES = 500
+DEFAULT_BATCHES = {"none": 500, "align": 500, "spec": 700}
 
 # What `import vllm`, VllmConfig/ModelConfig and the Mamba-family builders import on a CPU machine
 # (found by importing them in an empty venv, one missing module at a time). Bounds copied from vllm's
@@ -156,11 +169,13 @@ def main() -> None:
                     "(e.g. https://download.pytorch.org/whl/cpu); PyPI's Linux torch is a CUDA build")
     ap.add_argument("--out", type=Path, help="golden file (default: DEFAULT_OUT of the mode)")
     ap.add_argument("--seed", type=int, default=DEFAULT_SEED)
-    ap.add_argument("--batches", type=int, default=DEFAULT_BATCHES)
+    ap.add_argument("--batches", type=int, help="batches (default: DEFAULT_BATCHES of the mode; spec: "
+                    "split over SPEC_KS by SPEC_K_SHARE)")
     ap.add_argument("--mode", default="none", choices=sorted(MODES), help="vLLM mamba cache mode (MODES)")
     ap.add_argument("--generate", action="store_true", help="(internal) run inside the scratch venv")
     args = ap.parse_args()
     args.out = args.out or DEFAULT_OUT[args.mode]
+    args.batches = args.batches or DEFAULT_BATCHES[args.mode]
     if args.generate:
         generate(args)
         return
@@ -188,7 +203,8 @@ MAX_ROWS = 12
 CAPTURE_SIZES = (1, 2, 4, 8, 16)      # the runner pads a decode batch to one of these (toolkit/runner/cudagraph.py)
 
 # Cache modes: their CacheConfig (align: + block_size=bs for each bs of ALIGN_BLOCK_SIZES); a golden file each.
-MODES = {"none": dict(enable_prefix_caching=False), "align": dict(enable_prefix_caching=True)}
+MODES = {"none": dict(enable_prefix_caching=False), "align": dict(enable_prefix_caching=True),
+         "spec": dict(enable_prefix_caching=False)}
 # align: 16 = vLLM's default block size (the Mamba block size follows it); 64 = a larger one, so a builder
 # that assumed one block size would be caught
 ALIGN_BLOCK_SIZES = (16, 64)
@@ -228,22 +244,47 @@ SUMMARISED = ("nums_dict", "batch_ptr", "token_chunk_offset_ptr")
 # Fields vLLM copies from CommonAttentionMetadata: stored as "=<field>" when equal to it (they are).
 PASSTHROUGH = {"seq_lens": "seq_lens", "non_spec_query_start_loc": "query_start_loc"}
 ROW_CODES = {"decode": "d", "prompt_tail_1": "t", "prompt_1": "p", "first_chunk": "f", "continue_chunk": "c",
-             "padding": "x"}
+             "padding": "x", "spec_decode": "v", "short_chunk": "k"}
+
+
+def row_codes(kinds) -> str:
+    return ", ".join(f"{ROW_CODES[k]}={k}" for k in (*kinds, "padding"))
+
+
+# Row kinds: (weight, query length, tokens already in the state, is_prefilling)
+ROW_KINDS = ("decode", "prompt_tail_1", "prompt_1", "first_chunk", "continue_chunk")
+ROW_WEIGHTS = (0.35, 0.12, 0.08, 0.20, 0.25)
+# "spec" mode (SPEC_ROW_KINDS): a decode-phase row of a speculative engine is a verify row, "spec_decode"
+# (its last sampled token + d drafts, d in 0..k: a plain decode there is a verify row with d = 0), and
+# "short_chunk" is a prefill chunk of 2..k+1 tokens (the size of a verify row, still a prefill)
+SPEC_ROW_KINDS = ("spec_decode", "prompt_tail_1", "prompt_1", "first_chunk", "continue_chunk", "short_chunk")
+SPEC_ROW_WEIGHTS = (0.40, 0.12, 0.06, 0.14, 0.18, 0.10)
+SPEC_KS = (3, 1)                      # num_speculative_tokens of the spec file's engines (builders <name>_k<k>)
+SPEC_K_SHARE = {3: 1, 1: 1}           # --batches is split over SPEC_KS in these proportions
+# vLLM 0.33's Mamba1 has no speculative path: Mamba1AttentionMetadataBuilder.build drops the spec
+# kwargs, MRV2's MambaHybridAttnMetadata.get_extra_attn_kwargs passes none to it, and mamba_mixer.py
+# reads no num_accepted_tokens. The spec file leaves it out (`left_out`, with that checked on the batches).
+SPEC_LEFT_OUT = ("mamba1",)
+
 ALIGN_INPUT_FORMAT = (
     "per batch: q = query lengths, computed = tokens already in the state, prefilling = is_prefilling (0/1); "
     "seq_lens = seq_lens_cpu_upper_bound = computed + q; query_start_loc = [0, cumsum(q)]; num_actual_tokens = "
-    "sum(q); int32 CPU tensors; rows = the kind of each row: " + ", ".join(f"{c}={k}" for k, c in ROW_CODES.items())
+    "sum(q); int32 CPU tensors; rows = the kind of each row: " + row_codes(ROW_KINDS)
     + "; tables[bs][i] = [A, C]: the block_table_tensor of batch i for block size bs, int32 [B, W] with "
     "W = cdiv(max_model_len, bs), position-indexed: entry (r, j) = 1 + (A * (r * W + j) + C) % page_prime, "
     "except 0 (the null block) in every entry of a padding row and in a column j < (seq_len[r] - 1) // bs "
     "whose id % null_every == 0 (table_layout); table_sha256[bs][i] = the first 12 hex digits of the sha256 "
     "of that table's int32 little-endian bytes")
 
-# Row kinds: (weight, query length, tokens already in the state, is_prefilling)
-ROW_KINDS = ("decode", "prompt_tail_1", "prompt_1", "first_chunk", "continue_chunk")
-ROW_WEIGHTS = (0.35, 0.12, 0.08, 0.20, 0.25)
-# A "spec_decode" row kind (query 1 + k, num_decode_draft_tokens_cpu = k, num_accepted_tokens) joins
-# ROW_KINDS when the project's speculative decoding lands; `build_kwargs` passes those to build().
+SPEC_INPUT_FORMAT = (
+    "per batch: k = num_speculative_tokens of its engine (builders <name>_k<k>), q = query lengths, computed = "
+    "tokens already in the state, prefilling = is_prefilling (0/1), slots = block_table_tensor [B, 1 + k] (a "
+    "row's 1 + k state slots; 0 = the null slot, padded rows only), num_accepted_tokens = the num_accepted_tokens "
+    "kwarg [B], num_decode_draft_tokens_cpu = that kwarg [B] (MRV2: the draft count of a decode row -- not "
+    "prefilling, 0 < q <= 1 + k --, else -1); seq_lens = seq_lens_cpu_upper_bound = computed + q; "
+    "query_start_loc = [0, cumsum(q)]; num_actual_tokens = sum(q); int32 CPU tensors; order = the row order "
+    "drawn (by_len: decode-like rows by length; mrv2: rows with drafts first, then 1 + k-token rows); rows = "
+    "the kind of each row: " + row_codes(SPEC_ROW_KINDS))
 
 
 def edge(rng, lo: int, ks=(1, 1, 1, 2, 3)) -> int:
@@ -310,6 +351,83 @@ def draw_batch(rng) -> dict:
     return batch
 
 
+def mrv2_decode_draft_tokens(q: list[int], prefilling: list[int], drafts: list[int], k: int,
+                              num_real: int) -> list[int]:
+    """num_decode_draft_tokens_cpu as vLLM 0.33's MRV2 builds it (MambaHybridModelState.prepare_attn,
+    vllm/v1/worker/gpu/model_states/mamba_hybrid.py): -1 for every row, then, for the real rows that are
+    decodes (not prefilling, 0 < query <= k + 1), the row's draft count (0 or more). Padded rows
+    (past the real ones) keep -1."""
+    out = [-1] * len(q)
+    for r in range(num_real):
+        if not prefilling[r] and 0 < q[r] <= k + 1:
+            out[r] = drafts[r]
+    return out
+
+
+def spec_runs_as_decode(q: int, computed: int, prefilling: bool, k: int) -> bool:
+    """Where a row of a speculative engine sorts: a verify row (not prefilling, query <= 1 + k) or a
+    one-token prefill chunk on saved state; the rest are prefills. (Both vLLM's base builder and this
+    project's split classify the rows so; vLLM's GDN regroups them by draft counts.)"""
+    return (not prefilling and q <= k + 1) or (prefilling and q == 1 and computed > 0)
+
+
+def draw_spec_row(rng, kind: str, k: int, drafts: int | None = None) -> tuple[int, int, bool, int, int]:
+    """spec mode: (query_len, num_computed, is_prefilling, drafts, num_accepted_tokens) of one row.
+    A verify row's num_accepted_tokens (what its request kept at its last step, MRV2's per-slot
+    num_accepted_tokens_gpu) is 1..k+1; every other row's is 1 (MRV2 resets it to 1 in add_request
+    and stores max(num_sampled, 1) after a step, so a prefilling request holds 1)."""
+    if kind == "spec_decode":
+        d = drafts if drafts is not None else (k if rng.random() < 0.4 else rng.randint(0, k))
+        return 1 + d, draw_computed(rng), False, d, rng.randint(1, k + 1)
+    if kind == "short_chunk":
+        return rng.randint(2, k + 1), (draw_computed(rng) if rng.random() < 0.6 else 0), True, 0, 1
+    q, c, p = draw_row(rng, kind)
+    return q, c, p, 0, 1
+
+
+def draw_spec_batch(rng, k: int) -> dict:
+    """spec mode: one batch of an engine with k speculative tokens. Verify rows and one-token prefill
+    chunks on saved state first -- in this project's order (`sort_batch`: by query length) or in
+    MRV2's (`sort_batch_req_ids`: rows with drafts first, 1 + k-token rows first, then by length),
+    drawn per batch -- then the prefills by query length. Block table [B, 1 + k], distinct slot ids
+    (the null slot 0 only in padded rows); num_decode_draft_tokens_cpu from `mrv2_decode_draft_tokens`."""
+    kind = rng.choices(("mixed", "decode_only", "prefill_only", "single", "one_token", "padded_decode",
+                        "uniform_verify", "no_verify"), weights=(0.44, 0.10, 0.07, 0.09, 0.06, 0.06, 0.10, 0.08))[0]
+    n = 1 if kind == "single" else rng.randint(1 if kind in ("padded_decode", "uniform_verify") else 2, MAX_ROWS)
+    pool = {"decode_only": ("spec_decode", "prompt_tail_1"), "padded_decode": ("spec_decode",),
+            "uniform_verify": ("spec_decode",),
+            # decode-like rows but no verify row (one-token prefill chunks on saved state): vLLM GDN's non-spec path
+            "no_verify": ("prompt_tail_1", "prompt_1", "first_chunk", "continue_chunk", "short_chunk"),
+            "prefill_only": ("prompt_1", "first_chunk", "continue_chunk", "short_chunk"),
+            "one_token": ("spec_decode", "prompt_tail_1", "prompt_1")}.get(kind, SPEC_ROW_KINDS)
+    weights = [SPEC_ROW_WEIGHTS[SPEC_ROW_KINDS.index(x)] for x in pool]
+    # one-token batches (and the runner's padded decode batches) hold verify rows without drafts
+    forced = {"one_token": 0, "padded_decode": 0, "uniform_verify": k}.get(kind)
+    rows = [(x, *draw_spec_row(rng, x, k, forced)) for x in rng.choices(pool, weights=weights, k=n)]
+    order = rng.choice(("by_len", "mrv2"))
+    if order == "by_len":
+        key = lambda r: (0 if spec_runs_as_decode(r[1], r[2], r[3], k) else 1, r[1])  # noqa: E731
+    else:
+        key = lambda r: ((0, r[4] == 0, r[1] != k + 1, r[1]) if spec_runs_as_decode(r[1], r[2], r[3], k)  # noqa: E731
+                         else (1, 0, 0, r[1]))
+    rows.sort(key=key)
+    width = 1 + k
+    ids = rng.sample(range(1, width * (4 * MAX_ROWS + 8)), n * width)   # state slot 0 is the null slot
+    batch = dict(kind=kind, k=k, order=order, q=[r[1] for r in rows], computed=[r[2] for r in rows],
+                 prefilling=[int(r[3]) for r in rows], slots=[ids[i * width:(i + 1) * width] for i in range(n)],
+                 accepted=[r[5] for r in rows], drafts=[r[4] for r in rows], row_kinds=[r[0] for r in rows])
+    if kind == "padded_decode":       # padded rows: one token at position 0, seq_len 1, the null slot
+        size = min(s for s in CAPTURE_SIZES if s >= n)
+        pad = size - n
+        batch.update(q=batch["q"] + [1] * pad, computed=batch["computed"] + [0] * pad,
+                     prefilling=batch["prefilling"] + [0] * pad, slots=batch["slots"] + [[0] * width] * pad,
+                     accepted=batch["accepted"] + [1] * pad, drafts=batch["drafts"] + [0] * pad,
+                     row_kinds=batch["row_kinds"] + ["padding"] * pad)
+    batch["num_decode_draft_tokens"] = mrv2_decode_draft_tokens(batch["q"], batch["prefilling"], batch["drafts"],
+                                                                k, num_real=n)
+    return batch
+
+
 def block_table_for(batch: dict, mode: str, block_size: int | None = None, table: list[int] | None = None):
     """int32 block table of a batch. "none": [B, 1], one state block per request (column 0 = its state
     slot). "align": [B, cdiv(MAX_MODEL_LEN, block_size)], position-indexed, from the batch's drawn
@@ -321,6 +439,8 @@ def block_table_for(batch: dict, mode: str, block_size: int | None = None, table
     import torch
     if mode == "none":
         return torch.tensor(batch["slots"], dtype=torch.int32).view(-1, 1)
+    if mode == "spec":                # [B, 1 + k]: a row's 1 + k state slots
+        return torch.tensor(batch["slots"], dtype=torch.int32).view(len(batch["q"]), 1 + batch["k"])
     a, c = table
     rows, width = len(batch["q"]), -(-MAX_MODEL_LEN // block_size)
     flat = torch.arange(rows * width, dtype=torch.int64).view(rows, width)
@@ -365,33 +485,51 @@ def common_metadata(batch: dict, mode: str, block_size: int | None = None, table
 
 
 def build_kwargs(batch: dict) -> dict:
-    """Extra keyword arguments of builder.build(): the speculative-decoding inputs
-    (`num_accepted_tokens`, `num_decode_draft_tokens_cpu`) go here once the project has them."""
-    return {}
+    """Extra keyword arguments of builder.build(): spec mode's speculative-decoding inputs, as MRV2's
+    MambaHybridAttnMetadata.get_extra_attn_kwargs hands them to the Mamba2 / ShortConv / GDN builders
+    (`num_accepted_tokens` [B] int32 on the device -- the CPU here --, `num_decode_draft_tokens_cpu` [B]
+    int32 on the CPU, -1 for the rows that are not decodes); none in the other modes."""
+    import torch
+    if "accepted" not in batch:
+        return {}
+    return dict(num_accepted_tokens=torch.tensor(batch["accepted"], dtype=torch.int32),
+                num_decode_draft_tokens_cpu=torch.tensor(batch["num_decode_draft_tokens"], dtype=torch.int32))
 
 
-def make_builder(name: str, mode: str, workdir: Path, block_size: int | None = None):
+def make_builder(name: str, mode: str, workdir: Path, block_size: int | None = None, k: int = 0):
+    """vLLM's builder `name` from a real VllmConfig in cache mode `mode`; spec mode (k > 0): with an n-gram
+    SpeculativeConfig of k tokens (what sets vllm_config.num_speculative_tokens, the builders' spec path,
+    their reorder threshold 1 + k and [D, 1 + k] decode state indices) and a MambaSpec with k spec blocks."""
     import importlib
 
     import torch
-    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+    from vllm.config import CacheConfig, ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import MambaSpec
     cls_path, backend, hf_config, shapes = BUILDERS[name]
     folder = workdir / name
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps({**_TINY, **hf_config}))
+    model_config = ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="float32",
+                               max_model_len=MAX_MODEL_LEN)
+    extra = {}
+    if k:
+        parallel = ParallelConfig()
+        extra = dict(parallel_config=parallel, speculative_config=SpeculativeConfig(
+            method="ngram", num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3,
+            target_model_config=model_config, target_parallel_config=parallel))
     vllm_config = VllmConfig(
-        model_config=ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="float32",
-                                 max_model_len=MAX_MODEL_LEN),
-        cache_config=CacheConfig(**MODES[mode], **({"block_size": block_size} if block_size else {})))
+        model_config=model_config,
+        cache_config=CacheConfig(**MODES[mode], **({"block_size": block_size} if block_size else {})), **extra)
     cache = vllm_config.cache_config
-    assert cache.mamba_cache_mode == mode, (name, cache.mamba_cache_mode)
+    assert cache.mamba_cache_mode == ("none" if mode == "spec" else mode), (name, cache.mamba_cache_mode)
+    assert vllm_config.num_speculative_tokens == k, (name, vllm_config.num_speculative_tokens)
     if mode == "align":
         assert cache.mamba_block_size == cache.block_size == block_size, (name, cache.mamba_block_size)
         assert vllm_config.scheduler_config.enable_chunked_prefill, name
     spec = MambaSpec(block_size=cache.mamba_block_size, shapes=shapes, dtypes=(torch.float32,) * len(shapes),
-                     mamba_type=MambaAttentionBackendEnum[backend], mamba_cache_mode=cache.mamba_cache_mode)
+                     mamba_type=MambaAttentionBackendEnum[backend], mamba_cache_mode=cache.mamba_cache_mode,
+                     num_speculative_blocks=k)
     module, cls_name = cls_path.rsplit(".", 1)
     builder = getattr(importlib.import_module(module), cls_name)(spec, [f"{name}.layer"], vllm_config,
                                                                  torch.device("cpu"))
@@ -402,6 +540,11 @@ def make_builder(name: str, mode: str, workdir: Path, block_size: int | None = N
                 use_v2_model_runner=bool(vllm_config.use_v2_model_runner))
     if hasattr(builder, "gdn_prefill_backend"):
         info["gdn_prefill_backend"] = builder.gdn_prefill_backend
+    if k:
+        assert builder.use_spec_decode and builder.reorder_batch_threshold == 1 + k, (name, k)
+        info.update(num_speculative_tokens=k, speculative_method=vllm_config.speculative_config.method,
+                    num_speculative_blocks=spec.num_speculative_blocks,
+                    reorder_batch_threshold=builder.reorder_batch_threshold)
     if mode == "align":
         info.update(block_size=cache.block_size, hash_block_size=cache.hash_block_size,
                     num_prefill_checkpoint_blocks=spec.num_prefill_checkpoint_blocks,
@@ -473,6 +616,77 @@ def coverage(batches: list[dict]) -> dict:
     return cov
 
 
+def spec_coverage(batches: list[dict]) -> dict:
+    """spec mode: per k, the rows, batches and inputs on the edges of the speculative split."""
+    cov = {}
+    for k in SPEC_KS:
+        bk = [b for b in batches if b["k"] == k]
+        rows = [x for b in bk for x in b["row_kinds"]]
+        c = {f"rows_{x}": rows.count(x) for x in (*SPEC_ROW_KINDS, "padding")}
+        c.update({f"batches_{x}": sum(b["kind"] == x for b in bk)
+                  for x in ("mixed", "decode_only", "prefill_only", "single", "one_token", "padded_decode",
+                            "uniform_verify", "no_verify")})
+        c.update({f"batches_order_{x}": sum(b["order"] == x for b in bk) for x in ("by_len", "mrv2")})
+        verify = [(q, a) for b in bk for q, a, x in zip(b["q"], b["accepted"], b["row_kinds"], strict=True)
+                  if x == "spec_decode"]
+        c.update({f"verify_rows_with_{d}_drafts": sum(q == 1 + d for q, _ in verify) for d in range(k + 1)})
+        c.update({f"verify_rows_with_num_accepted_{a}": sum(v == a for _, v in verify) for a in range(1, k + 2)})
+        c["short_chunks_of_1_plus_k_tokens"] = sum(
+            1 for b in bk for q, x in zip(b["q"], b["row_kinds"], strict=True) if x == "short_chunk" and q == k + 1)
+        spec_rows = [[d >= 0 for d in b["num_decode_draft_tokens"]]
+                     for b in bk]
+        c["batches_with_spec_rows"] = sum(any(m) for m in spec_rows)
+        c["batches_with_decode_rows_but_no_spec_rows"] = sum(
+            1 for b, m in zip(bk, spec_rows, strict=True) if not any(m) and any(
+                spec_runs_as_decode(q, cc, bool(p), k) for q, cc, p in zip(b["q"], b["computed"], b["prefilling"],
+                                                                           strict=True)))
+        c["batches_with_spec_rows_and_one_token_non_spec_rows"] = sum(
+            1 for b, m in zip(bk, spec_rows, strict=True) if any(m) and any(
+                not s and q == 1 for s, q in zip(m, b["q"], strict=True)))
+        c["batches_with_a_non_spec_row_between_spec_rows"] = sum(
+            1 for m in spec_rows if any(not m[r] and any(m[:r]) and any(m[r + 1:]) for r in range(len(m))))
+        c["batches_with_spec_rows_and_prefills"] = sum(
+            1 for b, m in zip(bk, spec_rows, strict=True) if any(m) and any(
+                not spec_runs_as_decode(q, cc, bool(p), k) for q, cc, p in zip(b["q"], b["computed"], b["prefilling"],
+                                                                               strict=True)))
+        c["batches_all_spec_rows"] = sum(all(m) for m in spec_rows)
+        for cs in EDGE_SIZES:
+            c[f"prefill_rows_not_starting_on_a_{cs}_boundary"] = sum(
+                1 for b in bk for q, cc, p in zip(b["q"], b["computed"], b["prefilling"], strict=True)
+                if not spec_runs_as_decode(q, cc, bool(p), k) and cc % cs)
+        cov.update({f"k{k}_{key}": v for key, v in c.items()})
+    return cov
+
+
+def spec_left_out(batches: list[dict], ranges: dict, workdir: Path, outputs: dict) -> dict:
+    """spec mode: why SPEC_LEFT_OUT are not in the file, checked on its batches: vLLM's Mamba1 builder,
+    built with the speculative config, gives the same metadata with MRV2's spec kwargs as without
+    them, and its decode/prefill split then differs from the spec-aware base builder's (ShortConv's)."""
+    out = {}
+    for name in SPEC_LEFT_OUT:
+        for k in SPEC_KS:
+            builder, _ = make_builder(name, "spec", workdir, None, k)
+            lo, hi = ranges[k]
+            same, differs = 0, 0
+            base = outputs[f"short_conv_k{k}"]["num_decodes"]
+            for i in range(lo, hi):
+                common = common_metadata(batches[i], "spec")
+                with_kw = builder.build(0, common, **build_kwargs(batches[i]))
+                without = builder.build(0, common)
+                a = {f: encode(f, v, common) for f, v in vars(with_kw).items()}
+                same += a == {f: encode(f, v, common) for f, v in vars(without).items()}
+                nd = base["const"] if isinstance(base, dict) else base[i - lo]
+                differs += a["num_decodes"] != nd
+            out[f"{name}_k{k}"] = {
+                "reason": "vLLM 0.33's Mamba1 has no speculative path: Mamba1AttentionMetadataBuilder.build "
+                          "calls _compute_common_metadata without num_accepted_tokens, MRV2's "
+                          "MambaHybridAttnMetadata.get_extra_attn_kwargs passes it no spec kwargs, and "
+                          "mamba_mixer.py reads no num_accepted_tokens",
+                "batches": hi - lo, "batches_where_spec_kwargs_change_nothing": same,
+                "batches_where_its_num_decodes_differs_from_short_conv": differs}
+    return out
+
+
 def align_coverage(batches: list[dict], tables: dict[str, list[list[int]]]) -> dict:
     """align: per block size, the rows on the edges of the state-index rule."""
     cov = {}
@@ -534,17 +748,32 @@ def generate(args) -> None:
     import vllm
     t0 = time.time()
     rng = random.Random(args.seed)
-    batches = [draw_batch(rng) for _ in range(args.batches)]
+    spec = args.mode == "spec"
+    if spec:     # the batches of each k in turn (SPEC_KS), a builder per k over its own range of them
+        share = sum(SPEC_K_SHARE.values())
+        per_k = {k: args.batches * SPEC_K_SHARE[k] // share for k in SPEC_KS}
+        per_k[SPEC_KS[0]] += args.batches - sum(per_k.values())
+        batches = [draw_spec_batch(rng, k) for k in SPEC_KS for _ in range(per_k[k])]
+        ranges = {k: [i for i, b in enumerate(batches) if b["k"] == k] for k in SPEC_KS}
+        ranges = {k: (r[0], r[-1] + 1) for k, r in ranges.items()}
+    else:
+        batches = [draw_batch(rng) for _ in range(args.batches)]
     # align: the tables are drawn after the batches, so the batches are the "none" file's
     tables = draw_tables(rng, batches) if args.mode == "align" else {}
-    runs = ([(name, name, None) for name in BUILDERS] if args.mode == "none" else
-            [(f"{name}_bs{bs}", name, bs) for bs in ALIGN_BLOCK_SIZES for name in BUILDERS])
+    runs = ([(name, name, None, 0) for name in BUILDERS] if args.mode == "none" else
+            [(f"{name}_k{k}", name, None, k) for k in SPEC_KS for name in BUILDERS if name not in SPEC_LEFT_OUT]
+            if spec else
+            [(f"{name}_bs{bs}", name, bs, 0) for bs in ALIGN_BLOCK_SIZES for name in BUILDERS])
     workdir = Path(tempfile.mkdtemp(prefix="vllm-ref-configs-"))
     builders, outputs = {}, {}
-    for full_name, name, bs in runs:
-        builder, info = make_builder(name, args.mode, workdir, bs)
+    for full_name, name, bs, k in runs:
+        builder, info = make_builder(name, args.mode, workdir, bs, k)
+        lo, hi = ranges[k] if spec else (0, len(batches))
+        if spec:
+            info["batch_range"] = [lo, hi]
         records, dtypes = [], {}
-        for i, b in enumerate(batches):
+        for i in range(lo, hi):
+            b = batches[i]
             common = common_metadata(b, args.mode, bs, tables[str(bs)][i] if bs else None)
             md = builder.build(common_prefix_len=0, common_attn_metadata=common, **build_kwargs(b))
             rec = {}
@@ -558,10 +787,15 @@ def generate(args) -> None:
         builders[full_name] = info
         outputs[full_name] = columns(records)
         print(f"  {full_name}: {len(records)} batches ({time.time() - t0:.0f} s)", flush=True)
+    left_out = spec_left_out(batches, ranges, workdir, outputs) if spec else None
     dedupe(outputs)
-    keys = ("kind", "q", "computed", "prefilling") + (("slots",) if args.mode == "none" else ())
+    keys = ("kind", "q", "computed", "prefilling") + (("slots",) if args.mode in ("none", "spec") else ())
     inputs = {k: [b[k] for b in batches] for k in keys}
     inputs["rows"] = ["".join(ROW_CODES[k] for k in b["row_kinds"]) for b in batches]
+    if spec:
+        inputs.update(k=[b["k"] for b in batches], order=[b["order"] for b in batches],
+                      num_accepted_tokens=[b["accepted"] for b in batches],
+                      num_decode_draft_tokens_cpu=[b["num_decode_draft_tokens"] for b in batches])
     if args.mode == "align":
         inputs["tables"] = tables
         inputs["table_sha256"] = {str(bs): [table_digest(block_table_for(b, "align", bs, t))
@@ -571,7 +805,7 @@ def generate(args) -> None:
     doc = {
         "about": "Inputs and outputs of vLLM's Mamba-family metadata builders, for "
                  "tests/test_vllm_builder_goldens.py. Regenerate: python3 scripts/vllm_reference.py"
-                 + (" --mode align" if align else ""),
+                 + (f" --mode {args.mode}" if args.mode != "none" else ""),
         "vllm_version": vllm.__version__, "torch_version": torch.__version__, "seed": args.seed,
         "mode": args.mode, "num_batches": len(batches), "max_model_len": MAX_MODEL_LEN,
     }
@@ -583,19 +817,28 @@ def generate(args) -> None:
             "<name>_bs<bs>): mamba_cache_mode 'align', mamba_block_size = block_size = bs, chunked prefill on; "
             "MambaSpec with vLLM's default num_prefill_checkpoint_blocks=0 and hash_block_size unresolved "
             "(None): no prefill checkpoints")
+    if spec:
+        doc["speculative"] = {
+            "num_speculative_tokens": list(SPEC_KS), "batch_range": {str(k): list(r) for k, r in ranges.items()},
+            "config": "VllmConfig(..., speculative_config=SpeculativeConfig(method='ngram', "
+                      "num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3)), CacheConfig("
+                      "enable_prefix_caching=False) (mamba_cache_mode 'none'), MambaSpec(num_speculative_blocks=k); "
+                      "builder <name>_k<k> reads the batches of batch_range[k]",
+            "left_out": left_out}
     doc.update({
-        "input_format": ALIGN_INPUT_FORMAT if align else
+        "input_format": SPEC_INPUT_FORMAT if spec else ALIGN_INPUT_FORMAT if align else
                         "per batch: q = query lengths, computed = tokens already in the state, prefilling = "
                         "is_prefilling (0/1), slots = block_table_tensor[:, 0] (the state slot; block table "
                         "[B, 1]); seq_lens = seq_lens_cpu_upper_bound = computed + q; query_start_loc = "
                         "[0, cumsum(q)]; num_actual_tokens = sum(q); int32 CPU tensors; rows = the kind of "
-                        "each row: " + ", ".join(f"{c}={k}" for k, c in ROW_CODES.items()),
+                        "each row: " + row_codes(ROW_KINDS),
         "output_format": "per builder and field, the list over batches, or {'const': v} (equal in every "
                          "batch) or {'same_as': 'builder.field'} (equal to that column); tensors as nested "
                          "lists (bool as 0/1; dtypes under builders), None as null, '=<field>' = equal to "
                          "that CommonAttentionMetadata field; " + ", ".join(SUMMARISED)
                          + ": true = present (values not recorded)",
-        "coverage": {**coverage(batches), **(align_coverage(batches, tables) if align else {})},
+        "coverage": spec_coverage(batches) if spec else
+                    {**coverage(batches), **(align_coverage(batches, tables) if align else {})},
         "builders": builders,
         "inputs": inputs,
         "outputs": outputs,

@@ -13,6 +13,17 @@ position-indexed block tables [B, cdiv(max_model_len, bs)] with distinct page id
 columns before the running one. This project's builders run with `mamba_block_size=bs` and must pick
 vLLM's state index, the page in the column of each row's last scheduled token.
 
+tests/data/vllm_builder_goldens_spec.json holds speculative-decoding batches (issue 26, `--mode spec`):
+vLLM's Mamba2 / ShortConv / GDN builders of engines with an n-gram SpeculativeConfig of k = 3 and k = 1
+tokens (builders `<name>_k<k>`, each on its own range of batches), fed verify rows of 1 + d tokens
+(d in 0..k) with their num_accepted_tokens, mixed with the other row kinds, block tables [B, 1 + k] and
+`num_decode_draft_tokens_cpu` as vLLM's MRV2 builds it. This project's builders run with
+`num_speculative_tokens=k` on the same inputs. vLLM's Mamba1 builder has no spec path (the file's
+`left_out`); this project's Mamba1 spec metadata is held to vLLM's spec-aware base builder (ShortConv's).
+vLLM's GDN regroups a spec batch by mask (spec rows = num_decode_draft_tokens_cpu >= 0, the rest
+non-spec, one-token ones counted as prefills); this project's GDN keeps the base layout, so those fields
+are Derived from its metadata and the input's draft counts (GDNView).
+
 Each golden input goes through this project's builder, and every field of vLLM's metadata is accounted
 for once, in FIELD_MAPS below:
   COMPARED     vLLM field -> this project's field (same name or not), or a function of this project's
@@ -20,12 +31,14 @@ for once, in FIELD_MAPS below:
                vLLM's empty tensors equal this project's None; direct fields also compare dtypes
   FROM_INPUT   vLLM copies a CommonAttentionMetadata field; this project's metadata does not carry it
                (its layers read nothing of the kind); checked equal to the input
-  ABSENT       features this project does not have (speculative decoding, ReplaySSM, prefix-caching
-               checkpoints, other GDN backends): None or empty in every golden batch, and the project's
-               metadata has no such field
+  ABSENT       features this project does not have (ReplaySSM, prefix-caching checkpoints, other GDN
+               backends): None or empty in every golden batch, and the project's metadata has no such field
   NOT_COMPARED vLLM-only launch metadata of its Triton causal_conv1d, with the reason
 A vLLM field in none of them, or a field of this project's metadata that no entry reads, fails the test.
-KNOWN_DIFFERENCES would list a real disagreement with its reason (none today).
+KNOWN_DIFFERENCES would list a real disagreement with its reason (none today). Two deliberate layout
+differences are Derived instead, each strict on both sides: vLLM GDN's spec / non-spec regrouping
+(GDNView), and vLLM's base builder handing on its num_accepted_tokens kwarg unsliced in a spec batch
+without decodes, where this project's field is None (`_base_num_accepted`).
 """
 from __future__ import annotations
 
@@ -50,19 +63,28 @@ from toolkit.attention.mamba2 import Mamba2AttentionMetadata, Mamba2MetadataBuil
 from toolkit.attention.short_conv import ShortConvAttentionMetadata, ShortConvMetadataBuilder
 
 GOLDENS = {"none": Path(__file__).parent / "data" / "vllm_builder_goldens.json",
-           "align": Path(__file__).parent / "data" / "vllm_builder_goldens_align.json"}
+           "align": Path(__file__).parent / "data" / "vllm_builder_goldens_align.json",
+           "spec": Path(__file__).parent / "data" / "vllm_builder_goldens_spec.json"}
 VLLM_VERSION = "0.33.0"
 MIN_BATCHES = 500
+MIN_SPEC_BATCHES = {3: 300, 1: 300}     # per num_speculative_tokens of the spec file
 
 
 # ---- the field map, written once ---------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class Derived:
-    """A vLLM field computed from this project's metadata (values compared, not dtypes)."""
+    """A vLLM field computed from this project's metadata (values compared; dtypes too with `dtype`, for
+    a tensor handed on as this project built it); with `inputs`, also from those CommonAttentionMetadata
+    fields (fn(md, common))."""
     fn: Callable
     reads: tuple[str, ...]     # the project fields it reads
     how: str
+    inputs: tuple[str, ...] = ()
+    dtype: bool = False
+
+    def __call__(self, md, cm):
+        return self.fn(md, cm) if self.inputs else self.fn(md)
 
 
 def _cat(*parts) -> torch.Tensor | None:
@@ -72,36 +94,188 @@ def _cat(*parts) -> torch.Tensor | None:
 
 def _decode_column(md):
     # vLLM: [D, 1 + num_spec_tokens] (its decode kernels take the spec slots too); here [D] without
-    # speculative decoding (the goldens' builders have none), [D, 1 + k] with it
+    # speculative decoding, [D, 1 + k] with it (the spec file's builders)
     if md.state_indices_tensor_d is None:
         return None
     return md.state_indices_tensor_d if md.num_accepted_tokens is not None else md.state_indices_tensor_d.view(-1, 1)
 
 
-def _spec_rows(md, value):
-    # vLLM GDN's spec-decode fields: set only when the batch has spec rows (here: decode rows of a
-    # speculative engine, which all carry num_accepted_tokens)
-    return value if md.num_accepted_tokens is not None else None
+# ---- vLLM GDN's row groups, read off this project's metadata ---------------------------------------
+# vLLM's GDN builder (gdn_attn.py `GDNAttentionMetadataBuilder.build`) regroups a speculative batch by
+# mask: its spec rows are the rows with num_decode_draft_tokens_cpu >= 0 (MRV2: the decode-phase rows,
+# 0 drafts included), and every other row is non-spec; with spec rows present, a non-spec one-token row
+# (a one-token prefill chunk on saved state, a padded row) is counted as a prefill ("num_decodes and
+# num_spec_decodes are mutually exclusive"), and the spec / non-spec tokens are gathered by index
+# (spec_token_indx / non_spec_token_indx). This project's GDN keeps the base layout (mamba_base.py):
+# decodes first, every decode row of a speculative engine a verify row. So the vLLM fields are derived:
+# the project's decode rows split by the input's draft counts into vLLM's spec rows and the rest
+# ("other": one-token rows vLLM runs as one-token prefills / plain decodes on column 0). An "other" row
+# is the same computation only if it is one token with num_accepted_tokens 1 (its verify step reads
+# and writes column 0): anything else makes every derived field a message, so it fails the comparison.
+# Without speculative decoding (the none / align files, or no verify row in the batch: vLLM's non-spec
+# path) the view is the project's split as it is.
+
+@dataclasses.dataclass(frozen=True)
+class GDNView:
+    spec: list[int]            # project decode rows that are vLLM spec rows
+    other: list[int]           # project decode rows that are not
+    qd: np.ndarray             # query length of every project decode row
+    error: str | None          # why the project's metadata cannot be vLLM's (a row that is not equivalent)
+
+    @property
+    def any_spec(self) -> bool:
+        return bool(self.spec)
 
 
-def _all_rows_state_indices(md):
-    return _cat(md.state_indices_tensor_d, md.state_indices_tensor_p)
+def _gdn_view(md, cm) -> GDNView:
+    d = md.num_decodes
+    qd = (np.diff(md.query_start_loc_d.cpu().numpy()) if md.query_start_loc_d is not None
+          else np.ones(d, dtype=np.int64))
+    drafts = cm.num_decode_draft_tokens_cpu
+    if drafts is None or not (drafts.numpy() >= 0).any():
+        spec, other = [], list(range(d))
+    else:
+        mask = drafts.numpy()[:d] >= 0
+        spec, other = np.flatnonzero(mask).tolist(), np.flatnonzero(~mask).tolist()
+    error = None
+    if md.num_accepted_tokens is not None:      # a speculative builder: its other rows must equal vLLM's
+        accepted = md.num_accepted_tokens.cpu().numpy()
+        bad = [r for r in other if qd[r] != 1 or accepted[r] != 1]
+        if bad:
+            r = bad[0]
+            error = (f"decode row {r} (query {qd[r]}, num_accepted {accepted[r]}) is no spec row for vLLM "
+                     f"and not a one-token step on column 0")
+    return GDNView(spec, other, qd, error)
 
 
-def _all_rows_has_initial_state(md):
-    # vLLM GDN: num_computed > 0 for every row, built only when the batch has prefills. A decode row
-    # always runs on top of saved state.
-    if not md.num_prefills:
+def _gdn(fn):
+    """A derived GDN field: fn(md, view, common), or the view's error."""
+    def derived(md, cm):
+        view = _gdn_view(md, cm)
+        return view.error if view.error else fn(md, view, cm)
+    return derived
+
+
+def _cumsum0(lengths) -> torch.Tensor:
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    torch.cumsum(torch.as_tensor(np.asarray(lengths, dtype=np.int64)), 0, out=out[1:])
+    return out
+
+
+def _col0(md, rows=None):
+    sid = md.state_indices_tensor_d
+    if sid is None:
         return None
-    return torch.cat([torch.ones(md.num_decodes, dtype=torch.bool), md.has_initial_states_p])
+    sid = sid if sid.dim() == 1 else sid[:, 0]
+    return sid if rows is None else sid[rows]
 
 
-def _all_rows_query_start_loc(md):
-    # decodes take one token each; the prefill rows' boundaries are query_start_loc_p shifted back
-    qsl = torch.arange(md.num_decodes + 1, dtype=torch.int32)
+def _gdn_non_spec_rows(md, v):
+    """The non-spec rows' project decode rows: all decodes on vLLM's non-spec path, the others on its spec path."""
+    return v.other if v.any_spec else list(range(md.num_decodes))
+
+
+def _gdn_num_prefills(md, v, cm):
+    return md.num_prefills + (len(v.other) if v.any_spec else 0)
+
+
+def _gdn_non_spec_state_indices(md, v, cm):
+    rows = _gdn_non_spec_rows(md, v)
+    return _cat(_col0(md, rows) if rows else None, md.state_indices_tensor_p)
+
+
+def _gdn_non_spec_query_start_loc(md, v, cm):
+    # the non-spec rows' query lengths: their decode rows', then the prefill rows' (query_start_loc_p)
+    rows = _gdn_non_spec_rows(md, v)
+    if not rows and not md.num_prefills:
+        return None
+    qsl = _cumsum0(v.qd[rows])
     if md.num_prefills:
-        qsl = torch.cat([qsl, md.query_start_loc_p[1:] + md.num_decode_tokens])
+        qsl = torch.cat([qsl, md.query_start_loc_p[1:].cpu() + int(qsl[-1])])
     return qsl
+
+
+def _gdn_has_initial_state(md, v, cm):
+    # vLLM: num_computed > 0 of its non-spec rows, built only when it has prefills. Non-spec path: a decode
+    # row always runs on top of saved state. Spec path: the other rows (prompt tails on saved state; padded
+    # rows, seq_len 1) by their input num_computed = seq_len - query
+    if not _gdn_num_prefills(md, v, cm):
+        return None
+    if v.any_spec:
+        seq = cm.seq_lens_cpu_upper_bound.numpy()
+        head = torch.tensor([bool(seq[r] - v.qd[r] > 0) for r in v.other], dtype=torch.bool)
+    else:
+        head = torch.ones(md.num_decodes, dtype=torch.bool)
+    return _cat(head, md.has_initial_states_p)
+
+
+def _gdn_spec_token_indx(md, v, cm):
+    if not v.any_spec:
+        return None
+    qsl = md.query_start_loc_d.cpu().numpy()
+    return np.concatenate([np.arange(qsl[r], qsl[r + 1]) for r in v.spec]).tolist()
+
+
+def _gdn_non_spec_token_indx(md, v, cm):
+    if not v.any_spec:
+        return None
+    qsl = md.query_start_loc_d.cpu().numpy()
+    parts = [np.arange(qsl[r], qsl[r + 1]) for r in v.other]
+    parts.append(np.arange(md.num_decode_tokens, md.num_decode_tokens + md.num_prefill_tokens))
+    return np.concatenate(parts).tolist() or None
+
+
+def _gdn_spec_masks(md, v, cm):
+    if not v.any_spec:
+        return None
+    mask = torch.zeros(md.num_reqs, dtype=torch.bool)
+    mask[v.spec] = True
+    return mask
+
+
+def _gdn_uniform_spec_length(md, v, cm):
+    if not v.any_spec:
+        return None
+    lens = v.qd[v.spec]
+    return int(lens[0]) if lens[0] > 0 and (lens == lens[0]).all() else None
+
+
+def _gdn_if_prefills(fn):
+    # vLLM builds its prefill / chunk fields only when it has prefill rows
+    return lambda md, v, cm: fn(md, v, cm) if _gdn_num_prefills(md, v, cm) else None
+
+
+def _gdn_chunk_indices(md, v, cm):
+    # FLA's chunks over vLLM's prefill rows: on its spec path the other rows (one token, one chunk each)
+    # lead, then this project's prefill rows, shifted by their count
+    n = len(v.other) if v.any_spec else 0
+    head = torch.tensor([[i, 0] for i in range(n)], dtype=torch.int32).view(-1, 2)
+    own = _fla_chunk_indices(md)
+    if own is not None:
+        own = own + torch.tensor([n, 0], dtype=torch.int32)
+    return _cat(head if n else None, own)
+
+
+def _gdn_chunk_offsets(md, v, cm):
+    n = len(v.other) if v.any_spec else 0
+    out = torch.arange(n + 1, dtype=torch.int32)
+    if md.num_prefills:
+        out = torch.cat([out, md.last_chunk_indices_p.cpu() + 1 + n])
+    return out
+
+
+def _base_num_accepted(md, cm):
+    """vLLM's base builder (mamba_attn.py `_compute_common_metadata`) slices its num_accepted_tokens kwarg
+    to the decodes only inside `if num_decodes > 0 and self.use_spec_decode`; in a batch without decodes
+    it hands the kwarg on as it came, all B rows, which none of its layers reads there (mamba_mixer2.py
+    and short_conv.py read it only for decode rows). This project keeps the field decode-only, None
+    without decodes (mamba_base.py), on purpose: then vLLM's value must be the input's, and this
+    project's None (anything else is returned as a message, so it fails)."""
+    if md.num_decodes or cm.num_accepted_tokens is None:
+        return md.num_accepted_tokens
+    if md.num_accepted_tokens is not None:
+        return f"num_accepted_tokens {md.num_accepted_tokens.tolist()} without decode rows (None expected)"
+    return cm.num_accepted_tokens
 
 
 def _fla_chunk_indices(md):
@@ -134,9 +308,12 @@ BASE_COMPARED = {
     "query_start_loc_p": "query_start_loc_p",
     "state_indices_tensor_p": "state_indices_tensor_p",
     "state_indices_tensor_d": Derived(_decode_column, ("state_indices_tensor_d",), "state_indices_tensor_d as [D, 1]"),
-    "query_start_loc_d": "query_start_loc_d", "num_accepted_tokens": "num_accepted_tokens",
+    "query_start_loc_d": "query_start_loc_d",
+    "num_accepted_tokens": Derived(
+        lambda md, cm: _base_num_accepted(md, cm), ("num_accepted_tokens", "num_decodes"),
+        "num_accepted_tokens [D]; in a speculative batch without decodes (this project: None) vLLM's "
+        "input kwarg, unsliced", ("num_accepted_tokens",), dtype=True),
 }
-SPEC = "speculative decoding (not in the goldens' batches yet)"
 SPEC_LOOP = {f: "speculative decoding's per-position loop over the verify rows' state columns (mamba_base.py); "
              "None without it" for f in ("spec_token_index_d", "spec_src_slots_d", "spec_dst_slots_d",
                                          "spec_out_index_d")}
@@ -170,39 +347,79 @@ MAMBA2 = dict(
     absent={**BASE_ABSENT, "checkpoint_chunk_idx": CHECKPOINTS, "checkpoint_meta": CHECKPOINTS},
     from_input=BASE_FROM_INPUT, not_compared=BASE_NOT_COMPARED, project_only={**CHECKPOINTS_ONLY, **SPEC_LOOP})
 
+SPEC_INPUTS = ("num_decode_draft_tokens_cpu",)     # the input every GDN view reads (GDNView)
+
+
+def _gdn_field(fn, reads, how, inputs=(), dtype=False):
+    return Derived(_gdn(fn), reads + ("num_decodes", "query_start_loc_d", "num_accepted_tokens"), how,
+                   SPEC_INPUTS + inputs, dtype)
+
+
 GDN = dict(
     compared={
-        **{f: f for f in COUNTS},
-        "num_spec_decodes": Derived(lambda md: _spec_rows(md, md.num_decodes) or 0, ("num_decodes",),
-                                    "num_decodes with speculative decoding, else 0"),
-        "num_spec_decode_tokens": Derived(lambda md: _spec_rows(md, md.num_decode_tokens) or 0,
-                                          ("num_decode_tokens",),
-                                          "num_decode_tokens with speculative decoding, else 0"),
-        "spec_query_start_loc": "query_start_loc_d",
-        "spec_state_indices_tensor": Derived(lambda md: _spec_rows(md, md.state_indices_tensor_d),
-                                             ("state_indices_tensor_d",), "state_indices_tensor_d [D, 1 + k] "
-                                             "with speculative decoding"),
-        "num_accepted_tokens": "num_accepted_tokens",
-        "has_initial_state": Derived(_all_rows_has_initial_state, ("num_decodes", "has_initial_states_p"),
-                                     "[True] * num_decodes + has_initial_states_p"),
-        "non_spec_query_start_loc": Derived(_all_rows_query_start_loc, ("query_start_loc_p",),
-                                            "arange(D + 1) + (query_start_loc_p[1:] + D)"),
-        "non_spec_state_indices_tensor": Derived(_all_rows_state_indices,
-                                                 ("state_indices_tensor_d", "state_indices_tensor_p"),
-                                                 "state_indices_tensor_d + state_indices_tensor_p"),
-        "prefill_query_start_loc": "query_start_loc_p",
-        "prefill_state_indices": "state_indices_tensor_p",
-        "prefill_has_initial_state": "has_initial_states_p",
-        "chunk_indices": Derived(_fla_chunk_indices, ("cu_chunk_seqlen_p", "seq_idx_p", "chunk_size"),
-                                 "(seq_idx_p, chunk number in its row) from cu_chunk_seqlen_p"),
-        "chunk_offsets": Derived(_fla_chunk_offsets, ("last_chunk_indices_p",), "[0] + (last_chunk_indices_p + 1)"),
+        "num_decodes": _gdn_field(lambda md, v, cm: 0 if v.any_spec else md.num_decodes, (),
+                                  "num_decodes; 0 with spec rows"),
+        "num_decode_tokens": _gdn_field(lambda md, v, cm: 0 if v.any_spec else md.num_decode_tokens,
+                                        ("num_decode_tokens",), "num_decode_tokens; 0 with spec rows"),
+        "num_prefills": _gdn_field(_gdn_num_prefills, ("num_prefills",),
+                                   "num_prefills (+ the other decode rows with spec rows)"),
+        "num_prefill_tokens": _gdn_field(
+            lambda md, v, cm: md.num_prefill_tokens + (int(v.qd[v.other].sum()) if v.any_spec else 0),
+            ("num_prefill_tokens",), "num_prefill_tokens (+ the other decode rows' tokens with spec rows)"),
+        "num_spec_decodes": _gdn_field(lambda md, v, cm: len(v.spec), (), "the spec rows among the decodes"),
+        "num_spec_decode_tokens": _gdn_field(lambda md, v, cm: int(v.qd[v.spec].sum()), (),
+                                             "the spec rows' tokens (query_start_loc_d)"),
+        "spec_query_start_loc": _gdn_field(lambda md, v, cm: _cumsum0(v.qd[v.spec]) if v.any_spec else None, (),
+                                           "[0] + cumsum of the spec rows' query lengths (query_start_loc_d)",
+                                           dtype=True),
+        "spec_state_indices_tensor": _gdn_field(
+            lambda md, v, cm: md.state_indices_tensor_d[v.spec] if v.any_spec else None, ("state_indices_tensor_d",),
+            "state_indices_tensor_d [D, 1 + k], the spec rows", dtype=True),
+        "num_accepted_tokens": _gdn_field(lambda md, v, cm: md.num_accepted_tokens[v.spec] if v.any_spec else None,
+                                          (), "num_accepted_tokens of the spec rows", dtype=True),
+        "spec_sequence_masks": _gdn_field(_gdn_spec_masks, ("num_reqs",), "the spec rows, over all rows"),
+        "spec_sequence_masks_cpu": _gdn_field(_gdn_spec_masks, ("num_reqs",), "the spec rows, over all rows"),
+        "spec_token_indx": _gdn_field(_gdn_spec_token_indx, (), "the spec rows' tokens (query_start_loc_d)"),
+        "non_spec_token_indx": _gdn_field(_gdn_non_spec_token_indx, ("num_decode_tokens", "num_prefill_tokens"),
+                                          "the other decode rows' tokens, then the prefill tokens"),
+        "uniform_spec_sequence_length": _gdn_field(_gdn_uniform_spec_length, (),
+                                                   "the spec rows' common query length, if any"),
+        "has_initial_state": _gdn_field(_gdn_has_initial_state, ("num_prefills", "has_initial_states_p"),
+                                        "non-spec path: [True] * D + has_initial_states_p; spec path: the other "
+                                        "rows' input num_computed > 0 + has_initial_states_p",
+                                        ("seq_lens_cpu_upper_bound",), dtype=True),
+        "non_spec_query_start_loc": _gdn_field(_gdn_non_spec_query_start_loc, ("num_prefills", "query_start_loc_p"),
+                                               "[0] + cumsum of the non-spec decode rows' lengths, then "
+                                               "query_start_loc_p[1:] shifted by their tokens", dtype=True),
+        "non_spec_state_indices_tensor": _gdn_field(_gdn_non_spec_state_indices,
+                                                    ("state_indices_tensor_d", "state_indices_tensor_p"),
+                                                    "column 0 of the non-spec decode rows + state_indices_tensor_p",
+                                                    dtype=True),
+        "prefill_query_start_loc": _gdn_field(
+            _gdn_if_prefills(lambda md, v, cm: _gdn_non_spec_query_start_loc(md, v, cm) if v.any_spec
+                             else md.query_start_loc_p), ("num_prefills", "query_start_loc_p"),
+            "query_start_loc_p; spec path: non_spec_query_start_loc", dtype=True),
+        "prefill_state_indices": _gdn_field(
+            _gdn_if_prefills(lambda md, v, cm: _gdn_non_spec_state_indices(md, v, cm) if v.any_spec
+                             else md.state_indices_tensor_p), ("num_prefills", "state_indices_tensor_p",
+                                                               "state_indices_tensor_d"),
+            "state_indices_tensor_p; spec path: non_spec_state_indices_tensor", dtype=True),
+        "prefill_has_initial_state": _gdn_field(
+            _gdn_if_prefills(lambda md, v, cm: _gdn_has_initial_state(md, v, cm) if v.any_spec
+                             else md.has_initial_states_p), ("num_prefills", "has_initial_states_p"),
+            "has_initial_states_p; spec path: has_initial_state", ("seq_lens_cpu_upper_bound",), dtype=True),
+        "chunk_indices": _gdn_field(_gdn_if_prefills(_gdn_chunk_indices),
+                                    ("num_prefills", "cu_chunk_seqlen_p", "seq_idx_p", "chunk_size",
+                                     "query_start_loc_p"),
+                                    "(seq_idx_p, chunk number in its row) from cu_chunk_seqlen_p; spec path: "
+                                    "one chunk per other decode row first", dtype=True),
+        "chunk_offsets": _gdn_field(_gdn_if_prefills(_gdn_chunk_offsets), ("num_prefills", "last_chunk_indices_p"),
+                                    "[0] + (last_chunk_indices_p + 1); spec path: one per other decode row first"),
     },
     absent={
         "checkpoint": CHECKPOINTS,
         "flashinfer_checkpoint_plan": "FlashInfer GDN prefill backend (CUDA) with align-mode checkpoints",
         "aiter_prefill_metadata": "ROCm AITER GDN prefill backend",
-        **{f: SPEC for f in ("spec_sequence_masks", "spec_sequence_masks_cpu", "spec_token_indx",
-                             "non_spec_token_indx", "uniform_spec_sequence_length")},
     },
     from_input={"num_actual_tokens": "num_actual_tokens"},
     not_compared=BASE_NOT_COMPARED,
@@ -210,14 +427,19 @@ GDN = dict(
     project_only={"num_reqs": "vLLM's GDN metadata has no num_reqs; checked == the input's num_reqs",
                   **CHECKPOINTS_ONLY, **SPEC_LOOP})
 
-FAMILIES = {  # vLLM builder class -> (this project's metadata class, factory(chunk_size, mamba_block_size), map)
-    "Mamba1AttentionMetadataBuilder": (Mamba1AttentionMetadata,
-                                       lambda cs, bs: Mamba1MetadataBuilder(mamba_block_size=bs), MAMBA1_LIKE),
-    "ShortConvAttentionMetadataBuilder": (ShortConvAttentionMetadata,
-                                          lambda cs, bs: ShortConvMetadataBuilder(mamba_block_size=bs), MAMBA1_LIKE),
-    "Mamba2AttentionMetadataBuilder": (Mamba2AttentionMetadata,
-                                       lambda cs, bs: Mamba2MetadataBuilder(cs, mamba_block_size=bs), MAMBA2),
-    "GDNAttentionMetadataBuilder": (GDNAttentionMetadata, lambda cs, bs: GDNMetadataBuilder(mamba_block_size=bs), GDN),
+FAMILIES = {  # vLLM builder class -> (this project's metadata class, factory(chunk_size, mamba_block_size,
+              #                      num_speculative_tokens), map)
+    "Mamba1AttentionMetadataBuilder": (
+        Mamba1AttentionMetadata, lambda cs, bs, k: Mamba1MetadataBuilder(mamba_block_size=bs, num_speculative_tokens=k),
+        MAMBA1_LIKE),
+    "ShortConvAttentionMetadataBuilder": (
+        ShortConvAttentionMetadata,
+        lambda cs, bs, k: ShortConvMetadataBuilder(mamba_block_size=bs, num_speculative_tokens=k), MAMBA1_LIKE),
+    "Mamba2AttentionMetadataBuilder": (
+        Mamba2AttentionMetadata,
+        lambda cs, bs, k: Mamba2MetadataBuilder(cs, mamba_block_size=bs, num_speculative_tokens=k), MAMBA2),
+    "GDNAttentionMetadataBuilder": (
+        GDNAttentionMetadata, lambda cs, bs, k: GDNMetadataBuilder(mamba_block_size=bs, num_speculative_tokens=k), GDN),
 }
 # (golden builder, vLLM field) -> why this project differs on purpose. Each entry must still differ.
 KNOWN_DIFFERENCES: dict[tuple[str, str], str] = {}
@@ -234,11 +456,18 @@ def golden(mode: str) -> dict:
 MODE_OF = {name: mode for mode in GOLDENS for name in golden(mode)["builders"]}
 
 
+def batches_of(name: str) -> range:
+    """The golden batches a builder read: all of its file's, or (spec file) those of its k."""
+    doc = golden(MODE_OF[name])
+    return range(*doc["builders"][name].get("batch_range", (0, doc["num_batches"])))
+
+
 def column(name: str, field: str) -> list:
+    """A builder's field over batches_of(name)."""
     doc = golden(MODE_OF[name])
     col = doc["outputs"][name][field]
     if isinstance(col, dict) and "const" in col:
-        return [col["const"]] * doc["num_batches"]
+        return [col["const"]] * len(batches_of(name))
     if isinstance(col, dict) and "same_as" in col:
         return column(*col["same_as"].split(".", 1))
     return col
@@ -262,20 +491,29 @@ def align_block_table(i: int, bs: int) -> torch.Tensor:
 
 def common(mode: str, i: int, bs: int | None = None) -> CommonAttentionMetadata:
     """This project's CommonAttentionMetadata of golden batch i (the same tensors vLLM was given); align:
-    the block table of block size bs."""
+    the block table of block size bs; spec: the [B, 1 + k] block table and the two speculative inputs
+    vLLM's builders took as keyword arguments (num_accepted_tokens, num_decode_draft_tokens_cpu)."""
     inp = golden(mode)["inputs"]
     q = torch.tensor(inp["q"][i], dtype=torch.int32)
     seq = torch.tensor(inp["computed"][i], dtype=torch.int32) + q
     qsl = torch.zeros(len(q) + 1, dtype=torch.int32)
     torch.cumsum(q, 0, out=qsl[1:])
     t = int(qsl[-1])
-    table = (torch.tensor(inp["slots"][i], dtype=torch.int32).view(-1, 1) if mode == "none"
-             else align_block_table(i, bs))
+    spec = {}
+    if mode == "none":
+        table = torch.tensor(inp["slots"][i], dtype=torch.int32).view(-1, 1)
+    elif mode == "spec":
+        table = torch.tensor(inp["slots"][i], dtype=torch.int32).view(len(q), 1 + inp["k"][i])
+        spec = dict(num_accepted_tokens=torch.tensor(inp["num_accepted_tokens"][i], dtype=torch.int32),
+                    num_decode_draft_tokens_cpu=torch.tensor(inp["num_decode_draft_tokens_cpu"][i], dtype=torch.int32))
+    else:
+        table = align_block_table(i, bs)
     return CommonAttentionMetadata(
         query_start_loc=qsl.clone(), query_start_loc_cpu=qsl, seq_lens=seq.clone(), num_reqs=len(q),
         num_actual_tokens=t, max_query_len=int(q.max()), max_seq_len=int(seq.max()),
         block_table_tensor=table, slot_mapping=torch.full((t,), -1, dtype=torch.int64),
-        seq_lens_cpu_upper_bound=seq.clone(), is_prefilling=torch.tensor(inp["prefilling"][i], dtype=torch.bool))
+        seq_lens_cpu_upper_bound=seq.clone(), is_prefilling=torch.tensor(inp["prefilling"][i], dtype=torch.bool),
+        **spec)
 
 
 def plain(v):
@@ -297,7 +535,10 @@ def vllm_value(v, cm: CommonAttentionMetadata):
 
 def describe(name: str, i: int) -> str:
     inp = golden(MODE_OF[name])["inputs"]
-    if "slots" in inp:
+    if "num_accepted_tokens" in inp:
+        table = (f"k={inp['k'][i]} slots={inp['slots'][i]} num_accepted_tokens={inp['num_accepted_tokens'][i]} "
+                 f"num_decode_draft_tokens_cpu={inp['num_decode_draft_tokens_cpu'][i]}")
+    elif "slots" in inp:
         table = f"slots={inp['slots'][i]}"
     else:
         bs = golden("align")["builders"][name]["block_size"]
@@ -307,13 +548,14 @@ def describe(name: str, i: int) -> str:
             f"computed={inp['computed'][i]} prefilling={inp['prefilling'][i]} {table})")
 
 
-def mismatches(name: str, limit: int = 8) -> tuple[int, list[str]]:
-    """(number of disagreeing (batch, field) pairs, the first `limit` of them in words)."""
+def mismatches(name: str, limit: int = 8, project: str | None = None) -> tuple[int, list[str]]:
+    """(number of disagreeing (batch, field) pairs, the first `limit` of them in words). `project`: the
+    FAMILIES entry whose builder and map to use (default: the golden builder's own family)."""
     mode = MODE_OF[name]
     info = golden(mode)["builders"][name]
-    _, factory, fmap = FAMILIES[info["vllm_class"].rsplit(".", 1)[1]]
+    _, factory, fmap = FAMILIES[project or info["vllm_class"].rsplit(".", 1)[1]]
     bs = info["mamba_block_size"] if mode == "align" else None
-    builder = factory(info["chunk_size"], bs)
+    builder = factory(info["chunk_size"], bs, info.get("num_speculative_tokens", 0))
     cols = {f: column(name, f) for f in info["fields"]}
     count, out = 0, []
 
@@ -325,7 +567,7 @@ def mismatches(name: str, limit: int = 8) -> tuple[int, list[str]]:
         if len(out) < limit:
             out.append(f"{describe(name, i)}: vLLM {field}={theirs}, this project's {what}={ours}")
 
-    for i in range(golden(mode)["num_batches"]):
+    for j, i in enumerate(batches_of(name)):
         cm = common(mode, i, bs)
         try:
             md = builder.build(cm, producer="vllm goldens")
@@ -333,24 +575,27 @@ def mismatches(name: str, limit: int = 8) -> tuple[int, list[str]]:
             report(i, "(build)", "built metadata", f"{type(err).__name__}: {err}", "builder")
             continue
         for field, target in fmap["compared"].items():
-            theirs = vllm_value(cols[field][i], cm)
+            theirs = vllm_value(cols[field][j], cm)
             if isinstance(target, Derived):
-                ours, what = plain(target.fn(md)), target.how
+                raw = target(md, cm)
+                ours, what = plain(raw), target.how
+                check_dtype = target.dtype
             else:
                 raw = getattr(md, target)
                 ours, what = plain(raw), target
-                want = info["dtypes"].get(field)
-                if isinstance(raw, torch.Tensor) and want and str(raw.dtype).removeprefix("torch.") != want:
-                    report(i, field, f"dtype {want}", raw.dtype, f"{target}.dtype")
+                check_dtype = True
+            want = info["dtypes"].get(field)
+            if check_dtype and isinstance(raw, torch.Tensor) and want and str(raw.dtype).removeprefix("torch.") != want:
+                report(i, field, f"dtype {want}", raw.dtype, f"{what} dtype")
             if theirs != ours:
                 report(i, field, theirs, ours, what)
         for field, source in fmap["from_input"].items():
-            theirs, given = vllm_value(cols[field][i], cm), plain(getattr(cm, source))
+            theirs, given = vllm_value(cols[field][j], cm), plain(getattr(cm, source))
             if theirs != given:
                 report(i, field, theirs, given, f"input {source} (vLLM copies it)")
         for field in fmap["absent"]:
-            if vllm_value(cols[field][i], cm) is not None:
-                report(i, field, cols[field][i], "(no such field)", field)
+            if vllm_value(cols[field][j], cm) is not None:
+                report(i, field, cols[field][j], "(no such field)", field)
         if "num_reqs" in fmap["project_only"] and md.num_reqs != cm.num_reqs:
             report(i, "num_reqs", cm.num_reqs, md.num_reqs, "num_reqs (input's)")
     return count, out
@@ -406,6 +651,59 @@ def test_align_goldens_come_from_vllm_0_33_0_align_mode_with_every_case():
         assert len(edges) >= 7 and all(v >= 20 for v in edges.values()), edges
 
 
+def test_spec_goldens_come_from_vllm_0_33_0_speculative_builders_with_every_case():
+    doc = golden("spec")
+    assert doc["vllm_version"] == VLLM_VERSION and doc["mode"] == "spec" and isinstance(doc["seed"], int)
+    spec = doc["speculative"]
+    assert set(spec["num_speculative_tokens"]) == set(MIN_SPEC_BATCHES), spec["num_speculative_tokens"]
+    assert all(len(v) == doc["num_batches"] for v in doc["inputs"].values())
+    for k, want in MIN_SPEC_BATCHES.items():
+        lo, hi = spec["batch_range"][str(k)]
+        assert hi - lo >= want, (k, lo, hi)
+        assert set(doc["inputs"]["k"][lo:hi]) == {k}, k
+        built = {b["vllm_class"].rsplit(".", 1)[1]: b for b in doc["builders"].values()
+                 if b["num_speculative_tokens"] == k}
+        # Mamba1 is left out: vLLM 0.33's Mamba1 builder ignores the spec inputs (checked on every batch)
+        assert set(built) == set(FAMILIES) - {"Mamba1AttentionMetadataBuilder"}, (k, set(built))
+        chunk_sizes = {b["chunk_size"] for b in doc["builders"].values() if b["num_speculative_tokens"] == k
+                       and b["vllm_class"].endswith(".Mamba2AttentionMetadataBuilder")}
+        assert len(chunk_sizes) >= 3, (k, chunk_sizes)
+        left = spec["left_out"][f"mamba1_k{k}"]
+        assert left["batches_where_spec_kwargs_change_nothing"] == left["batches"] == hi - lo, left
+        assert left["batches_where_its_num_decodes_differs_from_short_conv"] >= 20, left
+    for name, b in doc["builders"].items():
+        k = b["num_speculative_tokens"]
+        assert b["mamba_cache_mode"] == "none" and b["num_speculative_blocks"] == k, name
+        assert b["reorder_batch_threshold"] == 1 + k and b["speculative_method"] == "ngram", name
+        assert b["batch_range"] == spec["batch_range"][str(k)], name
+        assert all(len(column(name, f)) == len(batches_of(name)) for f in b["fields"]), name
+    inp = doc["inputs"]
+    for i in range(doc["num_batches"]):       # the inputs are MRV2's (MambaHybridModelState.prepare_attn)
+        k, q, p = inp["k"][i], inp["q"][i], inp["prefilling"][i]
+        drafts, accepted = inp["num_decode_draft_tokens_cpu"][i], inp["num_accepted_tokens"][i]
+        assert len(inp["slots"][i]) == len(q) and all(len(row) == 1 + k for row in inp["slots"][i]), i
+        for r, code in enumerate(inp["rows"][i]):
+            verify = code == "v"
+            assert (drafts[r] == q[r] - 1) if verify else drafts[r] == -1, (i, r)
+            assert (1 <= accepted[r] <= k + 1) if verify else accepted[r] == 1, (i, r)
+            assert verify == (not p[r] and q[r] <= k + 1 and code != "x"), (i, r)
+        ids = [s for row in inp["slots"][i] for s in row if s]
+        assert len(ids) == len(set(ids)), i
+    cov = doc["coverage"]
+    for k in MIN_SPEC_BATCHES:
+        keys = [f"k{k}_{key}" for key in (
+            "rows_spec_decode", "rows_prompt_tail_1", "rows_prompt_1", "rows_first_chunk", "rows_continue_chunk",
+            "rows_short_chunk", "rows_padding", "batches_mixed", "batches_decode_only", "batches_prefill_only",
+            "batches_uniform_verify", "batches_no_verify", "batches_order_by_len", "batches_order_mrv2",
+            "short_chunks_of_1_plus_k_tokens", "batches_with_spec_rows", "batches_with_decode_rows_but_no_spec_rows",
+            "batches_with_spec_rows_and_one_token_non_spec_rows", "batches_with_a_non_spec_row_between_spec_rows",
+            "batches_with_spec_rows_and_prefills", "batches_all_spec_rows")]
+        keys += [key for key in cov if key.startswith(f"k{k}_verify_rows_with_")]
+        assert len(keys) >= 21 + 2 * (k + 1), keys
+        for key in keys:
+            assert cov[key] >= 15, (key, cov[key])
+
+
 def test_align_block_tables_rebuild_exactly():
     """The test's block tables are the ones vLLM was given (their sha256 digests in the file)."""
     doc = golden("align")
@@ -437,6 +735,15 @@ def test_field_map_accounts_for_every_field(name):
 @pytest.mark.parametrize("name", sorted(MODE_OF))
 def test_builder_matches_vllm(name):
     count, first = mismatches(name)
+    assert count == 0, f"{count} disagreements with vLLM {VLLM_VERSION}, the first:\n" + "\n".join(first)
+
+
+@pytest.mark.parametrize("k", sorted(MIN_SPEC_BATCHES))
+def test_mamba1_spec_path_matches_vllm_base_builder(k):
+    """vLLM 0.33's Mamba1 has no speculative path (the spec file's `left_out`); this project's has. Its
+    metadata is the base builder's, so it is held to vLLM's spec-aware base builder: ShortConv's, which is
+    BaseMambaAttentionMetadataBuilder unchanged (its metadata has exactly the base fields, as Mamba1's)."""
+    count, first = mismatches(f"short_conv_k{k}", project="Mamba1AttentionMetadataBuilder")
     assert count == 0, f"{count} disagreements with vLLM {VLLM_VERSION}, the first:\n" + "\n".join(first)
 
 
@@ -511,6 +818,44 @@ def _plant_align_decodes_only(monkeypatch):
     monkeypatch.setattr(mamba_base.BaseMambaMetadataBuilder, "common_fields", prefills_in_column_0)
 
 
+def _plant_spec_drafts_ignored(monkeypatch):
+    real = mamba_base.BaseMambaMetadataBuilder.split
+
+    def without_drafts(self, common, producer=""):              # a verify row of 1 + d tokens is no decode
+        drafts = common.num_decode_draft_tokens_cpu
+        if drafts is not None:
+            common = common.replace(num_decode_draft_tokens_cpu=torch.zeros_like(drafts))
+        return real(self, common, producer)
+    monkeypatch.setattr(mamba_base.BaseMambaMetadataBuilder, "split", without_drafts)
+
+
+def _patch_spec_fields(monkeypatch, change_common=None, change_fields=None):
+    real = mamba_base.BaseMambaMetadataBuilder.spec_fields
+
+    def patched(self, common, s):
+        fields = real(self, change_common(common) if change_common else common, s)
+        return change_fields(fields) if change_fields else fields
+    monkeypatch.setattr(mamba_base.BaseMambaMetadataBuilder, "spec_fields", patched)
+
+
+def _plant_spec_accepted_of_the_row_before(monkeypatch):       # accepted counts one row off
+    _patch_spec_fields(monkeypatch, lambda c: c.replace(num_accepted_tokens=c.num_accepted_tokens.roll(1)))
+
+
+def _plant_spec_accepted_from_query_len(monkeypatch):          # vLLM's fallback when the kwarg is missing
+    _patch_spec_fields(monkeypatch, lambda c: c.replace(num_accepted_tokens=torch.diff(c.query_start_loc)))
+
+
+def _plant_spec_state_column_0_only(monkeypatch):              # [D, 1] where vLLM has [D, 1 + k]
+    _patch_spec_fields(monkeypatch, change_fields=lambda f: {
+        **f, "state_indices_tensor_d": f["state_indices_tensor_d"][:, :1]})
+
+
+def _plant_spec_one_token_rows_accepted_2(monkeypatch):        # rows without drafts start from column 1
+    _patch_spec_fields(monkeypatch, lambda c: c.replace(num_accepted_tokens=torch.where(
+        c.num_decode_draft_tokens_cpu < 0, 2, c.num_accepted_tokens).to(torch.int32)))
+
+
 @pytest.mark.parametrize("plant, caught_by", [
     (_plant_chunk_boundary, ["mamba2_cs16", "mamba2_cs64", "mamba2_cs256"]),
     (_plant_initial_state_flag, ["mamba1", "mamba2_cs64", "short_conv", "gdn"]),
@@ -520,6 +865,11 @@ def _plant_align_decodes_only(monkeypatch):
                                          "gdn_bs16", "gdn_bs64"]),
     (_plant_align_column_0, ["mamba1_bs64", "mamba2_cs64_bs16", "short_conv_bs16", "gdn_bs64"]),
     (_plant_align_decodes_only, ["mamba1_bs16", "mamba2_cs64_bs64", "short_conv_bs64", "gdn_bs16"]),
+    (_plant_spec_drafts_ignored, ["mamba2_cs16_k3", "mamba2_cs256_k1", "short_conv_k3", "gdn_k1", "gdn_k3"]),
+    (_plant_spec_accepted_of_the_row_before, ["mamba2_cs64_k3", "short_conv_k1", "gdn_k3", "gdn_k1"]),
+    (_plant_spec_accepted_from_query_len, ["mamba2_cs16_k1", "short_conv_k3", "gdn_k3"]),
+    (_plant_spec_state_column_0_only, ["mamba2_cs256_k3", "short_conv_k1", "gdn_k1", "gdn_k3"]),
+    (_plant_spec_one_token_rows_accepted_2, ["mamba2_cs16_k3", "short_conv_k1", "gdn_k3", "gdn_k1"]),
 ], ids=lambda v: v.__name__.removeprefix("_plant_") if callable(v) else None)
 def test_a_planted_builder_change_is_caught(plant, caught_by, monkeypatch):
     plant(monkeypatch)
