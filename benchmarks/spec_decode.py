@@ -1,8 +1,9 @@
-"""Speculative decoding (n-gram prompt lookup): tokens per target forward and decode speed, off and
-on, in one run, with the outputs checked equal.
+"""Speculative decoding (n-gram prompt lookup, and a draft model): tokens per target forward and
+decode speed, off and on, in one run, with the outputs checked equal.
 
     python benchmarks/spec_decode.py [--presets demo-hybrid demo-mamba bamba-300m-shape]
                                      [--ks 2 4] [--requests 8] [--max-tokens 64]
+                                     [--draft demo-hybrid=demo-mamba ...]
 
 Each of --requests prompts repeats itself (a code listing, a table, a chant: the kind of text prompt
 lookup is for), greedy, --max-tokens output tokens each, all arriving together. Per engine:
@@ -11,9 +12,13 @@ lookup is for), greedy, --max-tokens output tokens each, all arriving together. 
 - acceptance rate and mean accepted length (`llm.stats()`: drafts accepted / proposed; tokens a
   verify row keeps);
 - decode speed: output tokens / seconds from the first token of every request to the last.
-`bamba-300m-shape` has random weights (shape-true: a real model's layer sizes): its outputs rarely
-repeat, so few drafts are proposed or accepted; the trained demo models are where prompt lookup
-works. CPU, fp32, inspect="off", prompt_lookup_min 2, prompt_lookup_max 5.
+--draft TARGET=DRAFT adds rows with method "draft_model" (DRAFT proposes k greedy tokens; it must
+share TARGET's vocabulary: the two demo models do). `bamba-300m-shape` has random weights
+(shape-true: a real model's layer sizes): its outputs rarely repeat, so few drafts are proposed or
+accepted; the trained demo models are where prompt lookup works. CPU, fp32, inspect="off",
+prompt_lookup_min 2, prompt_lookup_max 5. On a CPU the verify rows' extra positions cost about what
+they save (one decode op per position and layer, and tiny models are launch-bound): the point of
+these numbers is tokens per target forward, which is what a GPU turns into speed.
 """
 from __future__ import annotations
 
@@ -53,13 +58,21 @@ def main() -> None:
     ap.add_argument("--ks", nargs="+", type=int, default=[2, 4])
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--draft", nargs="*", default=["demo-hybrid=demo-mamba"],
+                    help="TARGET=DRAFT pairs for method draft_model")
     args = ap.parse_args()
+    drafts = dict(pair.split("=", 1) for pair in args.draft)
     rows = []
     for preset in args.presets:
         tokens, speed = {}, {}
-        for k in [0, *args.ks]:
-            spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
-                    "prompt_lookup_max": 5} if k else None
+        runs = [(0, None)] + [(k, "ngram") for k in args.ks]
+        runs += [(k, "draft_model") for k in args.ks if preset in drafts]
+        for k, method in runs:
+            spec = None
+            if method == "ngram":
+                spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+            elif method == "draft_model":
+                spec = {"method": "draft_model", "model": drafts[preset], "num_speculative_tokens": k}
             llm = LLM(preset, device="cpu", dtype="float32", inspect="off", max_num_seqs=args.requests,
                       max_num_batched_tokens=512, max_model_len=512, speculative_config=spec)
             prompts = [TEXTS[i % len(TEXTS)] for i in range(args.requests)]
@@ -67,15 +80,16 @@ def main() -> None:
             out, decode_rows, seconds = serve(llm, prompts, args.max_tokens)
             stats = llm.stats()
             llm.shutdown()
-            tokens[k] = out
+            label = "off" if not k else f"n-gram k={k}" if method == "ngram" else f"draft {drafts[preset]} k={k}"
+            tokens[label] = out
             after_first = sum(len(o) - 1 for o in out)          # the decode phase's tokens
-            speed[k] = after_first / seconds
-            rows.append([preset, f"k={k}" if k else "off", f"{after_first / max(decode_rows, 1):.2f}",
+            speed[label] = after_first / seconds
+            rows.append([preset, label, f"{after_first / max(decode_rows, 1):.2f}",
                          f"{stats['spec_acceptance_rate']:.1%}" if k else "",
                          f"{stats['spec_mean_accepted_length']:.2f}" if k else "",
-                         f"{speed[k]:.0f} tok/s", f"{speed[k] / speed[0]:.2f}x"])
-            assert out == tokens[0], f"{preset}, k={k}: outputs differ from plain decoding"
-    print(f"\n### Speculative decoding (n-gram): {args.requests} repetitive prompts together, "
+                         f"{speed[label]:.0f} tok/s", f"{speed[label] / speed['off']:.2f}x"])
+            assert out == tokens["off"], f"{preset}, {label}: outputs differ from plain decoding"
+    print(f"\n### Speculative decoding: {args.requests} repetitive prompts together, "
           f"{args.max_tokens} greedy tokens each; CPU fp32\n")
     print_markdown_table(["preset", "speculation", "tokens per target forward", "acceptance",
                           "mean accepted length", "decode speed", "vs off"], rows)

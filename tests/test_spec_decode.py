@@ -395,3 +395,31 @@ def test_a_draft_equal_to_the_target_is_always_accepted_on_greedy_rows():
     stats = llm.stats()
     assert stats["spec_acceptance_rate"] == 1.0 and stats["spec_mean_accepted_length"] > 3
     llm.shutdown()
+
+
+def test_replaying_the_warmup_verify_forward_equals_eager(monkeypatch):
+    """The decode-graph path of verify batches, emulated on the CPU as tests/test_cudagraph.py does
+    (a closure built from warmup's dummy verify batch stands in for the graph; Triton ops, which read
+    only device tensors): every replayed step reads only what the step rewrote in place -- the
+    persistent buffers and the builders' per-shape loop tensors -- so its tokens equal the eager run's."""
+    pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows")
+    import toolkit.llm
+    import toolkit.runner.model_runner as model_runner
+    from test_cudagraph import ClosureGraphs
+    monkeypatch.setattr(toolkit.llm, "resolve_cudagraph_mode", lambda *a: "full_decode")
+    monkeypatch.setattr(model_runner, "CudaGraphManager", ClosureGraphs)
+    engine = dict(ENGINE, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, backend="triton",
+                  dtype="float32")
+    preset, k = "tiny-lfm2", 2
+    prompts, params = PROMPTS[1:], [SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)] * 2
+    llm = LLM(preset, inspect="metadata", speculative_config={"method": "ngram", "num_speculative_tokens": k},
+              **engine)
+    llm.warmup(progress=False)
+    assert llm.cudagraph_report.sizes == [1, 2, 4]
+    refs = [p + list(o) for p, o in zip(prompts, generate(LLM(preset, inspect="off", **ENGINE), prompts, params))]
+    llm.model_runner.proposer = ScriptedProposer(refs, k, wrong_every=2)
+    got = generate(llm, prompts, params)
+    replayed = [r for r in llm.trace if r.graph == "graph" and r.spec]
+    llm.shutdown()
+    assert got == [r[len(p):] for p, r in zip(prompts, refs)]
+    assert replayed and all(r.padded_size == 2 for r in replayed)
