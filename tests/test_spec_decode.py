@@ -403,9 +403,10 @@ def test_replaying_the_warmup_verify_forward_equals_eager(monkeypatch):
     only device tensors): every replayed step reads only what the step rewrote in place -- the
     persistent buffers and the builders' per-shape loop tensors -- so its tokens equal the eager run's."""
     pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows")
+    from test_cudagraph import ClosureGraphs
+
     import toolkit.llm
     import toolkit.runner.model_runner as model_runner
-    from test_cudagraph import ClosureGraphs
     monkeypatch.setattr(toolkit.llm, "resolve_cudagraph_mode", lambda *a: "full_decode")
     monkeypatch.setattr(model_runner, "CudaGraphManager", ClosureGraphs)
     engine = dict(ENGINE, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, backend="triton",
