@@ -424,3 +424,22 @@ def test_replaying_the_warmup_verify_forward_equals_eager(monkeypatch):
     llm.shutdown()
     assert got == [r[len(p):] for p, r in zip(prompts, refs)]
     assert replayed and all(r.padded_size == 2 for r in replayed)
+
+
+@pytest.mark.parametrize("preset", ["tiny-mamba", "tiny-bamba"])
+def test_no_drafts_after_a_partial_prefill_chunk(preset):
+    """Found by the property suite: a prompt chunked so that one prompt token is left for the next
+    step. The chunk's end repeats an earlier n-gram, but its next step runs the prompt's last token,
+    a prefill: no drafts may ride on it (they would enter the recurrent state as if accepted)."""
+    prompt = [261] + [3] * 8 + [40] + [3] * 4                  # 14 tokens, a budget of 13
+    engine = dict(device="cpu", dtype="float32", max_num_seqs=1, max_num_batched_tokens=13, block_size=2)
+    greedy = SamplingParams(max_tokens=3, temperature=0.0)
+    want = LLM(preset, inspect="off", **engine).generate({"prompt_token_ids": prompt}, greedy)[0]
+    llm = LLM(preset, **engine, speculative_config={"method": "ngram", "num_speculative_tokens": 1,
+                                                     "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    got = llm.generate({"prompt_token_ids": prompt}, greedy)[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    first, second = [r for r in llm.trace if r.scheduled][:2]
+    assert first.scheduled[0].num_tokens == 13 and not first.proposed_drafts
+    assert second.scheduled[0].num_tokens == 1 and not any(row.drafts for row in second.spec.values())
+    llm.shutdown()

@@ -289,7 +289,8 @@ class Scheduler:
         row of 1 + d tokens yields up to 1 + d) and the row fits the token budget."""
         drafts = req.spec_token_ids
         req.spec_token_ids = []
-        if not drafts or n != 1 or req.num_computed_tokens != req.num_tokens - 1:
+        if (not drafts or n != 1 or req.num_computed_tokens != req.num_tokens - 1
+                or req.num_computed_tokens < len(req.prompt_token_ids)):     # the prompt's last token: a prefill
             return []
         room = min(req.sampling_params.max_tokens - len(req.output_token_ids),
                    self.max_model_len - req.num_tokens) - 1

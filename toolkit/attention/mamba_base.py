@@ -32,7 +32,7 @@ their outputs thrown away), so every position is one launch over all D rows.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from numbers import Integral
 
 import numpy as np
@@ -83,16 +83,18 @@ class BaseMambaAttentionMetadata:
                                                     # the token after which a state is saved
     checkpoint_slots_p: torch.Tensor | None        # device int32 [M]: its page (PAD_SLOT_ID: none free)
     # speculative decoding only (None otherwise, or without decodes); J = positions of the longest
-    # verify row. state_indices_tensor_d is then [D, 1 + k], a row's 1 + k state columns
-    query_start_loc_d: torch.Tensor | None       # device int32 [D+1]
-    num_accepted_tokens: torch.Tensor | None     # device int32 [D]: tokens each row kept at its last step
-                                                 # (>= 1): its state is in column num_accepted - 1
-    spec_token_index_d: torch.Tensor | None      # device int64 [J, D]: row r's token at position j (its
-                                                 # last token where the row is shorter)
-    spec_src_slots_d: torch.Tensor | None        # device int32 [J, D]: the slot position j starts from
-    spec_dst_slots_d: torch.Tensor | None        # device int32 [J, D]: the slot it leaves its state in
-    spec_out_index_d: torch.Tensor | None        # device int64 [J, D]: its output row (the scratch row
-                                                 # num_decode_tokens where the row is shorter)
+    # verify row. state_indices_tensor_d is then [D, 1 + k], a row's 1 + k state columns. Keyword-only
+    # with None defaults: metadata built without speculation need not name them
+    _: KW_ONLY
+    query_start_loc_d: torch.Tensor | None = None      # device int32 [D+1]
+    num_accepted_tokens: torch.Tensor | None = None    # device int32 [D]: tokens each row kept at its last
+                                                       # step (>= 1): its state is in column num_accepted - 1
+    spec_token_index_d: torch.Tensor | None = None     # device int64 [J, D]: row r's token at position j (its
+                                                       # last token where the row is shorter)
+    spec_src_slots_d: torch.Tensor | None = None       # device int32 [J, D]: the slot position j starts from
+    spec_dst_slots_d: torch.Tensor | None = None       # device int32 [J, D]: the slot it leaves its state in
+    spec_out_index_d: torch.Tensor | None = None       # device int64 [J, D]: its output row (the scratch row
+                                                       # num_decode_tokens where the row is shorter)
 
 
 @dataclass
@@ -159,7 +161,7 @@ class BaseMambaMetadataBuilder(AttentionMetadataBuilder):
     def state_indices(self, common: CommonAttentionMetadata) -> torch.Tensor:
         """Device int32 [B]: the state slot of every row (see the module docstring for the modes)."""
         table = common.block_table_tensor
-        if self.mamba_block_size is None and table.shape[1] == 1:
+        if self.mamba_block_size is None and not self.num_speculative_tokens:
             return table[:, 0]
         key = (table.device, table.shape[0])
         out = self._align_buffers.get(key)

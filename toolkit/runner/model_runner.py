@@ -286,10 +286,13 @@ class ModelRunner:
 
     def _propose(self, batch: InputBatch) -> dict[str, list[int]]:
         """Drafts for the next step of each row that consumed all its known tokens (its next step
-        is a decode), from the request's own tokens (n-gram prompt lookup)."""
+        is a decode), from the request's own tokens (the proposer: n-gram or a draft model)."""
         rs = self.req_states
+        # a row whose next token is still a prompt token (a prefill chunk that stopped before the
+        # prompt's last token) gets none: its next step is a prefill chunk, not a verify row
         rows = [(rid, idx) for rid, idx in zip(batch.req_ids, batch.idx_mapping_np)
-                if rs.num_computed_tokens[idx] == rs.total_len[idx] - 1]
+                if rs.num_computed_tokens[idx] == rs.total_len[idx] - 1
+                and rs.num_computed_tokens[idx] >= rs.prefill_len[idx]]
         contexts = [rs.all_token_ids[idx, :int(rs.total_len[idx])].numpy() for _, idx in rows]
         return {rid: drafts for (rid, _), drafts in zip(rows, self.proposer.propose_many(contexts)) if drafts}
 
