@@ -26,7 +26,8 @@
 # bench    ~6 min    kernels per decode step (benchmarks/launch_count.py), the kernel micro-benchmarks
 #                    (kernel_bench.py: bandwidth vs the measured copy bandwidth; SSD prefill vs HF), decode
 #                    (batch 1, 32, 128) and prefill (128 x 64) on shape-true presets, bf16: eager, CUDA graphs
-#                    and HF generate (gpu_decode.py), with the fraction of the memory roofline
+#                    and HF generate (gpu_decode.py), with the fraction of the memory roofline; speculative
+#                    decoding off / n-gram / draft model, tokens per forward and speed (spec_decode.py)
 #
 # How the estimates were made (nothing has run on a GPU yet; each part prints its real time at the end, so
 # correct them here after the first run): a part may start on a fresh machine, so every part pays a cold
@@ -90,7 +91,8 @@ commands_of() { # one command per line
         bench)
             echo "$PY benchmarks/launch_count.py --device cuda --presets mamba2-130m-shape lfm2-350m-shape bamba-300m-shape tiny-mamba2 tiny-qwen3-next"
             echo "$PY benchmarks/kernel_bench.py --dtype bfloat16"
-            echo "$PY benchmarks/gpu_decode.py --dtype bfloat16 --repeats 2" ;;
+            echo "$PY benchmarks/gpu_decode.py --dtype bfloat16 --repeats 2"
+            echo "$PY benchmarks/spec_decode.py --device cuda --dtype bfloat16" ;;
     esac
 }
 

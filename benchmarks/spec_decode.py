@@ -3,7 +3,7 @@ decode speed, off and on, in one run, with the outputs checked equal.
 
     python benchmarks/spec_decode.py [--presets demo-hybrid demo-mamba bamba-300m-shape]
                                      [--ks 2 4] [--requests 8] [--max-tokens 64]
-                                     [--draft demo-hybrid=demo-mamba ...]
+                                     [--draft demo-hybrid=demo-mamba ...] [--device cuda --dtype bfloat16]
 
 Each of --requests prompts repeats itself (a code listing, a table, a chant: the kind of text prompt
 lookup is for), greedy, --max-tokens output tokens each, all arriving together. Per engine:
@@ -60,6 +60,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--draft", nargs="*", default=["demo-hybrid=demo-mamba"],
                     help="TARGET=DRAFT pairs for method draft_model")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda (Triton ops and decode graphs)")
+    ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
     drafts = dict(pair.split("=", 1) for pair in args.draft)
     rows = []
@@ -73,7 +75,7 @@ def main() -> None:
                 spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
             elif method == "draft_model":
                 spec = {"method": "draft_model", "model": drafts[preset], "num_speculative_tokens": k}
-            llm = LLM(preset, device="cpu", dtype="float32", inspect="off", max_num_seqs=args.requests,
+            llm = LLM(preset, device=args.device, dtype=args.dtype, inspect="off", max_num_seqs=args.requests,
                       max_num_batched_tokens=512, max_model_len=512, speculative_config=spec)
             prompts = [TEXTS[i % len(TEXTS)] for i in range(args.requests)]
             llm.warmup(progress=False)
@@ -90,7 +92,7 @@ def main() -> None:
                          f"{speed[label]:.0f} tok/s", f"{speed[label] / speed['off']:.2f}x"])
             assert out == tokens["off"], f"{preset}, {label}: outputs differ from plain decoding"
     print(f"\n### Speculative decoding: {args.requests} repetitive prompts together, "
-          f"{args.max_tokens} greedy tokens each; CPU fp32\n")
+          f"{args.max_tokens} greedy tokens each; {args.device} {args.dtype}\n")
     print_markdown_table(["preset", "speculation", "tokens per target forward", "acceptance",
                           "mean accepted length", "decode speed", "vs off"], rows)
 
