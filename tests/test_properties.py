@@ -120,7 +120,8 @@ class EngineConfig:
     cudagraph_mode: str = "none"   # "padded_eager": decode batches padded to capture sizes (1, 2, 4)
     enable_prefix_caching: bool = False
     cache_mode: str = "align"      # with prefix caching: "align" or "all" (internal checkpoints)
-    spec_k: int = 0                # speculative decoding (n-gram, 1- to 3-grams): drafts per row; 0: off
+    spec_k: int = 0                # speculative decoding: drafts per row; 0: off
+    spec_method: str = "ngram"     # "ngram" (1- to 3-grams) or "draft_model" (tiny-mamba2 drafting)
 
 
 @dataclass(frozen=True)
@@ -179,13 +180,14 @@ class Interrupt(BaseException):
 
 
 def _make_config(max_num_seqs: int, budget: int, block_size: int, room: int, mode: str,
-                 caching: bool = False, cache_mode: str = "align", spec_k: int = 0) -> EngineConfig:
+                 caching: bool = False, cache_mode: str = "align", spec_k: int = 0,
+                 spec_method: str = "ngram") -> EngineConfig:
     """`room` (tokens, shrinks towards 0): the cache holds the largest possible request (40
     prompt + 8 output tokens) plus `room` tokens; below 0 the largest requests are refused (a
     valid outcome), a little above it two mid-sized requests running together preempt."""
     largest = -(-(MAX_PROMPT + MAX_TOKENS - 1) // block_size)
     return EngineConfig(max_num_seqs, budget, block_size, max(2, largest + 1 + room // block_size), mode,
-                        caching, cache_mode, 0 if caching else spec_k)   # not together yet
+                        caching, cache_mode, 0 if caching else spec_k, spec_method)   # not together yet
 
 
 # small budgets are favoured: with a large one a request is admitted whole, and rarely preempted
@@ -194,10 +196,19 @@ engine_configs = st.sampled_from(["none", "padded_eager"]).flatmap(lambda mode: 
     1, 6 if mode == "padded_eager" else 4).flatmap(lambda seqs: st.builds(
         _make_config, st.just(seqs), st.integers(seqs, 8) | st.integers(seqs, 24),
         st.sampled_from([2, 4, 8]), st.integers(-12, 24), st.just(mode), st.booleans(),
-        st.sampled_from(["align", "all"]), st.sampled_from([0, 0, 1, 3]))))
+        st.sampled_from(["align", "all"]), st.sampled_from([0, 0, 1, 3]),
+        st.sampled_from(["ngram", "ngram", "draft_model"]))))
 # Mamba2's internal checkpoints sit on chunk ends (chunk 16 in these presets): "all" needs a block
 # size that 16 divides, which the drawn sizes are not; those engines run "align"
 CHUNK_16 = {"tiny-mamba2", "tiny-bamba"}
+
+
+def speculative_config(config: EngineConfig) -> dict | None:
+    if not config.spec_k:
+        return None
+    if config.spec_method == "draft_model":
+        return {"method": "draft_model", "model": "tiny-mamba2", "num_speculative_tokens": config.spec_k}
+    return {"method": "ngram", "num_speculative_tokens": config.spec_k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
 def mamba_cache_mode(preset: str, config: EngineConfig) -> str | None:
@@ -612,8 +623,7 @@ def run_program(preset: str, config: EngineConfig, ops: list) -> Books:
               max_num_batched_tokens=config.max_num_batched_tokens,
               num_kv_blocks=config.num_kv_blocks, cudagraph_mode=config.cudagraph_mode,
               enable_prefix_caching=config.enable_prefix_caching, mamba_cache_mode=mamba_cache_mode(preset, config),
-              speculative_config={"method": "ngram", "num_speculative_tokens": config.spec_k, "prompt_lookup_min": 1,
-                                  "prompt_lookup_max": 3} if config.spec_k else None,
+              speculative_config=speculative_config(config),
               trace_capacity=None, **F32)   # logits, for ties
     assert llm.vocab_size == VOCAB
     usable = llm.stats()["kv_blocks_total"] or 10**9       # attention-free: no KV limit
