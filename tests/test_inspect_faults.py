@@ -73,8 +73,33 @@ def spec_workload(preset: str, **extra) -> None:
         llm.shutdown()
 
 
+def spec_cached_workload(preset: str, **extra) -> None:
+    """Speculative decoding with prefix caching (k = 3, block 4): A's verify rows (every draft
+    accepted) cross block boundaries after their position 1, so its checkpoints come from boundary
+    copies; B, A's first 25 tokens, hits the one at 24."""
+    engine = dict(device="cpu", dtype="float32", max_num_seqs=1, max_num_batched_tokens=8, max_model_len=64)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    a_prompt = list(range(20, 34))
+    plain = LLM(preset, inspect="off", **engine)
+    a_ref = a_prompt + list(plain.generate([{"prompt_token_ids": a_prompt}], greedy)[0].outputs[0].token_ids)
+    b_ref = a_ref[:25] + list(plain.generate([{"prompt_token_ids": a_ref[:25]}], greedy)[0].outputs[0].token_ids)
+    plain.shutdown()
+    llm = LLM(preset, enable_prefix_caching=True, block_size=4, num_state_pages=16,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **engine, **extra)
+    llm.model_runner.proposer = ScriptedProposer([a_ref, b_ref], 3, wrong_every=None)
+    try:
+        for p in (a_prompt, a_ref[:25]):
+            llm.add_request({"prompt_token_ids": p}, greedy)
+            while llm.has_unfinished_requests():
+                llm.step()
+        assert llm.stats()["prompt_tokens_skipped"] == 24
+    finally:
+        llm.shutdown()
+
+
 def run_workload(fault: faults.Fault, preset: str) -> None:
-    {"prefix caching": prefix_workload, "speculative decoding": spec_workload}.get(fault.needs, workload)(preset)
+    {"prefix caching": prefix_workload, "speculative decoding": spec_workload,
+     "speculative decoding with prefix caching": spec_cached_workload}.get(fault.needs, workload)(preset)
 
 
 def cases():
@@ -177,3 +202,10 @@ def test_a_warmup_stage_that_raises_is_in_the_trace():
     assert last.violations[0].check == "MetadataContractError" and "Builder" in last.violations[0].where
     llm.warmup(progress=False)                      # fault gone: the same engine warms up
     llm.shutdown()
+
+
+@pytest.mark.parametrize("preset", ["tiny-bamba", "tiny-mamba", "tiny-lfm2", "tiny-qwen3-next"])
+def test_spec_cached_workload_without_faults_raises_nothing_in_full_mode(preset):
+    """Speculation with prefix caching, every check on: the boundary copies' sources, and the state B
+    starts from after its hit on a boundary copy's checkpoint (the cold-state oracle)."""
+    spec_cached_workload(preset, inspect="full")

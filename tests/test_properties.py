@@ -187,7 +187,7 @@ def _make_config(max_num_seqs: int, budget: int, block_size: int, room: int, mod
     valid outcome), a little above it two mid-sized requests running together preempt."""
     largest = -(-(MAX_PROMPT + MAX_TOKENS - 1) // block_size)
     return EngineConfig(max_num_seqs, budget, block_size, max(2, largest + 1 + room // block_size), mode,
-                        caching, cache_mode, 0 if caching else spec_k, spec_method)   # not together yet
+                        caching, cache_mode, min(spec_k, block_size - 1) if caching else spec_k, spec_method)
 
 
 # small budgets are favoured: with a large one a request is admitted whole, and rarely preempted
@@ -214,6 +214,8 @@ def speculative_config(config: EngineConfig) -> dict | None:
 def mamba_cache_mode(preset: str, config: EngineConfig) -> str | None:
     if not config.enable_prefix_caching:
         return None
+    if config.spec_k:           # speculative decoding has no "all" path (as vLLM 0.33 has no "all")
+        return "align"
     if config.cache_mode == "all" and preset in CHUNK_16 and config.block_size % 16:
         return "align"
     return config.cache_mode
@@ -364,10 +366,14 @@ def check_ledger(llm: LLM) -> None:
             if group.kind == "attention" and k:   # rejected drafts' blocks stay allocated (as in vLLM)
                 assert -(-req.num_computed_tokens // group.block_size) <= len(ids) \
                     <= -(-(req.num_computed_tokens + k) // group.block_size), (req.request_id, ids)
+            elif kv.aligned(g) and k:   # the columns up to its last verify row's spec columns
+                assert -(-req.num_computed_tokens // group.block_size) <= len(ids) \
+                    <= -(-(req.num_computed_tokens + k) // group.block_size) + k, (req.request_id, ids)
             elif group.kind == "attention" or kv.aligned(g):   # the blocks (columns) its computed tokens fill
                 assert len(ids) == -(-req.num_computed_tokens // group.block_size), (req.request_id, ids)
-            if kv.aligned(g) and not sched.prefill_checkpoints:    # the running page, and at most
-                assert ids[-1] and len([i for i in ids if i]) <= 2, f"{req.request_id}: row {ids}"   # its source
+            if kv.aligned(g) and not sched.prefill_checkpoints:    # the running page (and k spec pages),
+                assert ids[-1] and len([i for i in ids if i]) <= 2 + (k + 1 if k else 0), \
+                    f"{req.request_id}: row {ids}"   # at most its source, and a verify row's checkpoint
             elif kv.aligned(g):                 # "all": the others hold checkpoints of its blocks
                 pool = kv.pool(g)
                 for c, i in enumerate(ids[:-1]):

@@ -214,9 +214,15 @@ def test_speculative_config_rules():
     with pytest.raises(ValueError, match="a vocabulary of 320 tokens, the target 'demo-hybrid' 264"):
         LLM("demo-hybrid", device="cpu",
             speculative_config={"method": "draft_model", "model": "tiny-mamba", "num_speculative_tokens": 2})
-    with pytest.raises(NotSupportedYetError, match="enable_prefix_caching"):
-        LLM("tiny-bamba", device="cpu", enable_prefix_caching=True,
+    # prefix caching on recurrent layers: a verify row crosses at most one block boundary; no "all" path
+    with pytest.raises(ValueError, match="needs block_size > 4"):
+        LLM("tiny-bamba", device="cpu", enable_prefix_caching=True, block_size=4,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    with pytest.raises(NotSupportedYetError, match="mamba_cache_mode='all'"):
+        LLM("tiny-bamba", device="cpu", enable_prefix_caching=True, mamba_cache_mode="all", block_size=16,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    LLM("tiny-llama", device="cpu", enable_prefix_caching=True, block_size=4,       # attention alone: any k
+        speculative_config={"method": "ngram", "num_speculative_tokens": 5}).shutdown()
 
 
 @pytest.mark.parametrize("preset", ["tiny-bamba", "tiny-qwen3-next"])
@@ -442,4 +448,95 @@ def test_no_drafts_after_a_partial_prefill_chunk(preset):
     first, second = [r for r in llm.trace if r.scheduled][:2]
     assert first.scheduled[0].num_tokens == 13 and not first.proposed_drafts
     assert second.scheduled[0].num_tokens == 1 and not any(row.drafts for row in second.spec.values())
+    llm.shutdown()
+
+
+# ---- with prefix caching ("align") -------------------------------------------------------------
+CACHED = dict(enable_prefix_caching=True, block_size=8)
+
+
+def boundary_copies(llm: LLM) -> list:
+    return [c for rec in llm.trace for c in rec.checkpoint_copies]
+
+
+@pytest.mark.parametrize("preset", FAMILY_PRESETS)
+def test_tokens_equal_plain_decoding_with_prefix_caching(preset):
+    """Prefix caching on (block 8, k = 3): verify rows cross block boundaries, so checkpoints come
+    from their state columns (the boundary copy); the tokens equal plain decoding's, and again in a
+    second round that hits the first round's checkpoints (the seeded rows; the unseeded one draws
+    anew). Every step's checks run (inspect="metadata")."""
+    plain = [list(t) for t in plain_tokens(preset)]
+    got, llm = spec_run(preset, 3, references(preset), inspect="metadata", **CACHED)
+    assert got == plain
+    assert generate(llm)[:2] == plain[:2]
+    assert llm.stats()["prompt_tokens_skipped"] > 0
+    if preset != "tiny-llama":
+        assert boundary_copies(llm), "no verify row crossed a block boundary"
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("k", [1, 5])
+@pytest.mark.parametrize("preset", K_SWEEP)
+def test_tokens_equal_for_k_with_prefix_caching(preset, k):
+    got, llm = spec_run(preset, k, references(preset), **CACHED)
+    assert got == [list(t) for t in plain_tokens(preset)]
+    llm.shutdown()
+
+
+def test_preemption_mid_speculation_with_prefix_caching():
+    preset = "tiny-bamba"
+    got, llm = spec_run(preset, 3, references(preset), inspect="metadata", enable_prefix_caching=True,
+                        block_size=4, num_kv_blocks=14)
+    assert got == [list(t) for t in plain_tokens(preset)]
+    assert any(rec.preempted_request_ids for rec in llm.trace)
+    llm.shutdown()
+
+
+def test_draft_model_with_prefix_caching():
+    preset = "tiny-jamba"
+    llm = LLM(preset, inspect="metadata", **ENGINE, **CACHED,
+              speculative_config={"method": "draft_model", "model": "tiny-mamba2", "num_speculative_tokens": 3})
+    assert generate(llm) == [list(t) for t in plain_tokens(preset)]
+    assert llm.stats()["spec_verify_rows"] > 5
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("preset", ["tiny-bamba", "tiny-mamba", "tiny-lfm2", "tiny-qwen3-next"])
+def test_a_hit_on_a_verify_step_checkpoint(preset):
+    """vLLM #53912's reproducer ("poison, then re-probe"): A decodes with drafts (block 4, k = 3, every
+    draft accepted: the boundaries fall inside verify rows, after position 1); B's prompt is A's first
+    25 tokens, so B hits the checkpoint at 24, which a boundary copy wrote, and its only prompt token
+    left runs as a decode row (vLLM #46424). In inspect="full" the state B starts from is compared
+    with a cold prefill of those 24 tokens; B's tokens equal plain decoding's."""
+    engine = dict(device="cpu", dtype="float32", max_num_seqs=1, max_num_batched_tokens=8, max_model_len=64)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    a_prompt = list(range(20, 34))
+    plain = LLM(preset, inspect="off", **engine)
+    a_out = plain.generate([{"prompt_token_ids": a_prompt}], greedy)[0].outputs[0].token_ids
+    b_prompt = (a_prompt + list(a_out))[:25]
+    b_out = plain.generate([{"prompt_token_ids": b_prompt}], greedy)[0].outputs[0].token_ids
+    plain.shutdown()
+    llm = LLM(preset, inspect="full", enable_prefix_caching=True, block_size=4, num_state_pages=16,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **engine)
+    llm.model_runner.proposer = ScriptedProposer([a_prompt + list(a_out), b_prompt + list(b_out)], 3,
+                                                 wrong_every=None)
+    assert llm.generate([{"prompt_token_ids": a_prompt}], greedy)[0].outputs[0].token_ids == a_out
+    copies = {c.boundary: c for c in boundary_copies(llm)}
+    assert 24 in copies and copies[24].position == 1 and copies[24].src_page != copies[24].dst_page
+    assert llm.generate([{"prompt_token_ids": b_prompt}], greedy)[0].outputs[0].token_ids == b_out
+    admitted = next(rec for rec in llm.trace if rec.prefix_hits)
+    assert admitted.prefix_hits == {admitted.scheduled[0].request_id: 24}
+    assert admitted.scheduled[0].runs_as_decode and admitted.spec       # a decode row, spec metadata complete
+    llm.shutdown()
+
+
+def test_state_pages_per_request_with_prefix_caching():
+    """A request holds at most 3 + k state pages (running, k spec, the source and the checkpoint a
+    verify row reaches), and the default pool is max_num_seqs * (3 + k)."""
+    preset = "tiny-mamba2"
+    got, llm = spec_run(preset, 3, references(preset), inspect="metadata", **CACHED)
+    assert llm.scheduler.kv.state_pool.num_total == ENGINE["max_num_seqs"] * 6
+    most = max(len([i for i in rec.ledger.holdings[s.request_id][0] if i])
+               for rec in llm.trace for s in rec.scheduled if s.request_id in rec.ledger.holdings)
+    assert 4 <= most <= 6
     llm.shutdown()

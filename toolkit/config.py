@@ -20,7 +20,7 @@ class RunnerConfig:
     backend: str = "torch"          # "torch" or "triton" (resolved: see resolve_backend)
     cudagraph_mode: str = "none"    # "full_decode", "padded_eager" or "none" (runner/cudagraph.py)
     enable_prefix_caching: bool = False   # reuse computed prefixes (kv_cache_manager.py); Mamba: "align"
-    num_state_pages: int | None = None    # Mamba state pages; None: max_num_seqs, or 3x with prefix caching
+    num_state_pages: int | None = None    # Mamba state pages; None: see state_pages
     # recurrent layers with prefix caching: "align" (a checkpoint where a chunk ends on a block
     # boundary) or "all" (also at every block boundary inside a prefill chunk); "none" without caching
     mamba_cache_mode: str = "none"
@@ -40,8 +40,8 @@ class RunnerConfig:
             raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r}: must be True or False")
         if self.num_state_pages is not None and (not isinstance(self.num_state_pages, int)
                                                  or self.num_state_pages < self.min_state_pages):
-            per = ("2 per running request with prefix caching" if self.enable_prefix_caching
-                   else f"{self.state_columns} per running request")
+            per = (f"{self.min_state_pages // self.max_num_seqs} per running request with prefix caching"
+                   if self.enable_prefix_caching else f"{self.state_columns} per running request")
             raise ValueError(f"num_state_pages={self.num_state_pages!r}: must be an int >= "
                              f"{self.min_state_pages} ({per}, max_num_seqs={self.max_num_seqs})")
         want = ("align", "all") if self.enable_prefix_caching else ("none",)
@@ -75,15 +75,19 @@ class RunnerConfig:
         """A request holds its running state page (its 1 + k columns with speculative decoding),
         and with prefix caching for one step also the page it copies from (a checkpoint, or a
         prefix hit)."""
-        return self.max_num_seqs * (2 if self.enable_prefix_caching else self.state_columns)
+        return self.max_num_seqs * (2 + self.num_speculative_tokens if self.enable_prefix_caching
+                                    else self.state_columns)
 
     @property
     def state_pages(self) -> int:
-        """Mamba state pages besides the null page 0; with prefix caching, those not held are the
-        checkpoints kept for later hits."""
+        """Mamba state pages besides the null page 0: by default one per request (1 + k with
+        speculative decoding), or with prefix caching 3 + k per request (the running page, its k
+        speculative pages, the page it copies from and the checkpoint a verify step may reach);
+        those not held are the checkpoints kept for later hits."""
         if self.num_state_pages is not None:
             return self.num_state_pages
-        return self.max_num_seqs * (3 if self.enable_prefix_caching else self.state_columns)
+        return self.max_num_seqs * (3 + self.num_speculative_tokens if self.enable_prefix_caching
+                                    else self.state_columns)
 
 
 SPEC_METHODS = ("ngram", "draft_model")

@@ -278,7 +278,9 @@ class KVCacheManager:
                  enable_prefix_caching: bool = False, state_columns: int = 1):
         self.groups = groups
         self.caching = enable_prefix_caching
-        self.state_columns = state_columns   # slots per request without caching (1 + k with spec decoding)
+        # slots per request without caching (1 + k with spec decoding); with caching, an aligned row's
+        # running column and the k spec columns after it
+        self.state_columns = state_columns
         has_attn = any(g.kind == "attention" for g in groups)
         has_mamba = any(g.kind == "mamba" for g in groups)
         self.kv_pool = BlockPool(num_kv_blocks if has_attn else 0, "kv blocks")
@@ -291,6 +293,8 @@ class KVCacheManager:
         self.known_hashes: OrderedDict[BlockHash, None] = OrderedDict()
         self._hashed_upto: dict[str, int] = {}      # per request: blocks registered so far
         self._pages_registered_upto: dict[str, int] = {}   # per request: Mamba columns registered so far
+        self._running_column: dict[str, int] = {}   # per request: its aligned rows' running column at
+                                                    # the last allocation
 
     def pool(self, g: int) -> BlockPool:
         return self.kv_pool if self.groups[g].kind == "attention" else self.state_pool
@@ -327,10 +331,14 @@ class KVCacheManager:
         for g, ids in enumerate(held):
             self.pool(g).hand_over(self._live(g, ids), from_id, to_id)
         self._ids[to_id] = held
+        if from_id in self._running_column:
+            self._running_column[to_id] = self._running_column.pop(from_id)
 
     # ---- growing a request ------------------------------------------------------------------------
-    def _plan(self, req_id: str, num_computed: int, num_after: int) -> list[tuple[int, list[int]]]:
-        """Per group: (ids to allocate, aligned Mamba pages to release)."""
+    def _plan(self, req_id: str, num_computed: int, num_after: int, num_drafts: int = 0
+              ) -> list[tuple[list[int] | int, list[int]]]:
+        """Per group: (ids to allocate: a count, or for an aligned Mamba group the columns that need a
+        page; aligned Mamba pages to release)."""
         plan = []
         for g, (group, ids) in enumerate(zip(self.groups, self.block_ids(req_id))):
             if group.kind == "attention":
@@ -338,41 +346,61 @@ class KVCacheManager:
             elif not self.aligned(g):
                 plan.append((0 if ids else self.state_columns, []))
             else:
-                bs = group.block_size
-                old, new = -(-num_computed // bs) - 1, -(-num_after // bs) - 1
-                # columns before the running one were copied out of at the step that left them
-                release = [i for i in ids[:max(old, 0)] if i]
-                plan.append((1 if new >= len(ids) or not ids[new] else 0, release))
+                plan.append(self._plan_aligned(req_id, ids, group.block_size, num_computed, num_after, num_drafts))
         return plan
 
-    def can_allocate(self, req_id: str, num_computed: int, num_after: int) -> bool:
-        plan = self._plan(req_id, num_computed, num_after)
-        kv = sum(n for g, (n, _) in enumerate(plan) if self.groups[g].kind == "attention")
-        st = sum(n for g, (n, _) in enumerate(plan) if self.groups[g].kind == "mamba")
+    def _plan_aligned(self, req_id: str, ids: list[int], bs: int, num_computed: int, num_after: int,
+                      num_drafts: int) -> tuple[list[int], list[int]]:
+        """An aligned Mamba row (vLLM `MambaManager`, "align"): pages at the running column (that of
+        the last scheduled token, drafts included) and the k spec columns after it, where a verify
+        step leaves the state after each position. Kept: every column from the lower of the column
+        holding the computed tokens' state (the last step's running column, or one of its spec
+        columns) and the column of the block the first new token is in (a verify row whose drafts
+        cross a boundary copies that block's checkpoint there after acceptance); released: the
+        pages before them (registered checkpoints stay cached in the pool)."""
+        k = self.state_columns - 1
+        new = -(-num_after // bs) - 1
+        last = self._running_column.get(req_id, -(-num_computed // bs) - 1)
+        first_block = num_computed // bs
+        release = [i for i in ids[:max(min(first_block, last), 0)] if i]
+        need = list(range(new, new + k + 1))
+        if num_drafts and first_block < new:
+            need.append(first_block)
+        return [c for c in need if c >= len(ids) or not ids[c]], release
+
+    def can_allocate(self, req_id: str, num_computed: int, num_after: int, num_drafts: int = 0) -> bool:
+        plan = self._plan(req_id, num_computed, num_after, num_drafts)
+        count = [len(n) if isinstance(n, list) else n for n, _ in plan]
+        kv = sum(n for g, n in enumerate(count) if self.groups[g].kind == "attention")
+        st = sum(n for g, n in enumerate(count) if self.groups[g].kind == "mamba")
         return kv <= self.kv_pool.num_free and st <= self.state_pool.num_free
 
-    def allocate(self, req_id: str, num_computed: int, num_after: int) -> tuple[list[int], ...] | None:
-        """Grow the request's holdings from `num_computed` to cover `num_after` tokens. Returns the
-        newly allocated ids per group (an aligned Mamba group: its whole row, which may also have
-        released pages), or None (nothing changed) if a pool is short."""
-        plan = self._plan(req_id, num_computed, num_after)
+    def allocate(self, req_id: str, num_computed: int, num_after: int, num_drafts: int = 0
+                 ) -> tuple[list[int], ...] | None:
+        """Grow the request's holdings from `num_computed` to cover `num_after` tokens (the last
+        `num_drafts` of them drafts a verify step checks). Returns the newly allocated ids per group
+        (an aligned Mamba group: its whole row, which may also have released pages), or None
+        (nothing changed) if a pool is short."""
+        plan = self._plan(req_id, num_computed, num_after, num_drafts)
         held = self.block_ids(req_id)
         for g, (_, release) in enumerate(plan):          # no longer needed whether or not we grow
             if release:
                 self.pool(g).free(release, req_id)
                 held[g][:] = [0 if i in release else i for i in held[g]]
-        if not self.can_allocate(req_id, num_computed, num_after):
+        if not self.can_allocate(req_id, num_computed, num_after, num_drafts):
             return None
         rows, added = [], []
         for g, (n, _) in enumerate(plan):
-            new = self.pool(g).allocate(n, req_id)
             row = list(held[g])
             if not self.aligned(g):
+                new = self.pool(g).allocate(n, req_id)
                 row += new
-            elif new:
-                col = -(-num_after // self.groups[g].block_size) - 1
-                row += [0] * (col + 1 - len(row))
-                row[col] = new[0]
+            else:
+                new = self.pool(g).allocate(len(n), req_id)
+                for col, page in zip(n, new):
+                    row += [0] * (col + 1 - len(row))
+                    row[col] = page
+                self._running_column[req_id] = -(-num_after // self.groups[g].block_size) - 1
             rows.append(row)
             added.append(list(row) if self.aligned(g) else new)
         self._ids[req_id] = tuple(rows)
@@ -394,6 +422,7 @@ class KVCacheManager:
 
     def free(self, req_id: str) -> None:
         self._hashed_upto.pop(req_id, None)
+        self._running_column.pop(req_id, None)
         self._pages_registered_upto.pop(req_id, None)
         held = self._ids.pop(req_id, None)
         if held is None:

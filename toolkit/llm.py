@@ -18,7 +18,7 @@ from toolkit.config import (
     resolve_max_model_len,
     resolve_speculative_config,
 )
-from toolkit.errors import EngineClosedError, InvalidRequestError, NotSupportedYetError, ToolkitError
+from toolkit.errors import EngineClosedError, InvalidRequestError, ToolkitError
 from toolkit.inspect import checks
 from toolkit.inspect.capture import LayerSpec, RequestSpec, check_capture_mode
 from toolkit.inspect.memory import MemoryMarks, MemoryReport, collect, resolve_trace_budget
@@ -78,9 +78,6 @@ class LLM:
         check_capture_mode(inspect, inspect_layers, inspect_requests)
         check_seed(seed)
         self.speculative_config = resolve_speculative_config(speculative_config)
-        if self.speculative_config is not None and enable_prefix_caching:
-            raise NotSupportedYetError("speculative_config with enable_prefix_caching=True is not built yet "
-                                       "(the state checkpoints of verify steps); turn one of them off")
         k = self.speculative_config.num_speculative_tokens if self.speculative_config else 0
         dev, dt = resolve_device_dtype(device, dtype)
         self.backend = resolve_backend(backend, dev)      # "torch" or "triton"

@@ -92,13 +92,14 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        # state pages: as RunnerConfig.state_pages (one per request; 3 per request with prefix caching)
-        # speculative decoding: a decode row verifies up to k drafts, and (no prefix caching) a
-        # request holds 1 + k state slots, the state after each verified position
+        # state pages: as RunnerConfig.state_pages (1 + k per request; 3 + k with prefix caching)
+        # speculative decoding: a decode row verifies up to k drafts, and a request holds 1 + k state
+        # columns, the state after each verified position
         self.num_speculative_tokens = num_speculative_tokens
         state_columns = 1 + num_speculative_tokens
         self.kv = KVCacheManager(groups, num_kv_blocks,
-                                 num_state_slots or max_num_seqs * (3 if enable_prefix_caching else state_columns),
+                                 num_state_slots or max_num_seqs * (2 + state_columns if enable_prefix_caching
+                                                                    else state_columns),
                                  enable_prefix_caching=enable_prefix_caching, state_columns=state_columns)
         self.caching = enable_prefix_caching
         self.block_size = groups[0].block_size if groups else 1
@@ -245,14 +246,16 @@ class Scheduler:
             n = self._num_new_tokens(req, budget)
             drafts = self._drafts_to_verify(req, n, budget)
             n += len(drafts)
-            new_ids = self.kv.allocate(req.request_id, req.num_computed_tokens, req.num_computed_tokens + n)
+            new_ids = self.kv.allocate(req.request_id, req.num_computed_tokens, req.num_computed_tokens + n,
+                                       len(drafts))
             while new_ids is None:
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
                     break
-                new_ids = self.kv.allocate(req.request_id, req.num_computed_tokens, req.num_computed_tokens + n)
+                new_ids = self.kv.allocate(req.request_id, req.num_computed_tokens, req.num_computed_tokens + n,
+                                           len(drafts))
             if new_ids is None:
                 break
             num_scheduled[req.request_id] = n
@@ -424,16 +427,20 @@ class Scheduler:
                 end = stop
         return end - start
 
-    def _cache_computed(self, sched_out: SchedulerOutput) -> None:
+    def _cache_computed(self, sched_out: SchedulerOutput, accepted: dict[str, list[int]] | None = None) -> None:
         """After a step: what its requests computed becomes hittable (scheduler-side only: the next
-        step's admissions see it, never this step's)."""
+        step's admissions see it, never this step's). A verify row's computed tokens include its
+        accepted drafts (`accepted[req_id]` minus the target's own last token), not yet appended."""
         for req_id in sched_out.num_scheduled_tokens:
             req = self.requests.get(req_id)
             if req is None:
                 continue
             hashes = req.block_hashes
             if len(hashes) < req.num_computed_tokens // self.block_size:   # a block filled: hash it
-                hashes = block_hashes(req.all_token_ids, self.block_size, hashes)
+                tokens = req.all_token_ids
+                if accepted and req_id in sched_out.scheduled_spec_decode_tokens:
+                    tokens = list(tokens) + list(accepted[req_id][:-1])
+                hashes = block_hashes(tokens, self.block_size, hashes)
             self.kv.cache_computed(req_id, hashes, req.num_computed_tokens)
 
     def update_from_output(self, sched_out: SchedulerOutput, sampled: dict[str, int],
@@ -456,7 +463,7 @@ class Scheduler:
             if req is not None:
                 req.num_computed_tokens -= len(drafts) + 1 - len(accepted[req_id])
         if self.caching:
-            self._cache_computed(sched_out)
+            self._cache_computed(sched_out, accepted)
         for req_id, chunk in (prompt_logprobs or {}).items():
             req = self.requests.get(req_id)
             if req is not None:

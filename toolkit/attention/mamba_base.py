@@ -21,9 +21,10 @@ b strictly inside a prefill row's chunk (computed < b < seq_len) saves the state
 into the row's page for column b / bs - 1, if the scheduler gave it one (a 0 there, no free page, is
 handed on as PAD_SLOT_ID: nothing written). The token indices come from the host lengths, the pages
 from a gather on the block table's device.
-Speculative decoding (`num_speculative_tokens` k > 0, cache mode "none"; vLLM's spec-decode path):
-every decode row -- its last sampled token plus d <= k drafts, d possibly 0 -- is a verify row. Its
-state slots are the 1 + k columns of its block-table row (`state_indices_tensor_d` [D, 1 + k]):
+Speculative decoding (`num_speculative_tokens` k > 0; vLLM's spec-decode path): every decode row --
+its last sampled token plus d <= k drafts, d possibly 0 -- is a verify row. Its state slots
+(`state_indices_tensor_d` [D, 1 + k]) are the 1 + k columns of its block-table row ("none"), or
+("align") its running column -- that of its last draft -- and the k spec columns after it:
 the step starts from column `num_accepted_tokens - 1` (where the last step's last accepted
 position left its state) and writes the state after its position j into column j. The layers run
 the positions one at a time with their decode ops; the `spec_*_d` fields lay that loop out,
@@ -144,9 +145,9 @@ class BaseMambaMetadataBuilder(AttentionMetadataBuilder):
         self.mamba_block_size = check_mamba_block_size(mamba_block_size)
         if prefill_checkpoints and self.mamba_block_size is None:
             raise ValueError("prefill_checkpoints (cache mode \"all\") needs mamba_block_size (align mode)")
-        if num_speculative_tokens and self.mamba_block_size is not None:
-            raise NotSupportedYetError("speculative decoding with prefix caching (cache mode \"align\") is "
-                                       "not built yet: its state columns follow the running page")
+        if num_speculative_tokens and prefill_checkpoints:
+            raise NotSupportedYetError("speculative decoding with prefill_checkpoints (cache mode \"all\") "
+                                       "is not built: use cache mode \"align\"")
         self.prefill_checkpoints = prefill_checkpoints
         self.num_speculative_tokens = num_speculative_tokens
         if num_speculative_tokens:
@@ -155,8 +156,10 @@ class BaseMambaMetadataBuilder(AttentionMetadataBuilder):
         # state indices of a B-row batch are gathered into (one per batch size seen: at most
         # max_num_reqs of them, B ints each)
         self._align_buffers: dict[tuple[torch.device, int], torch.Tensor] = {}
-        # speculative decoding: (device, D, J) -> the four [J, D] loop tensors (spec_fields)
+        # speculative decoding: (device, D, J) -> the four [J, D] loop tensors (spec_fields); with
+        # align, (device, D) -> the [D, 1 + k] state columns gathered from the position-indexed rows
         self._spec_buffers: dict[tuple[torch.device, int, int], tuple[torch.Tensor, ...]] = {}
+        self._spec_columns: dict[tuple[torch.device, int], torch.Tensor] = {}
 
     def state_indices(self, common: CommonAttentionMetadata) -> torch.Tensor:
         """Device int32 [B]: the state slot of every row (see the module docstring for the modes)."""
@@ -215,7 +218,7 @@ class BaseMambaMetadataBuilder(AttentionMetadataBuilder):
     def spec_fields(self, common: CommonAttentionMetadata, s: MambaSplit) -> dict:
         """The verify rows' state columns and the per-position loop over them (module docstring)."""
         d = s.num_decodes
-        columns = common.block_table_tensor[:d, :1 + self.num_speculative_tokens]
+        columns = self.spec_columns(common, d)
         accepted = common.num_accepted_tokens[:d]
         lens = s.query_lens[:d].astype(np.int64)
         qsl = common.query_start_loc_cpu.numpy()[:d].astype(np.int64)
@@ -244,6 +247,24 @@ class BaseMambaMetadataBuilder(AttentionMetadataBuilder):
         return dict(state_indices_tensor_d=columns, query_start_loc_d=common.query_start_loc[:d + 1],
                     num_accepted_tokens=accepted, spec_token_index_d=token_d, spec_src_slots_d=src,
                     spec_dst_slots_d=dst, spec_out_index_d=out)
+
+    def spec_columns(self, common: CommonAttentionMetadata, d: int) -> torch.Tensor:
+        """Device [D, 1 + k], the block table's dtype: each decode row's state columns. "none": the
+        first 1 + k columns of its row (a view). "align": the running column -- that of the row's
+        last scheduled token, its last draft -- and the k spec columns after it,
+        block_table[row, (seq_len - 1) // bs + j] (vLLM `mamba_get_block_table_tensor`), gathered
+        into a buffer kept per D."""
+        k1 = 1 + self.num_speculative_tokens
+        table = common.block_table_tensor
+        if self.mamba_block_size is None:
+            return table[:d, :k1]
+        key = (table.device, d)
+        out = self._spec_columns.get(key)
+        if out is None:        # never replaced: a graph captured on it keeps reading it
+            out = self._spec_columns[key] = torch.empty((d, k1), dtype=table.dtype, device=table.device)
+        cols = align_state_columns(common.seq_lens[:d], self.mamba_block_size) + \
+            torch.arange(k1, device=table.device)
+        return torch.gather(table[:d], 1, cols, out=out)
 
     def checkpoint_fields(self, common: CommonAttentionMetadata, s: MambaSplit) -> dict:
         """The internal checkpoints of the prefill rows (see the module docstring), or Nones."""

@@ -22,6 +22,9 @@ state cache) and returns `Violation`s; it never changes them. What each one guar
                           state of the column it left (a checkpoint, or a hit's page), or zeros;
 - `checkpoint_at_block_end`  prefix caching: a state page registered as block b's checkpoint holds
                           the state after exactly (b + 1) * block_size tokens;
+- `checkpoint_from_accepted_position`  prefix caching + speculative decoding: a block boundary reached
+                          inside a verify row is saved from the state column of that position (not
+                          from a rejected draft's, nor the last column's) into its block's page;
 - `checkpoint_equals_cold_state`  prefix caching, inspect="full": the state a hit's request starts
                           from equals the state a cold prefill of those tokens computes (inspect/cold_state.py).
 
@@ -126,9 +129,12 @@ def check_spec_columns(groups, scheduled, kept_last_step: dict[str, int], where:
     return out
 
 
-def check_metadata(groups, scheduled, ledger: CacheLedger, where: str) -> list[Violation]:
+def check_metadata(groups, scheduled, ledger: CacheLedger, where: str,
+                   aligned_block_sizes: dict[int, int] | None = None) -> list[Violation]:
     """A real step's metadata against the ledger taken when the step was scheduled.
-    `groups`: list[GroupMetadata]; `scheduled`: list[ScheduledRequest] in batch order."""
+    `groups`: list[GroupMetadata]; `scheduled`: list[ScheduledRequest] in batch order;
+    `aligned_block_sizes`: group id -> block size of the Mamba groups with position-indexed rows
+    (prefix caching, "align")."""
     out: list[Violation] = []
     rids = [s.request_id for s in scheduled]
     for gm in groups:
@@ -140,12 +146,16 @@ def check_metadata(groups, scheduled, ledger: CacheLedger, where: str) -> list[V
             got = [] if decode is None else decode.view(md.num_decodes, -1).tolist()
             got += [] if prefill is None else [[i] for i in prefill.tolist()]
             spec = gm.common.num_accepted_tokens is not None     # speculative decoding: 1 + k columns held
+            bs = (aligned_block_sizes or {}).get(gm.group_id)
             for row, (rid, slots) in enumerate(zip(rids, got)):
                 held = ledger.holdings.get(rid, [[]] * len(ledger.group_kinds))[gm.group_id]
-                if spec:           # a decode row reads all its columns, a prefill row column 0
-                    want = list(held) if row < md.num_decodes else list(held[:1])
-                else:              # its one slot, or ("align") its running page
-                    want = [i for i in held if i][-1:]
+                width = len(slots) if spec and row < md.num_decodes else 1
+                if bs is not None:      # "align": the column of its last scheduled token (and the spec
+                    sc = scheduled[row]  # columns after it)
+                    col = max((sc.num_computed_before + sc.num_tokens - 1) // bs, 0)
+                    want = [held[c] if c < len(held) else 0 for c in range(col, col + width)]
+                else:                   # its one slot, or its 1 + k columns (a prefill row: column 0)
+                    want = list(held[:width])
                 if slots != want:
                     name = "state_indices_tensor_d" if row < md.num_decodes else "state_indices_tensor_p"
                     shown = slots[0] if len(slots) == 1 else slots
@@ -247,6 +257,7 @@ def check_cached_not_written(scheduler, runner, state, where: str) -> list[Viola
     start = batch.num_computed_tokens_np.astype(np.int64)
     end = start + batch.num_scheduled_tokens
     bt = runner.block_tables
+    spec = runner.cfg.num_speculative_tokens
     for group in runner.kv_cache_groups:
         g, bs = group.group_id, group.block_size
         pool = kv.pool(g)
@@ -254,6 +265,9 @@ def check_cached_not_written(scheduler, runner, state, where: str) -> list[Viola
             idx = batch.idx_mapping_np[row]
             if group.kind == "mamba":
                 written = {int(bt.state_pages(g, idx[None], end[row:row + 1])[0])}
+                if spec and bt.aligned[g] and batch.runs_as_decode_np[row]:   # a verify row: its spec columns
+                    col = max((int(end[row]) - 1) // bs, 0)
+                    written |= {int(i) for i in bt.tables[g][idx, col:col + 1 + spec]}
             else:
                 written = {int(i) for i in bt.tables[g][idx, start[row] // bs:-(-end[row] // bs)]}
             for i in sorted(written & pool.hash_of.keys()):
@@ -299,6 +313,15 @@ def _column_moves(runner, state, g: int) -> tuple[np.ndarray, np.ndarray, np.nda
     """Rows of an aligned Mamba group g whose last scheduled token lies in a new column: (rows,
     source pages (0: none, the row starts from scratch), destination pages)."""
     batch, bs = state.input_batch, runner.block_tables.block_sizes[g]
+    if runner.cfg.num_speculative_tokens:
+        # with speculative decoding the source is the column its accepted count pointed at, which the
+        # batch alone does not tell: the reported moves (their sources are checked in full mode, by
+        # spec_start_state_equals_plain; here, that each copy happened)
+        copies = state.state_copies
+        if copies is None:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        rows = np.array([batch.req_ids.index(r) for r in copies.request_ids], dtype=np.int64)
+        return rows, copies.src.astype(np.int64), copies.dst.astype(np.int64)
     start = batch.num_computed_tokens_np.astype(np.int64)
     end = start + batch.num_scheduled_tokens
     old, new = -(-start // bs) - 1, -(-end // bs) - 1
@@ -362,6 +385,53 @@ def check_checkpoints_at_block_end(scheduler, runner, state, where: str) -> list
                     f"state page {page}", f"registered as the checkpoint of block {b} (the state after "
                     f"{(b + 1) * bs} tokens) but holds the state after {end[row]} tokens: the step's chunk "
                     f"ended at token {end[row]}, not on a block boundary"))
+    return out
+
+
+def check_spec_checkpoints(runner, state, spec_rows: dict, where: str) -> list[Violation]:
+    """After sampling, prefix caching + speculative decoding: each verify row whose kept tokens
+    reached a block boundary b (computed < b <= computed + kept) had the state after b tokens -- in
+    its state column b - computed - 1, i.e. page `running column + that` of its row -- copied into
+    the page of block b / bs - 1, the checkpoint registered for it; no other row had a copy.
+    Derived from the batch, the step's block tables and the verification (not from what the
+    boundary copy reports, which it is compared with). Reads the step's block tables (a device read)."""
+    out: list[Violation] = []
+    batch = state.input_batch
+    reported: dict[str, tuple[int, int, int]] = {}
+    copies = state.checkpoint_copies
+    if copies is not None:
+        reported = {rid: (int(s), int(d), int(j)) for rid, s, d, j in
+                    zip(copies.request_ids, copies.src, copies.dst, copies.position)}
+    for group in runner.kv_cache_groups:
+        g, bs = group.group_id, group.block_size
+        if group.kind != "mamba" or not runner.block_tables.aligned[g]:
+            continue
+        table = state.block_tables[g].cpu().numpy()    # the step's rows (a finished request's row is gone)
+        for row, rid in enumerate(batch.req_ids):
+            if batch.num_drafts_np[row] == 0 or rid not in spec_rows:
+                continue
+            start = int(batch.num_computed_tokens_np[row])
+            kept = spec_rows[rid].num_accepted
+            boundary = (start + kept) // bs * bs
+            label = f"{where}, request {rid!r}, group {g} (mamba)"
+            got = reported.pop(rid, None)
+            if boundary <= start:
+                continue
+            running = -(-(start + int(batch.num_scheduled_tokens[row])) // bs) - 1
+            position = boundary - start - 1
+            want = (int(table[row, running + position]), int(table[row, boundary // bs - 1]), position)
+            if got != want:
+                did = ("no copy" if got is None else
+                       f"a copy from page {got[0]} (its state column {got[2]}) to page {got[1]}")
+                out.append(Violation(
+                    "checkpoint_from_accepted_position", label, f"checkpoint of block {boundary // bs - 1}",
+                    f"its kept tokens reached token {boundary}, whose state is in state column {position} "
+                    f"(page {want[0]}) and belongs in page {want[1]}, but the boundary copy made {did}: the "
+                    "page registered for that block holds another position's state"))
+        for rid, (src, dst, j) in reported.items():
+            out.append(Violation("checkpoint_from_accepted_position", f"{where}, request {rid!r}, group {g} (mamba)",
+                                 "boundary copy", f"copied page {src} (state column {j}) to page {dst}, but its "
+                                 "kept tokens reached no block boundary"))
     return out
 
 

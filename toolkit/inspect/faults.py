@@ -42,7 +42,7 @@ class Fault:
     detected_by: str        # the exception type (or check name) a test expects
     plant: Callable[[contextlib.ExitStack], None]
     needs: str = ""         # what the engine must run with for the fault to matter ("prefix caching",
-                            # "speculative decoding")
+                            # "speculative decoding", "speculative decoding with prefix caching")
 
     def _repr_html_(self) -> str:
         return catalogue_html([self])
@@ -240,6 +240,12 @@ def _plant_verify_from_last_column(stack: contextlib.ExitStack) -> None:
     _patch(stack, BaseMambaMetadataBuilder, "spec_fields", from_last)
 
 
+def _plant_checkpoint_from_last_column(stack: contextlib.ExitStack) -> None:
+    def last_position(boundary, start, num_drafts):      # the state after the row's last draft
+        return num_drafts
+    _patch(stack, MambaHybridModelState, "boundary_position", staticmethod(last_position))
+
+
 def _plant_accepted_not_reset(stack: contextlib.ExitStack) -> None:
     original = MambaHybridModelState.add_request
 
@@ -341,6 +347,16 @@ _CATALOGUE = [
           "vLLM #48132 (MRV2 kept a stale num_accepted_tokens on slot reuse)",
           "InvariantError (accepted_count_carried) after the step, naming request and group",
           "accepted_count_carried", _plant_accepted_not_reset, "speculative decoding"),
+    Fault("checkpoint_saved_from_rejected_position",
+          "prefix caching + speculative decoding: a verify row whose tokens reach a block boundary saves "
+          "that block's checkpoint from the state after its last position (its last draft, rejected or "
+          "past the boundary) instead of the position that reached the boundary; the page is registered, "
+          "and every later request hitting that prefix starts from a wrong state",
+          "vLLM MRV2's boundary copy after acceptance (#43559, #53912: hybrid + MTP + prefix caching "
+          "silently loses accuracy)",
+          "InvariantError (checkpoint_from_accepted_position) after the step, naming request, block and "
+          "pages", "checkpoint_from_accepted_position", _plant_checkpoint_from_last_column,
+          "speculative decoding with prefix caching"),
 ]
 
 

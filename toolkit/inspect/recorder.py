@@ -39,6 +39,7 @@ from toolkit.inspect.capture import (
 from toolkit.inspect.cold_state import ColdReplay, check_hit_states, check_spec_start_states
 from toolkit.inspect.step_record import (
     TOP_K_LOGITS,
+    CheckpointCopy,
     LayerState,
     SpecRow,
     StateCopy,
@@ -96,6 +97,7 @@ def step_record(step: StepOutcome, backend: str, logits: torch.Tensor | None = N
         prefix_lookups={new.req_id: new.prefix_lookup for new in step.sched_out.scheduled_new_reqs
                         if new.prefix_lookup is not None},
         state_copies=state_copies(state.state_copies) if state else [],
+        checkpoint_copies=checkpoint_copies(state.checkpoint_copies) if state else [],
         spec=spec_rows(state, step.sampled) if state else {},
         proposed_drafts={rid: d for rid, d in state.proposed_drafts.items()        # for requests still running
                          if rid not in {r.request_id for r in step.finished}} if state else {})
@@ -131,6 +133,13 @@ def state_copies(copies) -> list[StateCopy]:
         return []
     return [StateCopy(r, int(n), int(s), int(d))
             for r, n, s, d in zip(copies.request_ids, copies.from_tokens, copies.src, copies.dst)]
+
+
+def checkpoint_copies(copies) -> list[CheckpointCopy]:
+    if copies is None:
+        return []
+    return [CheckpointCopy(r, int(b), int(j), int(s), int(d)) for r, b, j, s, d in
+            zip(copies.request_ids, copies.boundary, copies.position, copies.src, copies.dst)]
 
 
 class Recorder:
@@ -174,6 +183,7 @@ class Recorder:
         # speculative decoding: the tokens each request kept at its last step (what its next step's
         # num_accepted_tokens must say; a request (re)admitted starts at 1)
         self._kept_last_step: dict[str, int] = {}
+        self._column_last_step: dict[str, int] = {}      # prefix caching: each request's running column
         runner.observer = self
 
     def make_filter(self, layers: LayerSpec = None, requests: RequestSpec = None,
@@ -198,8 +208,10 @@ class Recorder:
         if self.spec and sched_out is not None:
             for rid in sched_out.finished_req_ids:
                 self._kept_last_step.pop(rid, None)
+                self._column_last_step.pop(rid, None)
             for new in sched_out.scheduled_new_reqs:
                 self._kept_last_step.pop(new.req_id, None)
+                self._column_last_step.pop(new.req_id, None)
 
     def before_forward(self, runner, state) -> None:
         if self.mode == "full" and self.capture.layers:
@@ -228,7 +240,7 @@ class Recorder:
             if self.scheduler.kv.caching:
                 self._pending += checks.check_cached_not_written(self.scheduler, runner, state, self.where)
                 self._pending += checks.check_state_copies(runner, state, self.where, names)
-        if self.cold is not None and self.scheduler.kv.caching:
+        if self.cold is not None and self.scheduler.kv.caching and self.checks_on:
             self._pending += check_hit_states(self.cold, self.scheduler, runner, state, self.where, names)
         if self.cold is not None and self.spec and self.checks_on:
             self._pending += check_spec_start_states(self.cold, self.scheduler, runner, state, self.where, names)
@@ -273,27 +285,59 @@ class Recorder:
         record.violations = list(self._pending)
         state = step.exec_state
         if self.checks_on and state is not None:
+            aligned = {g.group_id: g.block_size for g in self.runner.kv_cache_groups
+                       if g.kind == "mamba" and self.runner.block_tables.aligned[g.group_id]}
             record.violations += checks.check_metadata(record.attn_metadata, record.scheduled,
-                                                       self._ledger_at_schedule, self.where)
+                                                       self._ledger_at_schedule, self.where, aligned)
             if state.logits is not None:
                 record.violations += checks.check_logits(state.logits, state.input_batch.req_ids, self.where,
                                                           state.input_batch.cu_num_logits_np)
             if self.spec:
                 record.violations += checks.check_spec_columns(record.attn_metadata, record.scheduled,
-                                                               self._kept_last_step, self.where)
+                                                               self._accepted_expected(record), self.where)
+                if self.scheduler.kv.caching:
+                    record.violations += checks.check_spec_checkpoints(self.runner, state, record.spec, self.where)
             if self.scheduler.kv.caching:
                 record.violations += checks.check_checkpoints_at_block_end(self.scheduler, self.runner, state,
                                                                            self.where)
         if self.checks_on:
             record.violations += checks.check_ledger(self.scheduler, self.runner, self.where)
         if self.spec and state is not None:
-            for rid in state.input_batch.req_ids:
-                self._kept_last_step[rid] = record.spec[rid].num_accepted if rid in record.spec else 1
+            bs = self._aligned_block_size()
+            for sc in record.scheduled:
+                rid = sc.request_id
+                kept = record.spec[rid].num_accepted if rid in record.spec else 1
+                if bs is not None:     # "align": the running column, and a checkpoint landing in it
+                    col = -(-(sc.num_computed_before + sc.num_tokens) // bs) - 1
+                    boundary = (sc.num_computed_before + kept) // bs * bs
+                    if boundary > sc.num_computed_before and boundary // bs - 1 == col:
+                        kept = 1
+                    self._column_last_step[rid] = col
+                self._kept_last_step[rid] = kept
         self._before = self._after = self._logits = self._top = None
         self._pending = []
         self.trace.append(record)
         checks.raise_if_any(record.violations)
         return record
+
+    def _aligned_block_size(self) -> int | None:
+        """The block size of the position-indexed Mamba rows (prefix caching), else None."""
+        return next((g.block_size for g in self.runner.kv_cache_groups
+                     if g.kind == "mamba" and self.runner.block_tables.aligned[g.group_id]), None)
+
+    def _accepted_expected(self, record: StepRecord) -> dict[str, int]:
+        """Request -> the num_accepted_tokens its row should carry this step: what it kept at its last
+        step (vLLM MRV2 `postprocess_state`), or 1 for a request new to its row, for one whose running
+        column moved ("align": the pre-copy put its state in column 0) and for one whose last step's
+        checkpoint landed in its running column."""
+        expected = dict(self._kept_last_step)
+        bs = self._aligned_block_size()
+        if bs is not None:
+            for sc in record.scheduled:
+                col = -(-(sc.num_computed_before + sc.num_tokens) // bs) - 1
+                if self._column_last_step.get(sc.request_id, col) != col:
+                    expected[sc.request_id] = 1
+        return expected
 
     def _layer_states(self) -> list[LayerState]:
         if self._before is None or self._after is None:

@@ -115,9 +115,22 @@ class Violation:
 class StateCopy:
     """One row's running state moved to a new page before the forward (prefix caching)."""
     request_id: str
-    from_tokens: int      # tokens the source state covers: a checkpoint at a block end; 0: zeroed
+    from_tokens: int      # tokens the source state covers (the row's computed tokens); 0: zeroed
     src_page: int         # 0 when zeroed (the request starts from scratch)
     dst_page: int
+
+
+@dataclass
+class CheckpointCopy:
+    """Prefix caching + speculative decoding: a verify row's accepted tokens reached a block
+    boundary; the state there, left in its state column `position`, was copied after sampling into
+    the page of the block that boundary ends: the checkpoint a later request may hit (MRV2's
+    boundary copy)."""
+    request_id: str
+    boundary: int         # tokens the checkpoint covers (a block multiple)
+    position: int         # the verify position whose state it is (its state column; 0 = the last sample)
+    src_page: int
+    dst_page: int         # == src_page: the checkpoint's column is the running column itself
 
 
 @dataclass
@@ -183,6 +196,9 @@ class StepRecord:
     # cache; and the state copies before the forward (a row entering a new block: page src -> dst)
     prefix_hits: dict[str, int] = field(default_factory=dict)
     state_copies: list[StateCopy] = field(default_factory=list)
+    # with speculative decoding, also the boundary copies after sampling (a checkpoint reached inside
+    # a verify row, copied from its state column into its block's column)
+    checkpoint_copies: list[CheckpointCopy] = field(default_factory=list)
     # per request admitted this step (new, or resumed after a preemption): the scheduler's lookup of
     # its prefix, the object it made at admission (not recomputed): per full block whether its
     # attention KV block and a recurrent checkpoint were cached, the N - 1 cap, the hit, the

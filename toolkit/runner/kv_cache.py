@@ -5,7 +5,8 @@ per block) and one group of Mamba layers (one state slot per request). Unlike vL
 unify page sizes across groups: each group has its own tensors and its own id space, and id 0
 of each is the null block/slot. A Mamba group's block-table row has one column: the state slot
 (with speculative decoding 1 + k: the state after each position of a verify step, vLLM's
-`state_indices_tensor_d` columns).
+`state_indices_tensor_d` columns). With prefix caching ("align") the row is position-indexed, one
+column per block, plus k columns: a verify step's spec columns follow the running column.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from toolkit.config import RunnerConfig
+from toolkit.errors import NotSupportedYetError
 from toolkit.kv_cache_spec import AttentionSpec, KVCacheSpec, MambaSpec
 
 
@@ -46,12 +48,29 @@ def make_kv_cache_groups(specs: dict[str, KVCacheSpec], cfg: RunnerConfig) -> li
                                        num_blocks, cfg.max_blocks_per_req))
         else:
             if cfg.enable_prefix_caching:      # "align": a position-indexed row, a page per checkpoint
+                check_spec_with_caching(cfg)     # and k speculative columns after the running one
                 groups.append(KVCacheGroup(len(groups), kind, spec, list(members), cfg.block_size,
-                                           cfg.state_pages + 1, cfg.max_blocks_per_req))
+                                           cfg.state_pages + 1, cfg.max_blocks_per_req + cfg.num_speculative_tokens))
             else:       # "none": one running state per request (1 + k columns with speculative decoding)
                 groups.append(KVCacheGroup(len(groups), kind, spec, list(members), cfg.max_model_len,
                                            cfg.state_pages + 1, cfg.state_columns))
     return groups
+
+
+def check_spec_with_caching(cfg: RunnerConfig) -> None:
+    """Speculative decoding on recurrent layers with prefix caching: a verify row of 1 + k tokens
+    may cross at most one block boundary (its checkpoint is copied out of the state column that
+    reached it), and cache mode "all" has no verify path (vLLM 0.33 has no "all" either)."""
+    k = cfg.num_speculative_tokens
+    if not k:
+        return
+    if cfg.prefill_checkpoints:
+        raise NotSupportedYetError("speculative decoding with mamba_cache_mode='all' is not built: use "
+                                   "mamba_cache_mode='align' (the default with prefix caching)")
+    if k >= cfg.block_size:
+        raise ValueError(f"num_speculative_tokens={k} with prefix caching on a model with recurrent layers "
+                         f"needs block_size > {k} (block_size={cfg.block_size}): a verify row of 1 + k tokens "
+                         "may cross at most one block boundary")
 
 
 def check_prefill_checkpoints(model: nn.Module, block_size: int) -> None:

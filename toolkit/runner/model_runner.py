@@ -60,6 +60,7 @@ class ExecuteModelState:
     graph: str = "eager"                 # what ran the forward: "eager", "padded eager", "graph"
     padded_size: int | None = None       # P: rows the forward ran (padded decode batch), else None
     state_copies: Any = None             # prefix caching: model_state.preprocess_state's StateCopies
+    checkpoint_copies: Any = None        # prefix caching + spec decoding: postprocess_state's CheckpointCopies
     # speculative decoding, set by sample_tokens: what the verification decided (None: no drafts this
     # step), and the drafts proposed for each row's next step
     verify: VerifyResult | None = None
@@ -276,7 +277,8 @@ class ModelRunner:
             num_kept[batch.num_draft_tokens > 0] = state.verify.num_accepted
         self._logprobs_to_host(state, pending, num_kept)
         last_kept = self._post_update(batch, sampled, sampled_np, num_kept)
-        self.model_state.postprocess_state(batch, sampled, num_kept if self.proposer else None)
+        state.checkpoint_copies = self.model_state.postprocess_state(batch, sampled,
+                                                                     num_kept if self.proposer else None)
         out = dict(zip(batch.req_ids, last_kept.tolist()))
         if self.proposer is not None:
             state.proposed_drafts = self._propose(batch)

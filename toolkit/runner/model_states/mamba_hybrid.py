@@ -6,8 +6,14 @@ What it adds over the default state (vLLM `model_states/mamba_hybrid.py`):
   state of the prompt the parent computed);
 - with prefix caching ("align" mode), `preprocess_state`: a row whose last scheduled token lies in a
   new column of its position-indexed row gets its state there before the forward, copied from the
-  page of the column before (a checkpoint, or a prefix hit's page), or zeroed when it starts from
-  scratch (MRV2 `preprocess_state`; one batched copy per state tensor, no host sync);
+  page that holds it (the last step's running column, or with speculative decoding the spec column
+  its accepted count points at; a checkpoint, or a prefix hit's page), or zeroed when it starts from
+  scratch; its accepted count is then 1 (MRV2 `preprocess_state`; one batched copy per state tensor,
+  no host sync);
+- with prefix caching and speculative decoding, `postprocess_state`'s boundary copy: a verify row
+  whose accepted tokens reached a block boundary left the state there in one of its state columns;
+  it is copied into that block's column, the checkpoint a later request may hit (MRV2
+  `postprocess_mamba`);
 - `is_prefilling`, which the Mamba builders need to tell decodes from one-token prefill chunks;
 - forwarding `seq_lens_cpu_upper_bound` (the field vLLM forgot to forward, #46759);
 - speculative decoding: `num_accepted_tokens` per request row (device int32, 1 = the neutral
@@ -33,11 +39,25 @@ from toolkit.scheduler import NewRequestData
 @dataclass
 class StateCopies:
     """What `preprocess_state` did this step ("align" mode), one entry per row that entered a new
-    block: its running state went from page `src` (the checkpoint after `from_tokens` tokens: the
-    page of the column it left, or a prefix hit's page; 0 = none, the new page was zeroed) to page
-    `dst` before the forward."""
+    block's column: its running state went from page `src` (the state after `from_tokens` tokens: the
+    page of the column it left, a spec column with speculative decoding, or a prefix hit's page; 0 =
+    none, the new page was zeroed) to page `dst` before the forward (src == dst: already there)."""
     request_ids: list[str]
-    from_tokens: np.ndarray      # int64 [R]: tokens the source state covers (a block multiple; 0: zeroed)
+    from_tokens: np.ndarray      # int64 [R]: tokens the source state covers (0: zeroed)
+    src: np.ndarray              # int64 [R]
+    dst: np.ndarray              # int64 [R]
+
+
+@dataclass
+class CheckpointCopies:
+    """What `postprocess_state`'s boundary copy did this step (prefix caching and speculative
+    decoding), one entry per verify row whose accepted tokens reached a block boundary: the state
+    after `boundary` tokens, left by position `position` of the row in page `src` (its state column
+    `position`), went to page `dst`, the column of the block that boundary ends (src == dst: already
+    there)."""
+    request_ids: list[str]
+    boundary: np.ndarray         # int64 [R]: tokens the checkpoint covers (a block multiple)
+    position: np.ndarray         # int64 [R]: the verify position whose state it is (0 = the last sample)
     src: np.ndarray              # int64 [R]
     dst: np.ndarray              # int64 [R]
 
@@ -47,6 +67,12 @@ class MambaHybridModelState(DefaultModelState):
         super().__init__(model, cfg)
         self.num_speculative_tokens = cfg.num_speculative_tokens
         self.num_accepted_tokens = torch.ones(cfg.max_num_seqs, dtype=torch.int32, device=cfg.device)
+        # host copies per request row ("align"): the accepted counts (as num_accepted_tokens) and
+        # the running column of the row's last step (-1: nothing computed yet); the state after its
+        # computed tokens is in column state_column + num_accepted - 1
+        self.accepted_np = np.ones(cfg.max_num_seqs, dtype=np.int32)
+        self.state_column = np.full(cfg.max_num_seqs, -1, dtype=np.int64)
+        self._block_tables: BlockTables | None = None
 
     def initialize_kv_cache(self, kv_cache_groups: list[KVCacheGroup], caches) -> None:
         self.mamba_groups = [g for g in kv_cache_groups if g.kind == "mamba"]
@@ -55,8 +81,12 @@ class MambaHybridModelState(DefaultModelState):
 
     def add_request(self, req_idx: int, new_req: NewRequestData) -> None:
         self.num_accepted_tokens[req_idx] = 1
+        self.accepted_np[req_idx] = 1
         if self.cfg.enable_prefix_caching:
-            return                          # its running page is set up by preprocess_state
+            # its running page is set up by preprocess_state (from a prefix hit's page, or zeroed)
+            if self.mamba_groups:
+                self.state_column[req_idx] = -(-new_req.num_computed_tokens // self.mamba_groups[0].block_size) - 1
+            return
         slots = [s for g in self.mamba_groups for s in new_req.block_ids[g.group_id]]
         if 0 in slots:
             raise RuntimeError(f"request {new_req.req_id} was given the null state slot 0")
@@ -65,46 +95,104 @@ class MambaHybridModelState(DefaultModelState):
             for t in self.state_tensors:
                 t.index_fill_(0, index, 0)
 
+    def _copy_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Every state tensor: page src[i] -> page dst[i] (self copies skipped); one batched copy."""
+        move = src != dst
+        if move.any():
+            index = to_device(np.stack([src[move], dst[move]]).astype(np.int64), self.device)
+            for t in self.state_tensors:
+                t.index_copy_(0, index[1], t.index_select(0, index[0]))
+
+    def _set_accepted(self, idx: np.ndarray, values: np.ndarray, idx_device: torch.Tensor | None = None) -> None:
+        """Request rows `idx` keep accepted counts `values` (host and device)."""
+        self.accepted_np[idx] = values
+        if self.num_speculative_tokens and len(idx):
+            index = idx_device if idx_device is not None else to_device(idx.astype(np.int64), self.device)
+            self.num_accepted_tokens[index] = to_device(values.astype(np.int32), self.device)
+
     def preprocess_state(self, input_batch: InputBatch, block_tables: BlockTables) -> StateCopies | None:
         if not self.cfg.enable_prefix_caching or not self.mamba_groups:
             return None
+        self._block_tables = block_tables
         group = self.mamba_groups[0]
         bs, table = group.block_size, block_tables.tables[group.group_id]
         start = input_batch.num_computed_tokens_np.astype(np.int64)
         end = start + input_batch.num_scheduled_tokens
-        old, new = -(-start // bs) - 1, -(-end // bs) - 1
+        idx = input_batch.idx_mapping_np
+        old, new = self.state_column[idx], -(-end // bs) - 1
+        offset = self.accepted_np[idx].astype(np.int64) - 1
+        self.state_column[idx] = new
         rows = np.nonzero(new != old)[0]
         if not len(rows):
             return None
-        idx = input_batch.idx_mapping_np[rows]
-        dst = table[idx, new[rows]]
+        idx = idx[rows]
+        dst = table[idx, new[rows]].astype(np.int64)
         if (dst == 0).any():
             raise RuntimeError(f"prefix caching: a row's running column has no state page "
                                f"(rows {rows[dst == 0].tolist()})")
         has_src = old[rows] >= 0
-        src = table[idx[has_src], old[rows][has_src]]
-        if (src == 0).any():
+        src = np.zeros(len(rows), dtype=np.int64)
+        src[has_src] = table[idx[has_src], (old + offset)[rows][has_src]]
+        if (src[has_src] == 0).any():
             raise RuntimeError("prefix caching: a row's state to copy from has no page (rows "
-                               f"{rows[has_src][src == 0].tolist()})")
-        copy = to_device(np.stack([src, dst[has_src]]).astype(np.int64), self.device) if len(src) else None
-        zero = to_device(dst[~has_src].astype(np.int64), self.device) if (~has_src).any() else None
-        for t in self.state_tensors:
-            if copy is not None:
-                t.index_copy_(0, copy[1], t.index_select(0, copy[0]))
-            if zero is not None:
+                               f"{rows[has_src][src[has_src] == 0].tolist()})")
+        self._copy_pages(src[has_src], dst[has_src])
+        if (~has_src).any():
+            zero = to_device(dst[~has_src], self.device)
+            for t in self.state_tensors:
                 t.index_fill_(0, zero, 0)
-        source = np.zeros(len(rows), dtype=np.int64)
-        source[has_src] = src
-        return StateCopies([input_batch.req_ids[r] for r in rows], (old[rows] + 1) * bs, source,
-                           dst.astype(np.int64))
+        self._set_accepted(idx, np.ones(len(idx), dtype=np.int32))    # the state is in column 0 now
+        return StateCopies([input_batch.req_ids[r] for r in rows], np.where(has_src, start[rows], 0), src, dst)
 
     def postprocess_state(self, input_batch: InputBatch, sampled: torch.Tensor,
-                          num_accepted: np.ndarray | None = None) -> None:
+                          num_accepted: np.ndarray | None = None) -> CheckpointCopies | None:
         """Speculative decoding: each row's request keeps `num_accepted` [B] (1 for rows without
-        drafts), where its next step finds its state (column num_accepted - 1)."""
-        if self.num_speculative_tokens and input_batch.num_reqs:
-            values = np.ones(input_batch.num_reqs, dtype=np.int32) if num_accepted is None else num_accepted
-            self.num_accepted_tokens[input_batch.idx_mapping] = to_device(values.astype(np.int32), self.device)
+        drafts), where its next step finds its state (column num_accepted - 1). With prefix
+        caching, the boundary copy (module docstring); returns what it copied."""
+        if not self.num_speculative_tokens or not input_batch.num_reqs:
+            return None
+        values = (np.ones(input_batch.num_reqs, dtype=np.int32) if num_accepted is None
+                  else num_accepted.astype(np.int32))
+        copies = None
+        if self.cfg.enable_prefix_caching and self.mamba_groups and num_accepted is not None:
+            copies, rows = self._boundary_copies(input_batch, values)
+            if copies is not None:       # a checkpoint in the running column itself: the state is in column 0
+                column = copies.boundary // self.mamba_groups[0].block_size - 1
+                values[rows[column == self.state_column[input_batch.idx_mapping_np[rows]]]] = 1
+        self._set_accepted(input_batch.idx_mapping_np, values, input_batch.idx_mapping)
+        return copies
+
+    def _boundary_copies(self, input_batch: InputBatch, kept: np.ndarray
+                         ) -> tuple[CheckpointCopies | None, np.ndarray]:
+        """Verify rows whose kept tokens reached a block boundary: position j = boundary - computed - 1
+        left the state after it in state column j (page `running column + j`); it is copied to the
+        page of the column of the block the boundary ends (vLLM `postprocess_mamba_fused_kernel`).
+        Returns the copies and their batch rows."""
+        group = self.mamba_groups[0]
+        bs, table = group.block_size, self._block_tables.tables[group.group_id]
+        verify = np.nonzero(input_batch.num_drafts_np > 0)[0]
+        start = input_batch.num_computed_tokens_np[verify].astype(np.int64)
+        boundary = (start + kept[verify]) // bs * bs
+        reached = boundary >= start + 1
+        if not reached.any():
+            return None, verify[:0]
+        rows, start, boundary = verify[reached], start[reached], boundary[reached]
+        idx = input_batch.idx_mapping_np[rows]
+        position = self.boundary_position(boundary, start, input_batch.num_drafts_np[rows])
+        src = table[idx, self.state_column[idx] + position].astype(np.int64)
+        dst = table[idx, boundary // bs - 1].astype(np.int64)
+        if (src == 0).any() or (dst == 0).any():
+            raise RuntimeError("prefix caching: a verify row's boundary state or its block's column has no "
+                               f"page (rows {rows[(src == 0) | (dst == 0)].tolist()})")
+        self._copy_pages(src, dst)
+        return CheckpointCopies([input_batch.req_ids[r] for r in rows], boundary, position, src, dst), rows
+
+    @staticmethod
+    def boundary_position(boundary: np.ndarray, start: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
+        """The verify position after which a row's state covers `boundary` tokens (the row starts
+        after `start` computed tokens; position j leaves the state after start + 1 + j): its state
+        column. Not the row's last position, `num_drafts`, unless the boundary is there."""
+        return boundary - start - 1
 
     def attn_metadata_kwargs(self, input_batch: InputBatch, for_capture: bool) -> dict:
         kwargs = super().attn_metadata_kwargs(input_batch, for_capture)
