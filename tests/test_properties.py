@@ -700,6 +700,10 @@ def run_program(preset: str, config: EngineConfig, ops: list) -> Books:
          ops=[Add((3,), Params("greedy", max_tokens=1)), Add((3,), Params("greedy", max_tokens=1)),
               Generate(((3,),), Params("greedy", max_tokens=1)),
               Generate(((3,),), Params("greedy", max_tokens=1))])
+@example(config=_make_config(2, 6, 2, 0, "none", True, "align", 1),   # speculation + prefix caching:
+         ops=[Add((3,), Params("greedy", max_tokens=1)),            # a spec page left behind by a prefill
+              Add(tuple(range(40, 64)), Params("greedy", max_tokens=1)),    # chunk was registered as a
+              Add(tuple(range(40, 56)), Params("greedy", max_tokens=1))])   # checkpoint, and hit
 @given(config=engine_configs, ops=programs)
 def test_random_programs_keep_books_and_outputs(preset, config, ops):
     books = run_program(preset, config, ops)

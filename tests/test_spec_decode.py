@@ -23,6 +23,7 @@ import pytest
 from toolkit import LLM, SamplingParams
 from toolkit.config import SpeculativeConfig, resolve_speculative_config
 from toolkit.errors import NotSupportedYetError
+from toolkit.inspect.prefix_views import prefix_cache_step_html
 from toolkit.inspect.record_views import step_record_html
 from toolkit.inspect.spec_views import spec_step_html
 from toolkit.runner.spec_decode import NgramProposer
@@ -523,6 +524,12 @@ def test_a_hit_on_a_verify_step_checkpoint(preset):
     assert llm.generate([{"prompt_token_ids": a_prompt}], greedy)[0].outputs[0].token_ids == a_out
     copies = {c.boundary: c for c in boundary_copies(llm)}
     assert 24 in copies and copies[24].position == 1 and copies[24].src_page != copies[24].dst_page
+    saved = next(rec for rec in llm.trace if copies[24] in rec.checkpoint_copies)      # the views say so
+    said = unescape(spec_step_html(saved))
+    assert (f"checkpoint: the row reached token 24, a block boundary, at position 1; that column's state "
+            f"(slot {copies[24].src_page}) was copied into page {copies[24].dst_page}") in said
+    assert (f"the state after 24 tokens, left by verify position 1 in page {copies[24].src_page} -> page "
+            f"{copies[24].dst_page}") in unescape(prefix_cache_step_html(saved))
     assert llm.generate([{"prompt_token_ids": b_prompt}], greedy)[0].outputs[0].token_ids == b_out
     admitted = next(rec for rec in llm.trace if rec.prefix_hits)
     assert admitted.prefix_hits == {admitted.scheduled[0].request_id: 24}

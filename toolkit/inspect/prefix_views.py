@@ -41,7 +41,8 @@ def why_no_prefix_cache(record: Any, enabled: bool | None = None) -> str | None:
     if caching_off(record, enabled):
         return (f"{OFF}: build the engine with LLM(..., enable_prefix_caching=True) to see lookups, "
                 "hits and checkpoints")
-    if getattr(record, "prefix_lookups", {}) or getattr(record, "state_copies", []):
+    if (getattr(record, "prefix_lookups", {}) or getattr(record, "state_copies", [])
+            or getattr(record, "checkpoint_copies", [])):
         return None
     if not record.scheduled:
         return "nothing was scheduled in this step, so no request was looked up and no state moved"
@@ -50,12 +51,26 @@ def why_no_prefix_cache(record: Any, enabled: bool | None = None) -> str | None:
 
 
 def copy_text(copy: Any, hit_tokens: int | None = None) -> str:
-    """Where one row's recurrent state came from: "page 7 (the checkpoint after 480 tokens) ->
-    page 12", or "zeroed: from scratch -> page 12". `hit_tokens`: the row's prefix hit this step."""
+    """Where one row's recurrent state came from: "page 7 (the checkpoint after 480 tokens, its
+    prefix hit) -> page 12", "page 7 (the state after 75 tokens) -> page 12", or "zeroed: from
+    scratch -> page 12". `hit_tokens`: the row's prefix hit this step."""
     if not copy.src_page:
         return f"zeroed: from scratch -> page {copy.dst_page}"
-    hit = ", its prefix hit" if hit_tokens and hit_tokens == copy.from_tokens else ""
-    return f"page {copy.src_page} (the checkpoint after {copy.from_tokens} tokens{hit}) -> page {copy.dst_page}"
+    if hit_tokens and hit_tokens == copy.from_tokens:
+        return (f"page {copy.src_page} (the checkpoint after {copy.from_tokens} tokens, its prefix hit) -> "
+                f"page {copy.dst_page}")
+    if copy.src_page == copy.dst_page:      # speculative decoding: a spec column became the running one
+        return (f"page {copy.src_page} holds the state after {copy.from_tokens} tokens already "
+                "(its new running page)")
+    return f"page {copy.src_page} (the state after {copy.from_tokens} tokens) -> page {copy.dst_page}"
+
+
+def checkpoint_copy_text(copy: Any) -> str:
+    """A verify row's boundary copy: "the state after 48 tokens, left by verify position 1 in page 9
+    -> page 4: the checkpoint of the block ending at token 48"."""
+    into = "its running page, already there" if copy.src_page == copy.dst_page else f"page {copy.dst_page}"
+    return (f"the state after {copy.boundary} tokens, left by verify position {copy.position} in page "
+            f"{copy.src_page} -> {into}: the checkpoint of the block ending at token {copy.boundary}")
 
 
 # ---- the hash chain -----------------------------------------------------------------------------------
@@ -125,12 +140,18 @@ def lookup_html(request_id: str, lookup: Any) -> str:
 def copies_html(record: Any) -> str:
     """Where each recurrent state of the step came from (every row that entered a new block)."""
     copies = getattr(record, "state_copies", [])
-    if not copies:
+    if not copies and not getattr(record, "checkpoint_copies", []):
         return ""
     hits = getattr(record, "prefix_hits", {})
     rows = [[H.escape(c.request_id), H.escape(copy_text(c, hits.get(c.request_id)))] for c in copies]
-    return (H.title("Recurrent states this step (rows that entered a new block)")
-            + H.table(["request", "state from -> into"], rows))
+    out = (H.title("Recurrent states this step (rows that entered a new block)")
+           + H.table(["request", "state from -> into"], rows)) if rows else ""
+    saved = getattr(record, "checkpoint_copies", [])
+    if saved:
+        out += (H.title("Checkpoints saved from verify rows (a block boundary reached inside a verify step)")
+                + H.table(["request", "checkpoint"], [[H.escape(c.request_id), H.escape(checkpoint_copy_text(c))]
+                                                      for c in saved]))
+    return out
 
 
 # ---- the views ------------------------------------------------------------------------------------------

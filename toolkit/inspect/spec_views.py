@@ -8,7 +8,9 @@ the first rejected one red (the row keeps the target's token at the position bef
 ones after it grey (never looked at); the target's tokens at positions 0..accepted are kept (the
 last one is the bonus when every draft was accepted). Then the recurrent state columns: the column
 the step started from, the slot each position left its state in, and the column the next step
-starts from (num_accepted - 1).
+starts from (num_accepted - 1). With prefix caching, a row whose kept tokens reached a block
+boundary also says which position's state was copied into the checkpoint
+(`StepRecord.checkpoint_copies`).
 """
 from __future__ import annotations
 
@@ -74,7 +76,15 @@ def columns_text(row: Any) -> str:
             f"(slot {cols[row.next_column]})")
 
 
-def row_html(rid: str, row: Any) -> str:
+def checkpoint_text(copy: Any) -> str:
+    """A boundary reached inside the row (prefix caching): which column's state became the checkpoint."""
+    where = "its running page itself" if copy.src_page == copy.dst_page else f"page {copy.dst_page}"
+    return (f"checkpoint: the row reached token {copy.boundary}, a block boundary, at position {copy.position}; "
+            f"that column's state (slot {copy.src_page}) was copied into {where}, the checkpoint later "
+            "requests may hit")
+
+
+def row_html(rid: str, row: Any, checkpoint: Any = None) -> str:
     d = len(row.drafts)
     head = (f"request {rid!r}: {d} draft{'' if d == 1 else 's'}, {row.accepted_drafts} accepted, "
             f"{row.num_accepted} token{'' if row.num_accepted == 1 else 's'} kept")
@@ -82,8 +92,11 @@ def row_html(rid: str, row: Any) -> str:
         rejected = row.drafts[row.accepted_drafts]
         head += f"; the target sampled {row.target_at_rejection} where draft {rejected} was rejected"
     head += f"; kept {row.target[:row.num_accepted]}"
-    return (H.div(head, f"{H.TITLE};font-weight:600") + position_chips(row)
-            + f'<div class="{CLASS_PREFIX}columns" style="{H.SOFT}">{H.escape(columns_text(row))}</div>')
+    out = (H.div(head, f"{H.TITLE};font-weight:600") + position_chips(row)
+           + f'<div class="{CLASS_PREFIX}columns" style="{H.SOFT}">{H.escape(columns_text(row))}</div>')
+    if checkpoint is not None:
+        out += f'<div class="{CLASS_PREFIX}checkpoint" style="{H.SOFT}">{H.escape(checkpoint_text(checkpoint))}</div>'
+    return out
 
 
 def legend_html() -> str:
@@ -105,7 +118,8 @@ def spec_step_html(record: Any, enabled: bool | None = None) -> str:
     drafts = sum(len(r.drafts) for r in rows.values())
     accepted = sum(r.accepted_drafts for r in rows.values())
     parts = [H.title(f"Verify rows of this step ({len(rows)}): {accepted} of {drafts} drafts accepted")]
-    parts += [row_html(rid, row) for rid, row in rows.items()]
+    saved = {c.request_id: c for c in getattr(record, "checkpoint_copies", [])}
+    parts += [row_html(rid, row, saved.get(rid)) for rid, row in rows.items()]
     parts.append(legend_html())
     proposed = getattr(record, "proposed_drafts", {})
     if proposed:
