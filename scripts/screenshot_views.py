@@ -9,8 +9,9 @@ tests/notebooks/inspector_browser.ipynb on `--model` in a throwaway JupyterLab, 
 State (a Mamba layer, request '0', whose state carries over from step 0), then clicks Run to end
 and shows Timeline and Warmup; then serves one prompt twice (the notebook's engine caches prefixes)
 and shows the Prefix cache tab at the step that admitted the second; last, switches the inspector
-to demo-hybrid with n-gram drafts (the notebook's speculate()), adds a repetitive prompt, steps
-twice and shows the Speculation tab. Needs what
+to demo-hybrid with n-gram drafts and prefix caching (the notebook's speculate()), adds a repetitive
+prompt, steps to the verify step whose row saves a block's checkpoint and shows the Speculation tab.
+Needs what
 scripts/setup_browser_test.sh installs.
 """
 from __future__ import annotations
@@ -34,7 +35,7 @@ SHOTS = [  # (file stem, tab, text the drawn view contains)
     ("timeline", "Timeline", None),
     ("warmup", "Warmup", "memory ledger"),
     ("prefix_cache", "Prefix cache", "hit 16 of 20 tokens"),
-    ("speculation", "Speculation", "Verify rows of this step"),
+    ("speculation", "Speculation", "checkpoint: the row reached token"),
 ]
 PREFIX_PROMPT = ", ".join(str(t) for t in range(40, 60))     # 20 token ids: one full block of 16 to hit
 from test_browser import SPEC_PROMPT  # noqa: E402  (demo-hybrid token ids whose decode verifies drafts)
@@ -82,8 +83,10 @@ def main(argv=None) -> int:
                         nb.run_code("speculate()")
                         nb.wait_text(nb.status_line, "now showing")
                         nb.add_request(SPEC_PROMPT)
-                        nb.click_step()
-                        nb.click_step()
+                        for _ in range(8):           # to the verify step whose row saves a checkpoint
+                            nb.click_step()
+                            if "checkpoint: the row reached token" in nb.open_tab(tab).inner_text():
+                                break
                     panel = nb.open_tab(tab)
                     if stem == "state":
                         nb.pick_state_layer(panel, prefer="mamba")

@@ -9,8 +9,10 @@
   type a 20-token prompt into the request box, Run to end, add it again, Step, and find in the
   Prefix cache tab the second request's hit of 16 tokens: its one block chip marked hit and
   checkpointed, the reason, where its state came from and what the cache holds now; then
-  `speculate()` switches the inspector to demo-hybrid with n-gram drafts: a repetitive prompt, Step
-  twice, and the Speculation tab draws the verify row's drafts against the target's tokens;
+  `speculate()` switches the inspector to demo-hybrid with n-gram drafts and prefix caching: a
+  repetitive prompt, Step to its first verify step, and the Speculation tab draws the verify row's
+  drafts against the target's tokens; Step on until a verify row saves a block's checkpoint, which
+  the tab names;
 - the notebook exported by nbconvert (widget state stored, widget JS from the local npm install),
   opened from file:// with every other request aborted: the rendered widget shows the Metadata tab.
 
@@ -172,9 +174,11 @@ def test_inspector_live_in_jupyterlab(lab, tmp_path):
             assert nb.run_code("speculate()") == ""
             nb.wait_text(nb.status_line, "now showing LLM('demo-hybrid'")
             nb.add_request(SPEC_PROMPT)
-            nb.click_step()                                      # the prefill (and the drafts it proposes)
-            nb.click_step()                                      # the verify step
-            panel = nb.open_tab("Speculation")
+            for _ in range(4):          # the prefill (two chunks: prefix caching ends one on a block boundary)
+                nb.click_step()
+                panel = nb.open_tab("Speculation")
+                if "Verify rows of this step (1)" in panel.inner_text():     # the first verify step
+                    break
             nb.wait_text(panel, "Verify rows of this step (1)")
             text = panel.inner_text()
             m = re.search(r"request '(\w+)': (\d+) drafts?, (\d+) accepted", text)
@@ -184,6 +188,14 @@ def test_inspector_live_in_jupyterlab(lab, tmp_path):
             assert panel.locator(".sd-pos.sd-accepted").count() == accepted
             assert panel.locator(".sd-pos.sd-input").count() == 1
             assert "the next step starts from column" in text
+            # a verify row whose kept tokens reach a block boundary says which column became the checkpoint
+            for _ in range(6):
+                if "checkpoint: the row reached token" in panel.inner_text():
+                    break
+                nb.click_step()
+                panel = nb.open_tab("Speculation")
+            nb.wait_text(panel, "checkpoint: the row reached token")
+            assert "the checkpoint later requests may hit" in panel.inner_text()
             shot = tmp_path / "lab_6_speculation.png"
             nb.inspector.screenshot(path=shot)
             _keep(shot, "test_browser_lab_speculation.png")
