@@ -5,6 +5,7 @@
     python3 scripts/vllm_reference.py --batches 500 --seed 23 --out tests/data/vllm_builder_goldens.json
     python3 scripts/vllm_reference.py --mode align         # prefix caching: tests/data/vllm_builder_goldens_align.json
     python3 scripts/vllm_reference.py --mode spec          # speculative decoding: ..._spec.json
+    python3 scripts/vllm_reference.py --mode align-spec    # speculative decoding + prefix caching: ..._align_spec.json
 
 Two stages, one file per cache mode (MODES):
 
@@ -60,6 +61,24 @@ Cache modes (MODES), a golden file each:
     `hash_block_size`, export block-boundary states from inside a prefill, splitting Mamba2's chunks
     there). The MambaSpec here keeps vLLM's default of 0 checkpoint blocks and a bare VllmConfig
     leaves `hash_block_size` None, so vLLM builds no checkpoint metadata (the file records both).
+  - "align-spec": speculative decoding WITH prefix caching: a VllmConfig with both
+    `CacheConfig(enable_prefix_caching=True, block_size=bs)` (mamba_cache_mode "align") and the spec
+    mode's `SpeculativeConfig(method="ngram", num_speculative_tokens=k)`, and a MambaSpec with k spec
+    blocks, as vLLM's Mamba layers declare it (`MambaBase.get_kv_cache_spec`: num_speculative_blocks =
+    num_speculative_tokens). Each builder once per k of SPEC_KS and bs of ALIGN_BLOCK_SIZES (names
+    `<builder>_bs<bs>_k<k>`), on the spec mode's batch drawing (`draw_spec_batch`, the batches of each
+    k in turn, `batch_range` per builder) with ALIGN_SPEC_CROSS of the verify rows with drafts placed
+    so that their drafts cross a block boundary (the first token in one block, the last draft in the
+    next: the running column is the last draft's). Block tables position-indexed as in "align" but
+    cdiv(max_model_len, bs) + k columns wide (vLLM `MambaSpec.max_num_blocks_per_req` in align mode),
+    so that a row's running column (seq_len - 1) // bs and the k spec columns after it exist; vLLM's
+    `mamba_get_block_table_tensor` gathers those 1 + k columns for every row, the decode rows keep all
+    of them ([D, 1 + k]), the prefill rows the first. The generator checks that layout on every batch
+    against the tables (`align_spec_layout`, recorded under `speculative.layout_check`). Mamba1 is left
+    out as in "spec" (the same check, on these batches). The kwargs are the spec mode's; note that MRV2
+    in align mode resets a request's num_accepted_tokens to 1 when its running column moved since the
+    last step (vllm/v1/worker/mamba_utils.py `preprocess_mamba_align_fused_kernel`), a history this
+    single-batch drawing does not model: num_accepted_tokens stays drawn in 1..k+1 (a superset).
 
 """
 from __future__ import annotations
@@ -78,9 +97,10 @@ TORCH_VERSION = "2.13.0"
 DEFAULT_VENV = Path.home() / ".cache" / "runnerscope" / f"vllm-{VLLM_VERSION}-venv"
 DEFAULT_OUT = {"none": REPO / "tests" / "data" / "vllm_builder_goldens.json",
                "align": REPO / "tests" / "data" / "vllm_builder_goldens_align.json",
-               "spec": REPO / "tests" / "data" / "vllm_builder_goldens_spec.json"}
+               "spec": REPO / "tests" / "data" / "vllm_builder_goldens_spec.json",
+               "align-spec": REPO / "tests" / "data" / "vllm_builder_goldens_align_spec.json"}
 DEFAULT_SEED = 23
-DEFAULT_BATCHES = {"none": 500, "align": 500, "spec": 700}
+DEFAULT_BATCHES = {"none": 500, "align": 500, "spec": 700, "align-spec": 600}
 
 # What `import vllm`, VllmConfig/ModelConfig and the Mamba-family builders import on a CPU machine
 # (found by importing them in an empty venv, one missing module at a time). Bounds copied from vllm's
@@ -169,8 +189,8 @@ def main() -> None:
                     "(e.g. https://download.pytorch.org/whl/cpu); PyPI's Linux torch is a CUDA build")
     ap.add_argument("--out", type=Path, help="golden file (default: DEFAULT_OUT of the mode)")
     ap.add_argument("--seed", type=int, default=DEFAULT_SEED)
-    ap.add_argument("--batches", type=int, help="batches (default: DEFAULT_BATCHES of the mode; spec: "
-                    "split over SPEC_KS by SPEC_K_SHARE)")
+    ap.add_argument("--batches", type=int, help="batches (default: DEFAULT_BATCHES of the mode; spec, "
+                    "align-spec: split over SPEC_KS by SPEC_K_SHARE)")
     ap.add_argument("--mode", default="none", choices=sorted(MODES), help="vLLM mamba cache mode (MODES)")
     ap.add_argument("--generate", action="store_true", help="(internal) run inside the scratch venv")
     args = ap.parse_args()
@@ -204,7 +224,9 @@ CAPTURE_SIZES = (1, 2, 4, 8, 16)      # the runner pads a decode batch to one of
 
 # Cache modes: their CacheConfig (align: + block_size=bs for each bs of ALIGN_BLOCK_SIZES); a golden file each.
 MODES = {"none": dict(enable_prefix_caching=False), "align": dict(enable_prefix_caching=True),
-         "spec": dict(enable_prefix_caching=False)}
+         "spec": dict(enable_prefix_caching=False), "align-spec": dict(enable_prefix_caching=True)}
+SPEC_MODES = ("spec", "align-spec")         # modes with speculative decoding (builders per k of SPEC_KS)
+ALIGN_MODES = ("align", "align-spec")       # modes with prefix caching (builders per block size)
 # align: 16 = vLLM's default block size (the Mamba block size follows it); 64 = a larger one, so a builder
 # that assumed one block size would be caught
 ALIGN_BLOCK_SIZES = (16, 64)
@@ -265,6 +287,11 @@ SPEC_K_SHARE = {3: 1, 1: 1}           # --batches is split over SPEC_KS in these
 # kwargs, MRV2's MambaHybridAttnMetadata.get_extra_attn_kwargs passes none to it, and mamba_mixer.py
 # reads no num_accepted_tokens. The spec file leaves it out (`left_out`, with that checked on the batches).
 SPEC_LEFT_OUT = ("mamba1",)
+# "align-spec": the share of verify rows with d >= 1 drafts drawn across a block boundary (num_computed =
+# m * unit - j, j in 1..d, unit in ALIGN_SPEC_CROSS_UNITS: the first token in one block, the last draft
+# in the next; a multiple of 64 is a boundary at every block size of ALIGN_BLOCK_SIZES, 16 at the smaller)
+ALIGN_SPEC_CROSS = 0.3
+ALIGN_SPEC_CROSS_UNITS = (16, 64)
 
 ALIGN_INPUT_FORMAT = (
     "per batch: q = query lengths, computed = tokens already in the state, prefilling = is_prefilling (0/1); "
@@ -285,6 +312,20 @@ SPEC_INPUT_FORMAT = (
     "query_start_loc = [0, cumsum(q)]; num_actual_tokens = sum(q); int32 CPU tensors; order = the row order "
     "drawn (by_len: decode-like rows by length; mrv2: rows with drafts first, then 1 + k-token rows); rows = "
     "the kind of each row: " + row_codes(SPEC_ROW_KINDS))
+
+ALIGN_SPEC_INPUT_FORMAT = (
+    "per batch: k = num_speculative_tokens of its engine (builders <name>_bs<bs>_k<k>), q = query lengths, "
+    "computed = tokens already in the state, prefilling = is_prefilling (0/1), num_accepted_tokens = the "
+    "num_accepted_tokens kwarg [B], num_decode_draft_tokens_cpu = that kwarg [B] (MRV2: the draft count of a "
+    "decode row -- not prefilling, 0 < q <= 1 + k --, else -1); seq_lens = seq_lens_cpu_upper_bound = "
+    "computed + q; query_start_loc = [0, cumsum(q)]; num_actual_tokens = sum(q); int32 CPU tensors; order = "
+    "the row order drawn (by_len / mrv2, as in the spec file); rows = the kind of each row: "
+    + row_codes(SPEC_ROW_KINDS) + "; tables[bs][i] = [A, C]: the block_table_tensor of batch i for block size "
+    "bs, int32 [B, W] with W = cdiv(max_model_len, bs) + k (table_layout.width), position-indexed: entry "
+    "(r, j) = 1 + (A * (r * W + j) + C) % page_prime, except 0 (the null block) in every entry of a padding "
+    "row and in a column j < (seq_len[r] - 1) // bs whose id % null_every == 0 (table_layout); the running "
+    "column and the k after it are never null; table_sha256[bs][i] = the first 12 hex digits of the sha256 "
+    "of that table's int32 little-endian bytes")
 
 
 def edge(rng, lo: int, ks=(1, 1, 1, 2, 3)) -> int:
@@ -371,26 +412,34 @@ def spec_runs_as_decode(q: int, computed: int, prefilling: bool, k: int) -> bool
     return (not prefilling and q <= k + 1) or (prefilling and q == 1 and computed > 0)
 
 
-def draw_spec_row(rng, kind: str, k: int, drafts: int | None = None) -> tuple[int, int, bool, int, int]:
+def draw_spec_row(rng, kind: str, k: int, drafts: int | None = None,
+                  cross: float = 0.0) -> tuple[int, int, bool, int, int]:
     """spec mode: (query_len, num_computed, is_prefilling, drafts, num_accepted_tokens) of one row.
     A verify row's num_accepted_tokens (what its request kept at its last step, MRV2's per-slot
     num_accepted_tokens_gpu) is 1..k+1; every other row's is 1 (MRV2 resets it to 1 in add_request
-    and stores max(num_sampled, 1) after a step, so a prefilling request holds 1)."""
+    and stores max(num_sampled, 1) after a step, so a prefilling request holds 1). `cross` (align-spec,
+    ALIGN_SPEC_CROSS): the share of verify rows with drafts whose drafts cross a block boundary (0: the
+    spec mode's draws, the same random calls)."""
     if kind == "spec_decode":
         d = drafts if drafts is not None else (k if rng.random() < 0.4 else rng.randint(0, k))
-        return 1 + d, draw_computed(rng), False, d, rng.randint(1, k + 1)
+        if cross and d and rng.random() < cross:
+            computed = rng.randint(1, 24) * rng.choice(ALIGN_SPEC_CROSS_UNITS) - rng.randint(1, d)
+        else:
+            computed = draw_computed(rng)
+        return 1 + d, computed, False, d, rng.randint(1, k + 1)
     if kind == "short_chunk":
         return rng.randint(2, k + 1), (draw_computed(rng) if rng.random() < 0.6 else 0), True, 0, 1
     q, c, p = draw_row(rng, kind)
     return q, c, p, 0, 1
 
 
-def draw_spec_batch(rng, k: int) -> dict:
+def draw_spec_batch(rng, k: int, cross: float = 0.0) -> dict:
     """spec mode: one batch of an engine with k speculative tokens. Verify rows and one-token prefill
     chunks on saved state first -- in this project's order (`sort_batch`: by query length) or in
     MRV2's (`sort_batch_req_ids`: rows with drafts first, 1 + k-token rows first, then by length),
     drawn per batch -- then the prefills by query length. Block table [B, 1 + k], distinct slot ids
-    (the null slot 0 only in padded rows); num_decode_draft_tokens_cpu from `mrv2_decode_draft_tokens`."""
+    (the null slot 0 only in padded rows); num_decode_draft_tokens_cpu from `mrv2_decode_draft_tokens`.
+    `cross`: see draw_spec_row (align-spec, whose block tables are `block_table_for`'s, not these slots)."""
     kind = rng.choices(("mixed", "decode_only", "prefill_only", "single", "one_token", "padded_decode",
                         "uniform_verify", "no_verify"), weights=(0.44, 0.10, 0.07, 0.09, 0.06, 0.06, 0.10, 0.08))[0]
     n = 1 if kind == "single" else rng.randint(1 if kind in ("padded_decode", "uniform_verify") else 2, MAX_ROWS)
@@ -403,7 +452,7 @@ def draw_spec_batch(rng, k: int) -> dict:
     weights = [SPEC_ROW_WEIGHTS[SPEC_ROW_KINDS.index(x)] for x in pool]
     # one-token batches (and the runner's padded decode batches) hold verify rows without drafts
     forced = {"one_token": 0, "padded_decode": 0, "uniform_verify": k}.get(kind)
-    rows = [(x, *draw_spec_row(rng, x, k, forced)) for x in rng.choices(pool, weights=weights, k=n)]
+    rows = [(x, *draw_spec_row(rng, x, k, forced, cross)) for x in rng.choices(pool, weights=weights, k=n)]
     order = rng.choice(("by_len", "mrv2"))
     if order == "by_len":
         key = lambda r: (0 if spec_runs_as_decode(r[1], r[2], r[3], k) else 1, r[1])  # noqa: E731
@@ -435,14 +484,16 @@ def block_table_for(batch: dict, mode: str, block_size: int | None = None, table
     except the null block 0 in every entry of a padded row (as the runner pads) and in a column before
     the row's running one, (seq_len - 1) // block_size, whose id is a multiple of ALIGN_NULL_EVERY.
     The running column is never null, and columns after it hold ids too: any column but the running
-    one reads an id other than the running one's."""
+    one reads an id other than the running one's. "align-spec": the same, cdiv(MAX_MODEL_LEN, block_size)
+    + k columns (vLLM `MambaSpec.max_num_blocks_per_req`, align: the running column's k spec columns
+    exist for any seq_len <= max_model_len), k = the batch's."""
     import torch
     if mode == "none":
         return torch.tensor(batch["slots"], dtype=torch.int32).view(-1, 1)
     if mode == "spec":                # [B, 1 + k]: a row's 1 + k state slots
         return torch.tensor(batch["slots"], dtype=torch.int32).view(len(batch["q"]), 1 + batch["k"])
     a, c = table
-    rows, width = len(batch["q"]), -(-MAX_MODEL_LEN // block_size)
+    rows, width = len(batch["q"]), -(-MAX_MODEL_LEN // block_size) + (batch["k"] if mode == "align-spec" else 0)
     flat = torch.arange(rows * width, dtype=torch.int64).view(rows, width)
     pages = 1 + (a * flat + c) % ALIGN_PAGE_PRIME
     seq_lens = torch.tensor(batch["q"], dtype=torch.int64) + torch.tensor(batch["computed"], dtype=torch.int64)
@@ -462,7 +513,7 @@ def table_digest(table) -> str:
 
 
 def draw_tables(rng, batches: list[dict]) -> dict[str, list[list[int]]]:
-    """align: per block size, per batch, [A, C] of its block table (`block_table_for`)."""
+    """align, align-spec: per block size, per batch, [A, C] of its block table (`block_table_for`)."""
     return {str(bs): [[rng.randrange(1, ALIGN_PAGE_PRIME), rng.randrange(ALIGN_PAGE_PRIME)] for _ in batches]
             for bs in ALIGN_BLOCK_SIZES}
 
@@ -497,9 +548,11 @@ def build_kwargs(batch: dict) -> dict:
 
 
 def make_builder(name: str, mode: str, workdir: Path, block_size: int | None = None, k: int = 0):
-    """vLLM's builder `name` from a real VllmConfig in cache mode `mode`; spec mode (k > 0): with an n-gram
-    SpeculativeConfig of k tokens (what sets vllm_config.num_speculative_tokens, the builders' spec path,
-    their reorder threshold 1 + k and [D, 1 + k] decode state indices) and a MambaSpec with k spec blocks."""
+    """vLLM's builder `name` from a real VllmConfig in cache mode `mode`; spec and align-spec modes (k > 0):
+    with an n-gram SpeculativeConfig of k tokens (what sets vllm_config.num_speculative_tokens, the
+    builders' spec path, their reorder threshold 1 + k and [D, 1 + k] decode state indices) and a
+    MambaSpec with k spec blocks; align and align-spec: CacheConfig(enable_prefix_caching=True,
+    block_size=block_size)."""
     import importlib
 
     import torch
@@ -522,9 +575,10 @@ def make_builder(name: str, mode: str, workdir: Path, block_size: int | None = N
         model_config=model_config,
         cache_config=CacheConfig(**MODES[mode], **({"block_size": block_size} if block_size else {})), **extra)
     cache = vllm_config.cache_config
-    assert cache.mamba_cache_mode == ("none" if mode == "spec" else mode), (name, cache.mamba_cache_mode)
+    want_mode = {"spec": "none", "align-spec": "align"}.get(mode, mode)
+    assert cache.mamba_cache_mode == want_mode, (name, cache.mamba_cache_mode)
     assert vllm_config.num_speculative_tokens == k, (name, vllm_config.num_speculative_tokens)
-    if mode == "align":
+    if mode in ALIGN_MODES:
         assert cache.mamba_block_size == cache.block_size == block_size, (name, cache.mamba_block_size)
         assert vllm_config.scheduler_config.enable_chunked_prefill, name
     spec = MambaSpec(block_size=cache.mamba_block_size, shapes=shapes, dtypes=(torch.float32,) * len(shapes),
@@ -545,10 +599,14 @@ def make_builder(name: str, mode: str, workdir: Path, block_size: int | None = N
         info.update(num_speculative_tokens=k, speculative_method=vllm_config.speculative_config.method,
                     num_speculative_blocks=spec.num_speculative_blocks,
                     reorder_batch_threshold=builder.reorder_batch_threshold)
-    if mode == "align":
+    if mode in ALIGN_MODES:
         info.update(block_size=cache.block_size, hash_block_size=cache.hash_block_size,
                     num_prefill_checkpoint_blocks=spec.num_prefill_checkpoint_blocks,
                     enable_chunked_prefill=bool(vllm_config.scheduler_config.enable_chunked_prefill))
+    if mode == "align-spec":    # vLLM's block-table width in align mode: the tables here are that wide
+        width = spec.max_num_blocks_per_req(vllm_config, MAX_MODEL_LEN)
+        assert width == -(-MAX_MODEL_LEN // block_size) + k, (name, width)
+        info["max_num_blocks_per_req"] = width
     return builder, info
 
 
@@ -658,26 +716,30 @@ def spec_coverage(batches: list[dict]) -> dict:
     return cov
 
 
-def spec_left_out(batches: list[dict], ranges: dict, workdir: Path, outputs: dict) -> dict:
-    """spec mode: why SPEC_LEFT_OUT are not in the file, checked on its batches: vLLM's Mamba1 builder,
-    built with the speculative config, gives the same metadata with MRV2's spec kwargs as without
-    them, and its decode/prefill split then differs from the spec-aware base builder's (ShortConv's)."""
+def spec_left_out(batches: list[dict], ranges: dict, workdir: Path, outputs: dict, mode: str = "spec",
+                  tables: dict | None = None) -> dict:
+    """spec, align-spec modes: why SPEC_LEFT_OUT are not in the file, checked on its batches: vLLM's Mamba1
+    builder, built with the speculative config, gives the same metadata with MRV2's spec kwargs as
+    without them, and its decode/prefill split then differs from the spec-aware base builder's
+    (ShortConv's). align-spec: per block size too (entries <name>_bs<bs>_k<k>)."""
     out = {}
+    sizes = ALIGN_BLOCK_SIZES if mode == "align-spec" else (None,)
     for name in SPEC_LEFT_OUT:
-        for k in SPEC_KS:
-            builder, _ = make_builder(name, "spec", workdir, None, k)
+        for k, bs in ((k, bs) for k in SPEC_KS for bs in sizes):
+            suffix = f"_bs{bs}_k{k}" if bs else f"_k{k}"
+            builder, _ = make_builder(name, mode, workdir, bs, k)
             lo, hi = ranges[k]
             same, differs = 0, 0
-            base = outputs[f"short_conv_k{k}"]["num_decodes"]
+            base = outputs[f"short_conv{suffix}"]["num_decodes"]
             for i in range(lo, hi):
-                common = common_metadata(batches[i], "spec")
+                common = common_metadata(batches[i], mode, bs, tables[str(bs)][i] if bs else None)
                 with_kw = builder.build(0, common, **build_kwargs(batches[i]))
                 without = builder.build(0, common)
                 a = {f: encode(f, v, common) for f, v in vars(with_kw).items()}
                 same += a == {f: encode(f, v, common) for f, v in vars(without).items()}
                 nd = base["const"] if isinstance(base, dict) else base[i - lo]
                 differs += a["num_decodes"] != nd
-            out[f"{name}_k{k}"] = {
+            out[f"{name}{suffix}"] = {
                 "reason": "vLLM 0.33's Mamba1 has no speculative path: Mamba1AttentionMetadataBuilder.build "
                           "calls _compute_common_metadata without num_accepted_tokens, MRV2's "
                           "MambaHybridAttnMetadata.get_extra_attn_kwargs passes it no spec kwargs, and "
@@ -709,6 +771,69 @@ def align_coverage(batches: list[dict], tables: dict[str, list[list[int]]]) -> d
                 counts["seq_len_1"] += s == 1
         cov.update({f"bs{bs}_rows_{k}": v for k, v in counts.items()})
     return cov
+
+
+def align_spec_coverage(batches: list[dict], tables: dict[str, list[list[int]]]) -> dict:
+    """align-spec: per k and block size, the rows on the edges of the align + spec state-index rule."""
+    cov = {}
+    for k in SPEC_KS:
+        for bs in ALIGN_BLOCK_SIZES:
+            c = dict.fromkeys((
+                "verify_rows_crossing_a_block", "verify_rows_with_last_draft_first_in_its_block",
+                "verify_rows_with_seq_len_multiple_of_bs", "verify_rows_running_column_past_0",
+                "verify_rows_with_drafts_within_one_block", "one_token_rows_entering_a_new_block",
+                "short_chunks_crossing_a_block", "prefills_crossing_a_block", "null_column_before_running",
+                "seq_len_1"), 0)
+            for b, table in zip(batches, tables[str(bs)], strict=True):
+                if b["k"] != k:
+                    continue
+                bt = block_table_for(b, "align-spec", bs, table)
+                for r, (q, cc, p, kind) in enumerate(zip(b["q"], b["computed"], b["prefilling"], b["row_kinds"],
+                                                         strict=True)):
+                    if kind == "padding":
+                        continue
+                    s, col = q + cc, (q + cc - 1) // bs
+                    crossing = cc // bs != col
+                    verify = kind == "spec_decode"
+                    c["verify_rows_crossing_a_block"] += verify and crossing
+                    c["verify_rows_with_last_draft_first_in_its_block"] += verify and q > 1 and (s - 1) % bs == 0
+                    c["verify_rows_with_seq_len_multiple_of_bs"] += verify and s % bs == 0
+                    c["verify_rows_running_column_past_0"] += verify and col > 0
+                    c["verify_rows_with_drafts_within_one_block"] += verify and q > 1 and not crossing
+                    c["one_token_rows_entering_a_new_block"] += q == 1 and cc > 0 and s % bs == 1
+                    c["short_chunks_crossing_a_block"] += kind == "short_chunk" and crossing
+                    c["prefills_crossing_a_block"] += not spec_runs_as_decode(q, cc, bool(p), k) and crossing
+                    c["null_column_before_running"] += col > 0 and int(bt[r, col - 1]) == 0
+                    c["seq_len_1"] += s == 1
+            cov.update({f"k{k}_bs{bs}_rows_{key}": v for key, v in c.items()})
+    return cov
+
+
+def align_spec_layout(name: str, md, common, batch: dict, bs: int, k: int) -> dict:
+    """align-spec: whether vLLM's state indices are the block table gathered at each row's running column
+    c = max(seq_len - 1, 0) // bs and the k after it (the file's speculative.layout_check.what), computed
+    here from the table and the input lengths, independently of vLLM's mamba_get_block_table_tensor."""
+    table = common.block_table_tensor.tolist()
+    cols = [max(q + c - 1, 0) // bs for q, c in zip(batch["q"], batch["computed"], strict=True)]
+    full = [row[col:col + 1 + k] for row, col in zip(table, cols, strict=True)]
+    crossing = [c // bs != col for c, col in zip(batch["computed"], cols, strict=True)]
+
+    def rows(t):
+        return [] if t is None else t.tolist()
+    if name == "gdn":           # spec rows by mask (spec path), else every row on the non-spec path
+        mask = [d >= 0 for d in batch["num_decode_draft_tokens"]]
+        spec_rows = [r for r, m in enumerate(mask) if m]
+        other = [r for r, m in enumerate(mask) if not m] if spec_rows else list(range(len(mask)))
+        got_d, got_p = rows(md.spec_state_indices_tensor), rows(md.non_spec_state_indices_tensor)
+    else:
+        spec_rows = list(range(md.num_decodes))
+        other = list(range(md.num_decodes, len(cols)))
+        got_d, got_p = rows(md.state_indices_tensor_d), rows(md.state_indices_tensor_p)
+    want_d, want_p = [full[r] for r in spec_rows], [full[r][0] for r in other]
+    good = (sum(g == w for g, w in zip(got_d, want_d)) + sum(g == w for g, w in zip(got_p, want_p))
+            - abs(len(got_d) - len(want_d)) - abs(len(got_p) - len(want_p)))
+    return {"rows": len(want_d) + len(want_p), "rows_as_designed": good, "decode_rows": len(want_d),
+            "decode_rows_crossing_a_block": sum(crossing[r] for r in spec_rows)}
 
 
 def dump(doc: dict, path: Path) -> None:
@@ -748,22 +873,29 @@ def generate(args) -> None:
     import vllm
     t0 = time.time()
     rng = random.Random(args.seed)
-    spec = args.mode == "spec"
+    spec = args.mode in SPEC_MODES
+    align = args.mode in ALIGN_MODES
+    align_spec = args.mode == "align-spec"
     if spec:     # the batches of each k in turn (SPEC_KS), a builder per k over its own range of them
         share = sum(SPEC_K_SHARE.values())
         per_k = {k: args.batches * SPEC_K_SHARE[k] // share for k in SPEC_KS}
         per_k[SPEC_KS[0]] += args.batches - sum(per_k.values())
-        batches = [draw_spec_batch(rng, k) for k in SPEC_KS for _ in range(per_k[k])]
+        cross = ALIGN_SPEC_CROSS if align_spec else 0.0
+        batches = [draw_spec_batch(rng, k, cross) for k in SPEC_KS for _ in range(per_k[k])]
         ranges = {k: [i for i, b in enumerate(batches) if b["k"] == k] for k in SPEC_KS}
         ranges = {k: (r[0], r[-1] + 1) for k, r in ranges.items()}
     else:
         batches = [draw_batch(rng) for _ in range(args.batches)]
-    # align: the tables are drawn after the batches, so the batches are the "none" file's
-    tables = draw_tables(rng, batches) if args.mode == "align" else {}
+    # align: the tables are drawn after the batches, so the batches are the "none" file's (align-spec: the
+    # batches are drawn as the spec file's, with verify rows across block boundaries, ALIGN_SPEC_CROSS)
+    tables = draw_tables(rng, batches) if align else {}
     runs = ([(name, name, None, 0) for name in BUILDERS] if args.mode == "none" else
+            [(f"{name}_bs{bs}_k{k}", name, bs, k) for k in SPEC_KS for bs in ALIGN_BLOCK_SIZES
+             for name in BUILDERS if name not in SPEC_LEFT_OUT] if align_spec else
             [(f"{name}_k{k}", name, None, k) for k in SPEC_KS for name in BUILDERS if name not in SPEC_LEFT_OUT]
             if spec else
             [(f"{name}_bs{bs}", name, bs, 0) for bs in ALIGN_BLOCK_SIZES for name in BUILDERS])
+    layout = {}          # align-spec: the state-index layout, checked against the tables (align_spec_layout)
     workdir = Path(tempfile.mkdtemp(prefix="vllm-ref-configs-"))
     builders, outputs = {}, {}
     for full_name, name, bs, k in runs:
@@ -772,10 +904,14 @@ def generate(args) -> None:
         if spec:
             info["batch_range"] = [lo, hi]
         records, dtypes = [], {}
+        checked = dict.fromkeys(("rows", "rows_as_designed", "decode_rows", "decode_rows_crossing_a_block"), 0)
         for i in range(lo, hi):
             b = batches[i]
             common = common_metadata(b, args.mode, bs, tables[str(bs)][i] if bs else None)
             md = builder.build(common_prefix_len=0, common_attn_metadata=common, **build_kwargs(b))
+            if align_spec:
+                for key, v in align_spec_layout(name, md, common, b, bs, k).items():
+                    checked[key] += v
             rec = {}
             for f, v in vars(md).items():
                 rec[f] = encode(f, v, common)
@@ -786,8 +922,13 @@ def generate(args) -> None:
         info["dtypes"] = {f: "/".join(sorted(d)) for f, d in dtypes.items()}
         builders[full_name] = info
         outputs[full_name] = columns(records)
+        if align_spec:
+            layout[full_name] = checked
+            if checked["rows_as_designed"] != checked["rows"]:
+                print(f"  {full_name}: vLLM's state indices differ from the align-spec layout in "
+                      f"{checked['rows'] - checked['rows_as_designed']} of {checked['rows']} rows", flush=True)
         print(f"  {full_name}: {len(records)} batches ({time.time() - t0:.0f} s)", flush=True)
-    left_out = spec_left_out(batches, ranges, workdir, outputs) if spec else None
+    left_out = spec_left_out(batches, ranges, workdir, outputs, args.mode, tables) if spec else None
     dedupe(outputs)
     keys = ("kind", "q", "computed", "prefilling") + (("slots",) if args.mode in ("none", "spec") else ())
     inputs = {k: [b[k] for b in batches] for k in keys}
@@ -796,12 +937,11 @@ def generate(args) -> None:
         inputs.update(k=[b["k"] for b in batches], order=[b["order"] for b in batches],
                       num_accepted_tokens=[b["accepted"] for b in batches],
                       num_decode_draft_tokens_cpu=[b["num_decode_draft_tokens"] for b in batches])
-    if args.mode == "align":
+    if align:
         inputs["tables"] = tables
-        inputs["table_sha256"] = {str(bs): [table_digest(block_table_for(b, "align", bs, t))
+        inputs["table_sha256"] = {str(bs): [table_digest(block_table_for(b, args.mode, bs, t))
                                             for b, t in zip(batches, tables[str(bs)], strict=True)]
                                   for bs in ALIGN_BLOCK_SIZES}
-    align = args.mode == "align"
     doc = {
         "about": "Inputs and outputs of vLLM's Mamba-family metadata builders, for "
                  "tests/test_vllm_builder_goldens.py. Regenerate: python3 scripts/vllm_reference.py"
@@ -814,10 +954,32 @@ def generate(args) -> None:
         doc["table_layout"] = {"page_prime": ALIGN_PAGE_PRIME, "null_every": ALIGN_NULL_EVERY}
         doc["cache_config"] = (
             "CacheConfig(enable_prefix_caching=True, block_size=bs) for each bs of block_sizes (builder "
-            "<name>_bs<bs>): mamba_cache_mode 'align', mamba_block_size = block_size = bs, chunked prefill on; "
+            + ("<name>_bs<bs>_k<k>" if align_spec else "<name>_bs<bs>")
+            + "): mamba_cache_mode 'align', mamba_block_size = block_size = bs, chunked prefill on; "
             "MambaSpec with vLLM's default num_prefill_checkpoint_blocks=0 and hash_block_size unresolved "
             "(None): no prefill checkpoints")
-    if spec:
+    if align_spec:
+        doc["table_layout"]["width"] = "cdiv(max_model_len, bs) + k"
+        doc["speculative"] = {
+            "num_speculative_tokens": list(SPEC_KS), "batch_range": {str(k): list(r) for k, r in ranges.items()},
+            "config": "VllmConfig(..., cache_config=CacheConfig(enable_prefix_caching=True, block_size=bs) "
+                      "(mamba_cache_mode 'align'), speculative_config=SpeculativeConfig(method='ngram', "
+                      "num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3)), "
+                      "MambaSpec(block_size=bs, mamba_cache_mode='align', num_speculative_blocks=k); builder "
+                      "<name>_bs<bs>_k<k> reads the batches of batch_range[k]",
+            "cross_block_share": ALIGN_SPEC_CROSS,
+            "layout_check": {
+                "what": "per builder, over its batches: rows = rows whose state indices were checked, "
+                        "rows_as_designed = those where vLLM's equal the table gathered at the row's running "
+                        "column c = max(seq_len - 1, 0) // bs: Mamba2 / ShortConv state_indices_tensor_d[r] = "
+                        "table[r, c .. c + k] for its decode rows, state_indices_tensor_p = table[r, c] for the "
+                        "rest; GDN spec_state_indices_tensor = table[r, c .. c + k] for its spec rows "
+                        "(num_decode_draft_tokens_cpu >= 0), non_spec_state_indices_tensor = table[r, c] for "
+                        "the others; decode_rows(_crossing_a_block) = the [D, 1 + k] rows among them (whose "
+                        "first token is in an earlier block than the running column)",
+                **layout},
+            "left_out": left_out}
+    elif spec:
         doc["speculative"] = {
             "num_speculative_tokens": list(SPEC_KS), "batch_range": {str(k): list(r) for k, r in ranges.items()},
             "config": "VllmConfig(..., speculative_config=SpeculativeConfig(method='ngram', "
@@ -826,7 +988,8 @@ def generate(args) -> None:
                       "builder <name>_k<k> reads the batches of batch_range[k]",
             "left_out": left_out}
     doc.update({
-        "input_format": SPEC_INPUT_FORMAT if spec else ALIGN_INPUT_FORMAT if align else
+        "input_format": ALIGN_SPEC_INPUT_FORMAT if align_spec else SPEC_INPUT_FORMAT if spec else
+                        ALIGN_INPUT_FORMAT if align else
                         "per batch: q = query lengths, computed = tokens already in the state, prefilling = "
                         "is_prefilling (0/1), slots = block_table_tensor[:, 0] (the state slot; block table "
                         "[B, 1]); seq_lens = seq_lens_cpu_upper_bound = computed + q; query_start_loc = "
@@ -837,7 +1000,8 @@ def generate(args) -> None:
                          "lists (bool as 0/1; dtypes under builders), None as null, '=<field>' = equal to "
                          "that CommonAttentionMetadata field; " + ", ".join(SUMMARISED)
                          + ": true = present (values not recorded)",
-        "coverage": spec_coverage(batches) if spec else
+        "coverage": {**spec_coverage(batches), **align_spec_coverage(batches, tables)} if align_spec else
+                    spec_coverage(batches) if spec else
                     {**coverage(batches), **(align_coverage(batches, tables) if align else {})},
         "builders": builders,
         "inputs": inputs,

@@ -24,6 +24,16 @@ vLLM's GDN regroups a spec batch by mask (spec rows = num_decode_draft_tokens_cp
 non-spec, one-token ones counted as prefills); this project's GDN keeps the base layout, so those fields
 are Derived from its metadata and the input's draft counts (GDNView).
 
+tests/data/vllm_builder_goldens_align_spec.json holds speculative decoding WITH prefix caching (`--mode
+align-spec`): the same vLLM builders from engines with both CacheConfig(enable_prefix_caching=True,
+block_size=bs) (cache mode "align") and the n-gram SpeculativeConfig of k tokens, a MambaSpec with k spec
+blocks (builders `<name>_bs<bs>_k<k>`, bs 16 and 64, k 3 and 1), on the spec file's kind of batches with
+some verify rows whose drafts cross a block boundary, and position-indexed block tables
+[B, cdiv(max_model_len, bs) + k] as in the align file. vLLM gathers each row's running column
+(seq_len - 1) // bs and the k after it (`mamba_get_block_table_tensor`): a decode row keeps all 1 + k
+([D, 1 + k]), a prefill row the first. This project's builders run with `mamba_block_size=bs` and
+`num_speculative_tokens=k` (`spec_columns`), through the spec file's comparisons (GDNView included).
+
 Each golden input goes through this project's builder, and every field of vLLM's metadata is accounted
 for once, in FIELD_MAPS below:
   COMPARED     vLLM field -> this project's field (same name or not), or a function of this project's
@@ -64,10 +74,12 @@ from toolkit.attention.short_conv import ShortConvAttentionMetadata, ShortConvMe
 
 GOLDENS = {"none": Path(__file__).parent / "data" / "vllm_builder_goldens.json",
            "align": Path(__file__).parent / "data" / "vllm_builder_goldens_align.json",
-           "spec": Path(__file__).parent / "data" / "vllm_builder_goldens_spec.json"}
+           "spec": Path(__file__).parent / "data" / "vllm_builder_goldens_spec.json",
+           "align-spec": Path(__file__).parent / "data" / "vllm_builder_goldens_align_spec.json"}
 VLLM_VERSION = "0.33.0"
 MIN_BATCHES = 500
-MIN_SPEC_BATCHES = {3: 300, 1: 300}     # per num_speculative_tokens of the spec file
+MIN_SPEC_BATCHES = {3: 300, 1: 300}     # per num_speculative_tokens of the spec and align-spec files
+ALIGN_MODES = ("align", "align-spec")    # the files with prefix caching: builders per block size
 
 
 # ---- the field map, written once ---------------------------------------------------------------
@@ -473,13 +485,14 @@ def column(name: str, field: str) -> list:
     return col
 
 
-def align_block_table(i: int, bs: int) -> torch.Tensor:
-    """The align file's block table of batch i for block size bs, rebuilt from its [A, C] as the file's
-    input_format (and scripts/vllm_reference.py `block_table_for`) says; checked against table_sha256."""
-    doc = golden("align")
+def align_block_table(i: int, bs: int, mode: str = "align") -> torch.Tensor:
+    """The align (align-spec) file's block table of batch i for block size bs, rebuilt from its [A, C] as
+    the file's input_format (and scripts/vllm_reference.py `block_table_for`) says; checked against
+    table_sha256. align-spec: k more columns (vLLM's MambaSpec.max_num_blocks_per_req in align mode)."""
+    doc = golden(mode)
     inp, layout = doc["inputs"], doc["table_layout"]
     a, c = inp["tables"][str(bs)][i]
-    rows, width = len(inp["q"][i]), -(-doc["max_model_len"] // bs)
+    rows, width = len(inp["q"][i]), -(-doc["max_model_len"] // bs) + (inp["k"][i] if mode == "align-spec" else 0)
     flat = torch.arange(rows * width, dtype=torch.int64).view(rows, width)
     pages = 1 + (a * flat + c) % layout["page_prime"]
     seq_lens = torch.tensor(inp["q"][i], dtype=torch.int64) + torch.tensor(inp["computed"][i], dtype=torch.int64)
@@ -492,7 +505,8 @@ def align_block_table(i: int, bs: int) -> torch.Tensor:
 def common(mode: str, i: int, bs: int | None = None) -> CommonAttentionMetadata:
     """This project's CommonAttentionMetadata of golden batch i (the same tensors vLLM was given); align:
     the block table of block size bs; spec: the [B, 1 + k] block table and the two speculative inputs
-    vLLM's builders took as keyword arguments (num_accepted_tokens, num_decode_draft_tokens_cpu)."""
+    vLLM's builders took as keyword arguments (num_accepted_tokens, num_decode_draft_tokens_cpu);
+    align-spec: the align block table (k columns wider) and the spec inputs."""
     inp = golden(mode)["inputs"]
     q = torch.tensor(inp["q"][i], dtype=torch.int32)
     seq = torch.tensor(inp["computed"][i], dtype=torch.int32) + q
@@ -500,14 +514,15 @@ def common(mode: str, i: int, bs: int | None = None) -> CommonAttentionMetadata:
     torch.cumsum(q, 0, out=qsl[1:])
     t = int(qsl[-1])
     spec = {}
+    if mode in ("spec", "align-spec"):
+        spec = dict(num_accepted_tokens=torch.tensor(inp["num_accepted_tokens"][i], dtype=torch.int32),
+                    num_decode_draft_tokens_cpu=torch.tensor(inp["num_decode_draft_tokens_cpu"][i], dtype=torch.int32))
     if mode == "none":
         table = torch.tensor(inp["slots"][i], dtype=torch.int32).view(-1, 1)
     elif mode == "spec":
         table = torch.tensor(inp["slots"][i], dtype=torch.int32).view(len(q), 1 + inp["k"][i])
-        spec = dict(num_accepted_tokens=torch.tensor(inp["num_accepted_tokens"][i], dtype=torch.int32),
-                    num_decode_draft_tokens_cpu=torch.tensor(inp["num_decode_draft_tokens_cpu"][i], dtype=torch.int32))
     else:
-        table = align_block_table(i, bs)
+        table = align_block_table(i, bs, mode)
     return CommonAttentionMetadata(
         query_start_loc=qsl.clone(), query_start_loc_cpu=qsl, seq_lens=seq.clone(), num_reqs=len(q),
         num_actual_tokens=t, max_query_len=int(q.max()), max_seq_len=int(seq.max()),
@@ -534,16 +549,18 @@ def vllm_value(v, cm: CommonAttentionMetadata):
 
 
 def describe(name: str, i: int) -> str:
-    inp = golden(MODE_OF[name])["inputs"]
-    if "num_accepted_tokens" in inp:
-        table = (f"k={inp['k'][i]} slots={inp['slots'][i]} num_accepted_tokens={inp['num_accepted_tokens'][i]} "
-                 f"num_decode_draft_tokens_cpu={inp['num_decode_draft_tokens_cpu'][i]}")
-    elif "slots" in inp:
-        table = f"slots={inp['slots'][i]}"
-    else:
-        bs = golden("align")["builders"][name]["block_size"]
+    mode = MODE_OF[name]
+    inp = golden(mode)["inputs"]
+    table = ""
+    if mode in ALIGN_MODES:
+        bs = golden(mode)["builders"][name]["block_size"]
         seq = [q + c for q, c in zip(inp["q"][i], inp["computed"][i])]
         table = f"block size {bs}, running columns {[max(s - 1, 0) // bs for s in seq]}"
+    if "slots" in inp:
+        table = f"slots={inp['slots'][i]}"
+    if "num_accepted_tokens" in inp:
+        table += (f" k={inp['k'][i]} num_accepted_tokens={inp['num_accepted_tokens'][i]} "
+                  f"num_decode_draft_tokens_cpu={inp['num_decode_draft_tokens_cpu'][i]}")
     return (f"{name} batch {i} ({inp['kind'][i]}, rows {inp['rows'][i]}: q={inp['q'][i]} "
             f"computed={inp['computed'][i]} prefilling={inp['prefilling'][i]} {table})")
 
@@ -554,7 +571,7 @@ def mismatches(name: str, limit: int = 8, project: str | None = None) -> tuple[i
     mode = MODE_OF[name]
     info = golden(mode)["builders"][name]
     _, factory, fmap = FAMILIES[project or info["vllm_class"].rsplit(".", 1)[1]]
-    bs = info["mamba_block_size"] if mode == "align" else None
+    bs = info["mamba_block_size"] if mode in ALIGN_MODES else None
     builder = factory(info["chunk_size"], bs, info.get("num_speculative_tokens", 0))
     cols = {f: column(name, f) for f in info["fields"]}
     count, out = 0, []
@@ -704,14 +721,91 @@ def test_spec_goldens_come_from_vllm_0_33_0_speculative_builders_with_every_case
             assert cov[key] >= 15, (key, cov[key])
 
 
-def test_align_block_tables_rebuild_exactly():
+def test_align_spec_goldens_come_from_vllm_0_33_0_align_mode_with_speculative_builders_with_every_case():
+    doc = golden("align-spec")
+    assert doc["vllm_version"] == VLLM_VERSION and doc["mode"] == "align-spec" and isinstance(doc["seed"], int)
+    spec, inp = doc["speculative"], doc["inputs"]
+    assert set(spec["num_speculative_tokens"]) == set(MIN_SPEC_BATCHES), spec["num_speculative_tokens"]
+    assert all(len(v) == doc["num_batches"] for k, v in inp.items() if k not in ("tables", "table_sha256"))
+    block_sizes = doc["block_sizes"]
+    assert 16 in block_sizes and len(block_sizes) >= 2, block_sizes
+    for bs in block_sizes:
+        assert len(inp["tables"][str(bs)]) == len(inp["table_sha256"][str(bs)]) == doc["num_batches"], bs
+    for k, want in MIN_SPEC_BATCHES.items():
+        lo, hi = spec["batch_range"][str(k)]
+        assert hi - lo >= want, (k, lo, hi)
+        assert set(inp["k"][lo:hi]) == {k}, k
+        for bs in block_sizes:
+            built = {b["vllm_class"].rsplit(".", 1)[1]: b for b in doc["builders"].values()
+                     if b["num_speculative_tokens"] == k and b["block_size"] == bs}
+            # Mamba1 is left out as in the spec file (vLLM 0.33's Mamba1 ignores the spec inputs; checked)
+            assert set(built) == set(FAMILIES) - {"Mamba1AttentionMetadataBuilder"}, (k, bs, set(built))
+            chunk_sizes = {b["chunk_size"] for b in doc["builders"].values() if b["num_speculative_tokens"] == k
+                           and b["block_size"] == bs and b["vllm_class"].endswith(".Mamba2AttentionMetadataBuilder")}
+            assert len(chunk_sizes) >= 3, (k, bs, chunk_sizes)
+            left = spec["left_out"][f"mamba1_bs{bs}_k{k}"]
+            assert left["batches_where_spec_kwargs_change_nothing"] == left["batches"] == hi - lo, left
+            assert left["batches_where_its_num_decodes_differs_from_short_conv"] >= 20, left
+    for name, b in doc["builders"].items():
+        k, bs = b["num_speculative_tokens"], b["block_size"]
+        assert name.endswith(f"_bs{bs}_k{k}"), name
+        assert b["mamba_cache_mode"] == "align" and b["mamba_block_size"] == bs, name
+        assert b["enable_chunked_prefill"] and b["num_prefill_checkpoint_blocks"] == 0, name
+        assert b["num_speculative_blocks"] == k and b["reorder_batch_threshold"] == 1 + k, name
+        assert b["speculative_method"] == "ngram", name
+        assert b["max_num_blocks_per_req"] == -(-doc["max_model_len"] // bs) + k, name     # the tables' width
+        assert b["batch_range"] == spec["batch_range"][str(k)], name
+        assert all(len(column(name, f)) == len(batches_of(name)) for f in b["fields"]), name
+        # vLLM's own state indices follow the align + spec layout in every row (checked by the generator
+        # against the tables; the comparison below holds this project's builders to the same values)
+        check = spec["layout_check"][name]
+        assert check["rows_as_designed"] == check["rows"] > 0 and check["decode_rows_crossing_a_block"] >= 100, check
+    for i in range(doc["num_batches"]):       # the inputs are MRV2's (MambaHybridModelState.prepare_attn)
+        k, q, p = inp["k"][i], inp["q"][i], inp["prefilling"][i]
+        drafts, accepted = inp["num_decode_draft_tokens_cpu"][i], inp["num_accepted_tokens"][i]
+        for r, code in enumerate(inp["rows"][i]):
+            verify = code == "v"
+            assert (drafts[r] == q[r] - 1) if verify else drafts[r] == -1, (i, r)
+            assert (1 <= accepted[r] <= k + 1) if verify else accepted[r] == 1, (i, r)
+            assert verify == (not p[r] and q[r] <= k + 1 and code != "x"), (i, r)
+    cov = doc["coverage"]
+    for k in MIN_SPEC_BATCHES:
+        keys = [f"k{k}_{key}" for key in (
+            "rows_spec_decode", "rows_prompt_tail_1", "rows_prompt_1", "rows_first_chunk", "rows_continue_chunk",
+            "rows_short_chunk", "rows_padding", "batches_mixed", "batches_decode_only", "batches_prefill_only",
+            "batches_uniform_verify", "batches_no_verify", "batches_order_by_len", "batches_order_mrv2",
+            "batches_with_spec_rows", "batches_with_spec_rows_and_one_token_non_spec_rows",
+            "batches_with_a_non_spec_row_between_spec_rows", "batches_with_spec_rows_and_prefills",
+            "batches_all_spec_rows")]
+        keys += [key for key in cov if key.startswith(f"k{k}_verify_rows_with_")]
+        for bs in block_sizes:     # the edges of the align + spec state-index rule, at every block size
+            keys += [f"k{k}_bs{bs}_rows_{key}" for key in (
+                "verify_rows_crossing_a_block", "verify_rows_with_last_draft_first_in_its_block",
+                "verify_rows_with_seq_len_multiple_of_bs", "verify_rows_running_column_past_0",
+                "verify_rows_with_drafts_within_one_block", "one_token_rows_entering_a_new_block",
+                "prefills_crossing_a_block", "null_column_before_running", "seq_len_1")]
+        for key in keys:
+            assert cov[key] >= 15, (key, cov[key])
+
+
+@pytest.mark.parametrize("mode", ALIGN_MODES)
+def test_align_block_tables_rebuild_exactly(mode):
     """The test's block tables are the ones vLLM was given (their sha256 digests in the file)."""
-    doc = golden("align")
+    doc = golden(mode)
+    inp = doc["inputs"]
     for bs in doc["block_sizes"]:
-        for i, want in enumerate(doc["inputs"]["table_sha256"][str(bs)]):
-            table = align_block_table(i, bs)
+        for i, want in enumerate(inp["table_sha256"][str(bs)]):
+            table = align_block_table(i, bs, mode)
             got = hashlib.sha256(np.ascontiguousarray(table.numpy(), dtype="<i4").tobytes()).hexdigest()[:12]
-            assert got == want, f"block size {bs}, batch {i}: rebuilt table {got}, vLLM's {want}"
+            assert got == want, f"{mode}: block size {bs}, batch {i}: rebuilt table {got}, vLLM's {want}"
+            # distinct pages, and a page in every real row's running column (align-spec: and the k after it),
+            # so a builder that reads any other column reads another id
+            ids = table[table != 0]
+            assert ids.unique().numel() == ids.numel(), (mode, bs, i)
+            k = inp["k"][i] if mode == "align-spec" else 0
+            for r, (q, c, code) in enumerate(zip(inp["q"][i], inp["computed"][i], inp["rows"][i], strict=True)):
+                col = max(q + c - 1, 0) // bs
+                assert code == "x" or bool((table[r, col:col + 1 + k] != 0).all()), (mode, bs, i, r)
 
 
 @pytest.mark.parametrize("name", sorted(MODE_OF))
@@ -738,12 +832,14 @@ def test_builder_matches_vllm(name):
     assert count == 0, f"{count} disagreements with vLLM {VLLM_VERSION}, the first:\n" + "\n".join(first)
 
 
-@pytest.mark.parametrize("k", sorted(MIN_SPEC_BATCHES))
-def test_mamba1_spec_path_matches_vllm_base_builder(k):
-    """vLLM 0.33's Mamba1 has no speculative path (the spec file's `left_out`); this project's has. Its
-    metadata is the base builder's, so it is held to vLLM's spec-aware base builder: ShortConv's, which is
-    BaseMambaAttentionMetadataBuilder unchanged (its metadata has exactly the base fields, as Mamba1's)."""
-    count, first = mismatches(f"short_conv_k{k}", project="Mamba1AttentionMetadataBuilder")
+@pytest.mark.parametrize("name", sorted(n for n, mode in MODE_OF.items()
+                                         if mode in ("spec", "align-spec") and n.startswith("short_conv_")))
+def test_mamba1_spec_path_matches_vllm_base_builder(name):
+    """vLLM 0.33's Mamba1 has no speculative path (the spec / align-spec files' `left_out`); this project's
+    has. Its metadata is the base builder's, so it is held to vLLM's spec-aware base builder: ShortConv's,
+    which is BaseMambaAttentionMetadataBuilder unchanged (its metadata has exactly the base fields, as
+    Mamba1's), with and without prefix caching."""
+    count, first = mismatches(name, project="Mamba1AttentionMetadataBuilder")
     assert count == 0, f"{count} disagreements with vLLM {VLLM_VERSION}, the first:\n" + "\n".join(first)
 
 
@@ -856,20 +952,51 @@ def _plant_spec_one_token_rows_accepted_2(monkeypatch):        # rows without dr
         c.num_decode_draft_tokens_cpu < 0, 2, c.num_accepted_tokens).to(torch.int32)))
 
 
+def _patch_align_spec_columns(monkeypatch, first_column):
+    """spec_columns in align mode gathering 1 + k columns from first_column(seq_lens, query_lens, bs) [D, 1]."""
+    real = mamba_base.BaseMambaMetadataBuilder.spec_columns
+
+    def patched(self, common, d):
+        if self.mamba_block_size is None:
+            return real(self, common, d)
+        k1 = 1 + self.num_speculative_tokens
+        query_lens = torch.diff(common.query_start_loc)[:d]
+        cols = first_column(common.seq_lens[:d], query_lens, self.mamba_block_size) + torch.arange(k1)
+        return torch.gather(common.block_table_tensor[:d], 1, cols)
+    monkeypatch.setattr(mamba_base.BaseMambaMetadataBuilder, "spec_columns", patched)
+
+
+def _plant_align_spec_columns_0_to_k(monkeypatch):            # the "none" layout: columns 0..k
+    _patch_align_spec_columns(monkeypatch, lambda seq, q, bs: torch.zeros_like(seq, dtype=torch.int64)[:, None])
+
+
+def _plant_align_spec_column_of_first_token(monkeypatch):      # the verify row's first token, not its last draft
+    _patch_align_spec_columns(monkeypatch, lambda seq, q, bs: ((seq - q) // bs).to(torch.int64)[:, None])
+
+
 @pytest.mark.parametrize("plant, caught_by", [
     (_plant_chunk_boundary, ["mamba2_cs16", "mamba2_cs64", "mamba2_cs256"]),
     (_plant_initial_state_flag, ["mamba1", "mamba2_cs64", "short_conv", "gdn"]),
     (_plant_decode_rule, ["mamba1", "mamba2_cs16", "short_conv", "gdn"]),
     (_plant_gdn_chunk_size, ["gdn"]),
     (_plant_align_column_of_next_token, ["mamba1_bs16", "mamba2_cs16_bs64", "mamba2_cs256_bs16", "short_conv_bs64",
-                                         "gdn_bs16", "gdn_bs64"]),
-    (_plant_align_column_0, ["mamba1_bs64", "mamba2_cs64_bs16", "short_conv_bs16", "gdn_bs64"]),
-    (_plant_align_decodes_only, ["mamba1_bs16", "mamba2_cs64_bs64", "short_conv_bs64", "gdn_bs16"]),
-    (_plant_spec_drafts_ignored, ["mamba2_cs16_k3", "mamba2_cs256_k1", "short_conv_k3", "gdn_k1", "gdn_k3"]),
-    (_plant_spec_accepted_of_the_row_before, ["mamba2_cs64_k3", "short_conv_k1", "gdn_k3", "gdn_k1"]),
+                                         "gdn_bs16", "gdn_bs64", "mamba2_cs16_bs16_k3", "gdn_bs64_k1"]),
+    (_plant_align_column_0, ["mamba1_bs64", "mamba2_cs64_bs16", "short_conv_bs16", "gdn_bs64", "short_conv_bs64_k3",
+                             "gdn_bs16_k1"]),
+    (_plant_align_decodes_only, ["mamba1_bs16", "mamba2_cs64_bs64", "short_conv_bs64", "gdn_bs16",
+                                 "mamba2_cs64_bs16_k1", "gdn_bs64_k3"]),
+    (_plant_spec_drafts_ignored, ["mamba2_cs16_k3", "mamba2_cs256_k1", "short_conv_k3", "gdn_k1", "gdn_k3",
+                                  "mamba2_cs256_bs64_k3", "gdn_bs16_k3"]),
+    (_plant_spec_accepted_of_the_row_before, ["mamba2_cs64_k3", "short_conv_k1", "gdn_k3", "gdn_k1",
+                                              "short_conv_bs16_k3"]),
     (_plant_spec_accepted_from_query_len, ["mamba2_cs16_k1", "short_conv_k3", "gdn_k3"]),
-    (_plant_spec_state_column_0_only, ["mamba2_cs256_k3", "short_conv_k1", "gdn_k1", "gdn_k3"]),
+    (_plant_spec_state_column_0_only, ["mamba2_cs256_k3", "short_conv_k1", "gdn_k1", "gdn_k3", "short_conv_bs16_k1",
+                                       "gdn_bs64_k3"]),
     (_plant_spec_one_token_rows_accepted_2, ["mamba2_cs16_k3", "short_conv_k1", "gdn_k3", "gdn_k1"]),
+    (_plant_align_spec_columns_0_to_k, ["mamba2_cs16_bs16_k3", "mamba2_cs64_bs64_k1", "short_conv_bs16_k1",
+                                        "short_conv_bs64_k3", "gdn_bs16_k3", "gdn_bs64_k1"]),
+    (_plant_align_spec_column_of_first_token, ["mamba2_cs256_bs16_k1", "short_conv_bs64_k1", "gdn_bs16_k1",
+                                               "gdn_bs64_k3"]),
 ], ids=lambda v: v.__name__.removeprefix("_plant_") if callable(v) else None)
 def test_a_planted_builder_change_is_caught(plant, caught_by, monkeypatch):
     plant(monkeypatch)
