@@ -43,6 +43,7 @@ PARAMS = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
           SamplingParams(max_tokens=18, temperature=0.9, seed=7, ignore_eos=True),
           SamplingParams(max_tokens=14, temperature=0.7, top_k=20, ignore_eos=True)]
 ENGINE = dict(device="cpu", max_num_seqs=4, max_num_batched_tokens=24)    # the 30-token prompt is chunked
+CACHED = dict(enable_prefix_caching=True, block_size=8)       # prefix caching: k < block size
 
 
 def generate(llm: LLM, prompts=PROMPTS, params=PARAMS) -> list[list[int]]:
@@ -347,15 +348,17 @@ def test_diff_traces_lines_a_speculative_run_up_with_a_plain_one():
 
 
 # ---- padded verify batches (the CUDA-graph path, run eagerly on the CPU) ------------------------------
+@pytest.mark.parametrize("caching", [False, True], ids=["no-caching", "prefix-caching"])
 @pytest.mark.parametrize("preset", ["tiny-bamba", "tiny-mamba", "tiny-lfm2", "tiny-qwen3-next"])
-def test_padded_eager_verify_batches_equal_unpadded(preset):
+def test_padded_eager_verify_batches_equal_unpadded(preset, caching):
     """cudagraph_mode="padded_eager": decode batches whose rows all carry k drafts are padded to the
     next capture size with padded verify rows of 1 + k tokens on the null block and slot, as a graph
     captured for that size would run them. Tokens equal plain decoding's and each kept token's logits
-    equal the unpadded speculative run's."""
+    equal the unpadded speculative run's; with prefix caching too (position-indexed state rows)."""
     runs = {}
     for mode in ("none", "padded_eager"):
-        got, llm = spec_run(preset, 3, references(preset), inspect="metadata", cudagraph_mode=mode)
+        got, llm = spec_run(preset, 3, references(preset), inspect="metadata", cudagraph_mode=mode,
+                            **(CACHED if caching else {}))
         runs[mode] = (got, [(rec.step_index, rid, rec.kept_logits(rid)) for rec in llm.trace
                             if not rec.is_warmup for rid in rec.kept_token_ids], list(llm.trace))
         llm.shutdown()
@@ -378,12 +381,14 @@ def test_ngram_pads_to_k_drafts_with_graphs():
 
 
 # ---- the draft-model proposer -------------------------------------------------------------------
+@pytest.mark.parametrize("caching", [False, True], ids=["no-caching", "prefix-caching"])
 @pytest.mark.parametrize("preset", FAMILY_PRESETS)
-def test_draft_model_tokens_equal_plain_decoding(preset):
+def test_draft_model_tokens_equal_plain_decoding(preset, caching):
     """method "draft_model": an attention-free draft (tiny-mamba2, the tiny presets' vocabulary) runs in
     its own engine (its own state slots and KV blocks, prefix caching on) and proposes k greedy
-    tokens; the target's tokens equal plain decoding's, greedy and seeded, with chunked prefill."""
-    llm = LLM(preset, inspect="metadata", **ENGINE,
+    tokens; the target's tokens equal plain decoding's, greedy and seeded, with chunked prefill, and
+    with the target's prefix caching off and on."""
+    llm = LLM(preset, inspect="metadata", **ENGINE, **(CACHED if caching else {}),
               speculative_config={"method": "draft_model", "model": "tiny-mamba2", "num_speculative_tokens": 3})
     assert generate(llm) == [list(t) for t in plain_tokens(preset)]
     stats = llm.stats()
@@ -404,7 +409,8 @@ def test_a_draft_equal_to_the_target_is_always_accepted_on_greedy_rows():
     llm.shutdown()
 
 
-def test_replaying_the_warmup_verify_forward_equals_eager(monkeypatch):
+@pytest.mark.parametrize("caching", [False, True], ids=["no-caching", "prefix-caching"])
+def test_replaying_the_warmup_verify_forward_equals_eager(monkeypatch, caching):
     """The decode-graph path of verify batches, emulated on the CPU as tests/test_cudagraph.py does
     (a closure built from warmup's dummy verify batch stands in for the graph; Triton ops, which read
     only device tensors): every replayed step reads only what the step rewrote in place -- the
@@ -421,7 +427,7 @@ def test_replaying_the_warmup_verify_forward_equals_eager(monkeypatch):
     preset, k = "tiny-lfm2", 2
     prompts, params = PROMPTS[1:], [SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)] * 2
     llm = LLM(preset, inspect="metadata", speculative_config={"method": "ngram", "num_speculative_tokens": k},
-              **engine)
+              enable_prefix_caching=caching, **engine)
     llm.warmup(progress=False)
     assert llm.cudagraph_report.sizes == [1, 2, 4]
     refs = [p + list(o) for p, o in zip(prompts, generate(LLM(preset, inspect="off", **ENGINE), prompts, params))]
@@ -453,7 +459,6 @@ def test_no_drafts_after_a_partial_prefill_chunk(preset):
 
 
 # ---- with prefix caching ("align") -------------------------------------------------------------
-CACHED = dict(enable_prefix_caching=True, block_size=8)
 
 
 def boundary_copies(llm: LLM) -> list:
@@ -490,15 +495,6 @@ def test_preemption_mid_speculation_with_prefix_caching():
                         block_size=4, num_kv_blocks=14)
     assert got == [list(t) for t in plain_tokens(preset)]
     assert any(rec.preempted_request_ids for rec in llm.trace)
-    llm.shutdown()
-
-
-def test_draft_model_with_prefix_caching():
-    preset = "tiny-jamba"
-    llm = LLM(preset, inspect="metadata", **ENGINE, **CACHED,
-              speculative_config={"method": "draft_model", "model": "tiny-mamba2", "num_speculative_tokens": 3})
-    assert generate(llm) == [list(t) for t in plain_tokens(preset)]
-    assert llm.stats()["spec_verify_rows"] > 5
     llm.shutdown()
 
 
