@@ -697,28 +697,43 @@ def test_spec_goldens_come_from_vllm_0_33_0_speculative_builders_with_every_case
     inp = doc["inputs"]
     for i in range(doc["num_batches"]):       # the inputs are MRV2's (MambaHybridModelState.prepare_attn)
         k, q, p = inp["k"][i], inp["q"][i], inp["prefilling"][i]
-        drafts, accepted = inp["num_decode_draft_tokens_cpu"][i], inp["num_accepted_tokens"][i]
         assert len(inp["slots"][i]) == len(q) and all(len(row) == 1 + k for row in inp["slots"][i]), i
-        for r, code in enumerate(inp["rows"][i]):
-            verify = code == "v"
-            assert (drafts[r] == q[r] - 1) if verify else drafts[r] == -1, (i, r)
-            assert (1 <= accepted[r] <= k + 1) if verify else accepted[r] == 1, (i, r)
-            assert verify == (not p[r] and q[r] <= k + 1 and code != "x"), (i, r)
+        check_mrv2_spec_inputs(inp, i, k, q, p)
         ids = [s for row in inp["slots"][i] for s in row if s]
         assert len(ids) == len(set(ids)), i
     cov = doc["coverage"]
     for k in MIN_SPEC_BATCHES:
-        keys = [f"k{k}_{key}" for key in (
-            "rows_spec_decode", "rows_prompt_tail_1", "rows_prompt_1", "rows_first_chunk", "rows_continue_chunk",
-            "rows_short_chunk", "rows_padding", "batches_mixed", "batches_decode_only", "batches_prefill_only",
-            "batches_uniform_verify", "batches_no_verify", "batches_order_by_len", "batches_order_mrv2",
-            "short_chunks_of_1_plus_k_tokens", "batches_with_spec_rows", "batches_with_decode_rows_but_no_spec_rows",
-            "batches_with_spec_rows_and_one_token_non_spec_rows", "batches_with_a_non_spec_row_between_spec_rows",
-            "batches_with_spec_rows_and_prefills", "batches_all_spec_rows")]
-        keys += [key for key in cov if key.startswith(f"k{k}_verify_rows_with_")]
+        keys = spec_coverage_keys(cov, k, ("short_chunks_of_1_plus_k_tokens",
+                                           "batches_with_decode_rows_but_no_spec_rows"))
         assert len(keys) >= 21 + 2 * (k + 1), keys
         for key in keys:
             assert cov[key] >= 15, (key, cov[key])
+
+
+# what a speculative golden file's batches cover, per k (each at least 15 times)
+SPEC_COVERAGE = ("rows_spec_decode", "rows_prompt_tail_1", "rows_prompt_1", "rows_first_chunk", "rows_continue_chunk",
+                 "rows_short_chunk", "rows_padding", "batches_mixed", "batches_decode_only", "batches_prefill_only",
+                 "batches_uniform_verify", "batches_no_verify", "batches_order_by_len", "batches_order_mrv2",
+                 "batches_with_spec_rows", "batches_with_spec_rows_and_one_token_non_spec_rows",
+                 "batches_with_a_non_spec_row_between_spec_rows", "batches_with_spec_rows_and_prefills",
+                 "batches_all_spec_rows")
+
+
+def spec_coverage_keys(cov: dict, k: int, extra: tuple[str, ...] = ()) -> list[str]:
+    """The coverage keys of k: SPEC_COVERAGE, `extra`, and every "verify rows with d drafts" count."""
+    return ([f"k{k}_{key}" for key in SPEC_COVERAGE + extra]
+            + [key for key in cov if key.startswith(f"k{k}_verify_rows_with_")])
+
+
+def check_mrv2_spec_inputs(inp: dict, i: int, k: int, q: list[int], p: list[int]) -> None:
+    """Batch i's spec inputs are MRV2's (MambaHybridModelState.prepare_attn): a verify row ("v") has
+    its draft count and 1..k+1 accepted; any other row -1 drafts and 1 accepted."""
+    drafts, accepted = inp["num_decode_draft_tokens_cpu"][i], inp["num_accepted_tokens"][i]
+    for r, code in enumerate(inp["rows"][i]):
+        verify = code == "v"
+        assert (drafts[r] == q[r] - 1) if verify else drafts[r] == -1, (i, r)
+        assert (1 <= accepted[r] <= k + 1) if verify else accepted[r] == 1, (i, r)
+        assert verify == (not p[r] and q[r] <= k + 1 and code != "x"), (i, r)
 
 
 def test_align_spec_goldens_come_from_vllm_0_33_0_align_mode_with_speculative_builders_with_every_case():
@@ -761,23 +776,10 @@ def test_align_spec_goldens_come_from_vllm_0_33_0_align_mode_with_speculative_bu
         check = spec["layout_check"][name]
         assert check["rows_as_designed"] == check["rows"] > 0 and check["decode_rows_crossing_a_block"] >= 100, check
     for i in range(doc["num_batches"]):       # the inputs are MRV2's (MambaHybridModelState.prepare_attn)
-        k, q, p = inp["k"][i], inp["q"][i], inp["prefilling"][i]
-        drafts, accepted = inp["num_decode_draft_tokens_cpu"][i], inp["num_accepted_tokens"][i]
-        for r, code in enumerate(inp["rows"][i]):
-            verify = code == "v"
-            assert (drafts[r] == q[r] - 1) if verify else drafts[r] == -1, (i, r)
-            assert (1 <= accepted[r] <= k + 1) if verify else accepted[r] == 1, (i, r)
-            assert verify == (not p[r] and q[r] <= k + 1 and code != "x"), (i, r)
+        check_mrv2_spec_inputs(inp, i, inp["k"][i], inp["q"][i], inp["prefilling"][i])
     cov = doc["coverage"]
     for k in MIN_SPEC_BATCHES:
-        keys = [f"k{k}_{key}" for key in (
-            "rows_spec_decode", "rows_prompt_tail_1", "rows_prompt_1", "rows_first_chunk", "rows_continue_chunk",
-            "rows_short_chunk", "rows_padding", "batches_mixed", "batches_decode_only", "batches_prefill_only",
-            "batches_uniform_verify", "batches_no_verify", "batches_order_by_len", "batches_order_mrv2",
-            "batches_with_spec_rows", "batches_with_spec_rows_and_one_token_non_spec_rows",
-            "batches_with_a_non_spec_row_between_spec_rows", "batches_with_spec_rows_and_prefills",
-            "batches_all_spec_rows")]
-        keys += [key for key in cov if key.startswith(f"k{k}_verify_rows_with_")]
+        keys = spec_coverage_keys(cov, k)
         for bs in block_sizes:     # the edges of the align + spec state-index rule, at every block size
             keys += [f"k{k}_bs{bs}_rows_{key}" for key in (
                 "verify_rows_crossing_a_block", "verify_rows_with_last_draft_first_in_its_block",
