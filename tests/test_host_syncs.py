@@ -26,6 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from toolkit import LLM, SamplingParams
+from toolkit.inspect.spec_views import spec_step_html
 from toolkit.models import PRESETS
 
 PRESET_NAMES = [p for p in PRESETS if not p.endswith("-shape")]
@@ -248,4 +249,48 @@ def test_moe_dense_path_equals_the_sparse_path(monkeypatch, preset):
             sparse = layer(x, weights, ids)
             monkeypatch.undo()
         torch.testing.assert_close(dense, sparse, atol=1e-5, rtol=1e-5)
+    llm.shutdown()
+
+
+# speculative decoding: a verify step (drafts on every row, some rejected) syncs once too -- the
+# verification, the rollback and the accepted counts run on the host copy of the sampled ids; with
+# prefix caching also the pre-copy from the accepted column and the boundary copy into a checkpoint
+@pytest.mark.parametrize("caching", [False, True], ids=["no-caching", "prefix-caching"])
+@pytest.mark.parametrize("preset", ["tiny-bamba", "tiny-qwen3-next"])
+def test_a_verify_step_syncs_once(monkeypatch, preset, caching):
+    from harness import ScriptedProposer
+
+    prompts = [list(range(3 + i, 3 + i + 5 + 4 * i)) for i in range(3)]
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    engine = dict(device="cpu", dtype="float32", backend="torch", max_num_seqs=4, max_num_batched_tokens=64,
+                  max_model_len=128)
+    plain = LLM(preset, inspect="off", **engine)
+    refs = [p + list(o.outputs[0].token_ids) for p, o in
+            zip(prompts, plain.generate([{"prompt_token_ids": p} for p in prompts], greedy))]
+    plain.shutdown()
+    llm = LLM(preset, inspect="off", enable_prefix_caching=caching, block_size=4,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **engine)
+    llm.model_runner.proposer = ScriptedProposer(refs, 3, wrong_every=2)
+    for p in prompts:
+        llm.add_request({"prompt_token_ids": p}, greedy)
+    while any(r.is_prefill for r in llm.step().scheduled):     # the prefills (chunked at block ends)
+        pass
+    copies = verify_steps = 0
+    for step in range(6):                                # decode steps, most of them verifying drafts
+        recorder = HostSyncRecorder()
+        with monkeypatch.context() as m:
+            recorder.count_host_reads(m)
+            with recorder:
+                record = llm.step()
+        state = llm.model_runner.execute_state
+        verify_steps += state.verify is not None
+        copies += bool(state.checkpoint_copies)
+        report = "\n".join(f"  {op:40s} at {where}" for op, where in recorder.events)
+        assert len(recorder.events) == 1, f"{preset} decode step {step}: {len(recorder.events)} host syncs:\n{report}"
+        assert recorder.events[0][0] == "Tensor.cpu", report
+    assert verify_steps >= 3
+    # inspection off: the record's verify rows say their state columns were not read
+    assert record.spec and not any(r.columns_read or r.columns for r in record.spec.values())
+    assert "state columns not read (inspection off" in spec_step_html(record)
+    assert copies or not caching, "no verify step saved a checkpoint"
     llm.shutdown()

@@ -268,7 +268,7 @@ class LLM:
         outcome = StepOutcome(step_index, stage, sched_out, state, sampled, kept, finished, outputs,
                               {"schedule": scheduled_at - start, "update": done - update_start})
         if self._recorder is None:
-            return step_record(outcome, self.backend), outputs
+            return step_record(outcome, self.backend, read_device=False), outputs
         return self._recorder.record_step(outcome), outputs
 
     def generate(self, prompts: Prompt | list[Prompt],

@@ -73,9 +73,12 @@ class StepOutcome:
     timings: dict[str, float]           # seconds: "schedule", "update" (the runner adds its own)
 
 
-def step_record(step: StepOutcome, backend: str, logits: torch.Tensor | None = None) -> StepRecord:
+def step_record(step: StepOutcome, backend: str, logits: torch.Tensor | None = None,
+                read_device: bool = True) -> StepRecord:
     """The StepRecord of a step: snapshots of the objects the runner used, taken after the step
-    (`logits`: a copy already taken, else the step's logits are snapshot here)."""
+    (`logits`: a copy already taken, else the step's logits are snapshot here). `read_device=False`
+    (inspection off): nothing is read from the device (a read would sync it), so speculative rows
+    carry no state columns."""
     state = step.exec_state
     return StepRecord(
         step_index=step.step_index, stage=step.stage, backend=backend,
@@ -98,22 +101,23 @@ def step_record(step: StepOutcome, backend: str, logits: torch.Tensor | None = N
                         if new.prefix_lookup is not None},
         state_copies=state_copies(state.state_copies) if state else [],
         checkpoint_copies=checkpoint_copies(state.checkpoint_copies) if state else [],
-        spec=spec_rows(state, step.sampled) if state else {},
+        spec=spec_rows(state, step.sampled, read_device) if state else {},
         proposed_drafts={rid: d for rid, d in state.proposed_drafts.items()        # for requests still running
                          if rid not in {r.request_id for r in step.finished}} if state else {})
 
 
-def spec_rows(state: ExecuteModelState, sampled: dict[str, int]) -> dict[str, SpecRow]:
-    """Per decode row of a speculative step: the verification's outcome (`state.verify`) and the
-    state columns from the step's Mamba metadata (what the layers read)."""
+def spec_rows(state: ExecuteModelState, sampled: dict[str, int], read_device: bool = True) -> dict[str, SpecRow]:
+    """Per decode row of a speculative step: the verification's outcome (`state.verify`) and, when
+    `read_device`, the state columns from the step's Mamba metadata (what the layers read)."""
     batch = state.input_batch
     if state.verify is None and batch.num_draft_tokens is None and not any(
             getattr(g.metadata, "num_accepted_tokens", None) is not None for g in state.attn_metadata.groups):
         return {}
     mamba = next((g.metadata for g in state.attn_metadata.groups
                   if getattr(g.metadata, "num_accepted_tokens", None) is not None), None)
-    accepted = mamba.num_accepted_tokens.tolist() if mamba is not None else None
-    columns = mamba.state_indices_tensor_d.tolist() if mamba is not None else None
+    read = mamba is not None and read_device
+    accepted = mamba.num_accepted_tokens.tolist() if read else None
+    columns = mamba.state_indices_tensor_d.tolist() if read else None
     verified = {rid: i for i, rid in enumerate(state.verify.req_ids)} if state.verify else {}
     out = {}
     for row in np.nonzero(batch.runs_as_decode_np)[0]:
@@ -124,7 +128,7 @@ def spec_rows(state: ExecuteModelState, sampled: dict[str, int]) -> dict[str, Sp
         else:
             drafts, target, kept = [], [sampled[rid]], 1
         out[rid] = SpecRow(drafts, target, kept, accepted[row] - 1 if accepted else None,
-                           columns[row] if columns else None)
+                           columns[row] if columns else None, columns_read=read_device)
     return out
 
 

@@ -67,6 +67,8 @@ def position_chips(row: Any) -> str:
 
 def columns_text(row: Any) -> str:
     """Where the row's recurrent states are: the start column, and where the next step starts."""
+    if not getattr(row, "columns_read", True):
+        return "state columns not read (inspection off: reading them would sync the device)"
     if row.columns is None:
         return "no recurrent layers"
     cols = row.columns

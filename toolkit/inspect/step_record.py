@@ -143,6 +143,8 @@ class SpecRow:
     start_column: int | None           # the state column this step started from (num_accepted_tokens - 1
                                        # in the step's Mamba metadata); None without recurrent layers
     columns: list[int] | None          # its 1 + k state slots (state_indices_tensor_d row); None likewise
+    columns_read: bool = True          # False: inspection was off and the columns were not read (a
+                                       # device read would sync the step); start_column and columns None
 
     @property
     def accepted_drafts(self) -> int:
