@@ -18,6 +18,7 @@ from toolkit.config import (
     resolve_max_model_len,
     resolve_speculative_config,
 )
+from toolkit.distributed import tp_group_from_environment
 from toolkit.errors import EngineClosedError, InvalidRequestError, ToolkitError
 from toolkit.inspect import checks
 from toolkit.inspect.capture import LayerSpec, RequestSpec, check_capture_mode
@@ -28,6 +29,7 @@ from toolkit.inspect.step_record import StepRecord
 from toolkit.inspect.trace import Trace
 from toolkit.kv_cache_manager import CacheGroupKind, prefix_cache_stats
 from toolkit.models import load_model
+from toolkit.models.tensor_parallel import check_tensor_parallel, shard_model
 from toolkit.request import (
     Prompt,
     Request,
@@ -60,7 +62,8 @@ class LLM:
                  inspect_requests: RequestSpec = None, checks: bool | None = None, backend: str = "auto",
                  enforce_eager: bool = False, cudagraph_mode: str = "auto",
                  enable_prefix_caching: bool = False, num_state_pages: int | None = None,
-                 mamba_cache_mode: str | None = None, speculative_config: dict | None = None):
+                 mamba_cache_mode: str | None = None, speculative_config: dict | None = None,
+                 tensor_parallel_size: int = 1):
         # what Reset in the StepInspector (or a user) needs to build the same engine again
         self.init_args: dict[str, Any] = dict(
             model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
@@ -70,7 +73,7 @@ class LLM:
             inspect_requests=inspect_requests, checks=checks, backend=backend, enforce_eager=enforce_eager,
             cudagraph_mode=cudagraph_mode, enable_prefix_caching=enable_prefix_caching,
             num_state_pages=num_state_pages, mamba_cache_mode=mamba_cache_mode,
-            speculative_config=speculative_config)
+            speculative_config=speculative_config, tensor_parallel_size=tensor_parallel_size)
         # arguments first, so that a bad one fails before the model loads
         if inspect not in MODES:
             raise ValueError(f"inspect={inspect!r}: use one of {MODES}")
@@ -82,7 +85,10 @@ class LLM:
         dev, dt = resolve_device_dtype(device, dtype)
         self.backend = resolve_backend(backend, dev)      # "torch" or "triton"
         self.cudagraph_mode = resolve_cudagraph_mode(cudagraph_mode, enforce_eager, dev, self.backend)
+        self.tp = tp_group_from_environment(tensor_parallel_size)     # this process's rank (one rank: SINGLE)
         loaded = load_model(model, dtype=dt, device=dev, seed=seed)
+        check_tensor_parallel(loaded.model, tensor_parallel_size)
+        shard_model(loaded.model, self.tp)
         self.hf_config = loaded.config
         self.cfg = RunnerConfig(device=dev, dtype=dt, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,

@@ -10,9 +10,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from toolkit.distributed import SINGLE, TPGroup
 from toolkit.kv_cache_spec import AttentionSpec
 from toolkit.layers.norms import RMSNorm
 from toolkit.layers.ops import TORCH_OPS
+from toolkit.layers.parallel import shard_columns, shard_rows
 from toolkit.layers.rotary import RotaryEmbedding
 
 
@@ -69,10 +71,26 @@ class PagedAttention(nn.Module):
         self.kv_cache: torch.Tensor | None = None
         self.ops = TORCH_OPS                        # set_ops() swaps in the Triton kernels
 
+    tp: TPGroup = SINGLE             # tensor parallelism: set by shard_
+
     @property
     def output_proj(self) -> nn.Linear:
         """The output projection, whatever the checkpoint calls it (`o_proj_name`)."""
         return getattr(self, self._o_proj_name)
+
+    def shard_(self, tp: TPGroup) -> None:
+        """Keep this rank's heads (vLLM `QKVParallelLinear` + `RowParallelLinear`): q heads H/tp;
+        KV heads kv/tp, or with fewer KV heads than ranks one each, replicated over tp/kv ranks (rank r
+        keeps head r // (tp/kv), which its q heads read); o_proj row-parallel, its output all-reduced."""
+        n, r, d = tp.world_size, tp.rank, self.head_dim
+        heads = self.num_heads // n
+        kv_heads, kv_first = ((self.num_kv_heads // n, r * (self.num_kv_heads // n)) if self.num_kv_heads >= n
+                              else (1, r // (n // self.num_kv_heads)))
+        shard_columns(self.q_proj, r * heads * d, heads * d)
+        shard_columns(self.k_proj, kv_first * d, kv_heads * d)
+        shard_columns(self.v_proj, kv_first * d, kv_heads * d)
+        shard_rows(self.output_proj, r * heads * d, heads * d, tp)
+        self.num_heads, self.num_kv_heads, self.tp = heads, kv_heads, tp
 
     def get_kv_cache_spec(self) -> AttentionSpec:
         return AttentionSpec(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.q_proj.weight.dtype)
@@ -108,7 +126,7 @@ class PagedAttention(nn.Module):
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
         out = self.attend(q, k, v, attn_metadata)
-        return self.output_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.tp.all_reduce(self.output_proj(out.reshape(t, self.num_heads * self.head_dim)))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                attn_metadata: dict[str, object] | None) -> torch.Tensor:

@@ -7,8 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from toolkit.distributed import SINGLE, TPGroup
 from toolkit.errors import UnsupportedArchitectureError
 from toolkit.layers.ops import TORCH_OPS
+from toolkit.layers.parallel import shard_columns, shard_rows
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "swish": F.silu}
 
@@ -34,5 +36,15 @@ class SwiGLUMLP(nn.Module):
         get_activation(hidden_act)              # validate: only the SiLU family is supported
         self.ops = TORCH_OPS                        # set_ops() swaps in the Triton kernel
 
+    tp: TPGroup = SINGLE             # tensor parallelism: set by shard_
+
+    def shard_(self, tp: TPGroup) -> None:
+        """gate / up column-parallel over the intermediate size, down row-parallel (all-reduced)."""
+        size = self.down_proj.in_features // tp.world_size
+        shard_columns(self.gate_proj, tp.rank * size, size)
+        shard_columns(self.up_proj, tp.rank * size, size)
+        shard_rows(self.down_proj, tp.rank * size, size, tp)
+        self.tp = tp
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_proj(x), self.up_proj(x))))

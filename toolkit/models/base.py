@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from toolkit.distributed import SINGLE, TPGroup
 from toolkit.kv_cache_spec import AttentionSpec, MambaSpec
 from toolkit.layers.attention import PagedAttention
 from toolkit.layers.norms import RMSNorm, RMSNormGated
@@ -88,6 +89,7 @@ class CausalLM(nn.Module, ABC):
     body_name: ClassVar[str] = "model"       # "backbone" for Mamba / Mamba2 checkpoints
 
     lm_head: nn.Linear
+    tp: TPGroup = SINGLE             # tensor parallelism (models/tensor_parallel.py shards the model)
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -118,8 +120,12 @@ class CausalLM(nn.Module, ABC):
 
     # -- shared -----------------------------------------------------------------------------
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> float32 logits [N, V]."""
-        return self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
+        """hidden [N, H] -> float32 logits [N, V]. Tensor-parallel: each rank's logits over its slice
+        of the padded vocabulary, all-gathered in rank order and cut to V (the padding's are 0)."""
+        logits = self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
+        if self.tp.sharded:
+            logits = self.tp.all_gather(logits)[:, :self.config.vocab_size]
+        return logits
 
     def tie_weights(self) -> None:
         """If config.tie_word_embeddings: lm_head.weight IS the input embedding's weight tensor."""

@@ -1,0 +1,66 @@
+"""The tensor-parallel group a sharded model runs in (vLLM `parallel_state`, cut down to TP).
+
+A `TPGroup` is this process's rank among `world_size` ranks and the collectives the parallel layers
+need: `all_reduce` (a row-parallel projection's partial sums, a vocab-parallel embedding's rows) and
+`all_gather` (a vocab-parallel LM head's logits). With one rank they return their input untouched,
+so an unsharded model pays nothing. With more, they run on a `torch.distributed` process group
+(gloo on CPUs, NCCL on GPUs); every rank must call them in the same order with tensors of the
+same shapes (on gloo a size mismatch aborts a process).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from toolkit.errors import NotSupportedYetError
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    rank: int = 0
+    world_size: int = 1
+    group: Any = field(default=None, compare=False)     # a torch.distributed ProcessGroup (None: the default)
+
+    @property
+    def sharded(self) -> bool:
+        return self.world_size > 1
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of `t` (in place; returned)."""
+        if self.sharded:
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's `t` (same shape on every rank) concatenated along `dim` in rank order."""
+        if not self.sharded:
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+
+SINGLE = TPGroup()
+
+
+def tp_group_from_environment(world_size: int) -> TPGroup:
+    """The group of `LLM(tensor_parallel_size=world_size)`: torch.distributed's default group, which
+    the launcher (torchrun, or a test that spawns the ranks) initialised with that many ranks; every
+    rank runs the same engine code on the same requests (vLLM's external-launcher mode)."""
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"tensor_parallel_size={world_size!r}: must be an int >= 1")
+    if world_size == 1:
+        return SINGLE
+    if not dist.is_available() or not dist.is_initialized():
+        raise NotSupportedYetError(
+            f"tensor_parallel_size={world_size} runs one engine per rank under a launcher for now: start "
+            f"{world_size} processes with torchrun (or initialise torch.distributed with world_size="
+            f"{world_size} in each) and build the same LLM in every one; an engine that starts its own "
+            "worker processes is not built yet")
+    if dist.get_world_size() != world_size:
+        raise ValueError(f"tensor_parallel_size={world_size}, but torch.distributed was initialised with "
+                         f"world_size={dist.get_world_size()}")
+    return TPGroup(dist.get_rank(), world_size)

@@ -1,0 +1,89 @@
+"""Tensor-parallel sharding of built layers (vLLM `layers/linear.py`, `vocab_parallel_embedding.py`).
+
+A model is built whole on every rank (the same weights: the preset's seed, or the checkpoint), then
+each rank keeps its slices in place (`toolkit/models/tensor_parallel.py` walks the model):
+- column-parallel (`shard_columns`): a projection's output features [out/tp, in] (and bias rows);
+  the rank computes its heads / channels with no communication;
+- row-parallel (`shard_rows`): a projection's input features [out, in/tp]; its output is a partial
+  sum, all-reduced by the layer (one `[T, hidden]` all-reduce per block half); the bias is added
+  on rank 0 only (zeros elsewhere), as vLLM's RowParallelLinear adds it;
+- vocab-parallel: the vocabulary padded to a multiple of 64 (`padded_vocab`), rank r keeping rows
+  [r*Vp/tp, (r+1)*Vp/tp) (padding rows zero); the embedding looks up its own ids and all-reduces,
+  the LM head's local logits are all-gathered and cut to the real vocabulary.
+Parameter names do not change, so a sharded model's state dict names what the checkpoint names.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from toolkit.distributed import TPGroup
+
+VOCAB_PADDING = 64
+
+
+def padded_vocab(vocab_size: int) -> int:
+    """The vocabulary padded to a multiple of 64 (vLLM `pad_vocab_size`)."""
+    return -(-vocab_size // VOCAB_PADDING) * VOCAB_PADDING
+
+
+def _param(t: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
+    return nn.Parameter(t.contiguous().clone(), requires_grad=like.requires_grad)
+
+
+def shard_columns(linear: nn.Linear, start: int, size: int) -> None:
+    """Column-parallel: keep output features [start, start + size) (weight rows, bias entries)."""
+    linear.weight = _param(linear.weight.data[start:start + size], linear.weight)
+    if linear.bias is not None:
+        linear.bias = _param(linear.bias.data[start:start + size], linear.bias)
+    linear.out_features = size
+
+
+def shard_rows(linear: nn.Linear, start: int, size: int, tp: TPGroup) -> None:
+    """Row-parallel: keep input features [start, start + size) (weight columns); the bias stays whole
+    on rank 0 and becomes zeros elsewhere (the all-reduce of the outputs adds it once)."""
+    linear.weight = _param(linear.weight.data[:, start:start + size], linear.weight)
+    if linear.bias is not None and tp.rank != 0:
+        linear.bias = _param(torch.zeros_like(linear.bias.data), linear.bias)
+    linear.in_features = size
+
+
+def vocab_shard(vocab_size: int, tp: TPGroup) -> tuple[int, int]:
+    """(first id, rows) of this rank's slice of the padded vocabulary."""
+    per = padded_vocab(vocab_size) // tp.world_size
+    return tp.rank * per, per
+
+
+def _vocab_rows(weight: torch.Tensor, vocab_size: int, tp: TPGroup) -> torch.Tensor:
+    """This rank's rows of the padded vocabulary [per, dim]: the real rows it owns, zeros after."""
+    start, per = vocab_shard(vocab_size, tp)
+    out = weight.new_zeros((per, weight.shape[1]))
+    real = max(min(vocab_size - start, per), 0)
+    out[:real] = weight[start:start + real]
+    return out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """ids [T] -> [T, dim] from this rank's slice of the padded vocabulary: ids it does not own read
+    a zero row, and the all-reduce over ranks assembles every row (vLLM `VocabParallelEmbedding`)."""
+
+    def __init__(self, full: nn.Embedding, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.num_embeddings = full.num_embeddings            # the real vocabulary
+        self.embedding_dim = full.embedding_dim
+        self.start, self.rows = vocab_shard(full.num_embeddings, tp)
+        self.weight = _param(_vocab_rows(full.weight.data, full.num_embeddings, tp), full.weight)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
+
+
+def shard_lm_head(lm_head: nn.Linear, vocab_size: int, tp: TPGroup) -> None:
+    """The LM head's rows of the padded vocabulary (its logits are all-gathered by the model)."""
+    lm_head.weight = _param(_vocab_rows(lm_head.weight.data, vocab_size, tp), lm_head.weight)
+    lm_head.out_features = lm_head.weight.shape[0]

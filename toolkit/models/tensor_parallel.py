@@ -1,0 +1,66 @@
+"""Shard a built model over a tensor-parallel group (vLLM's TP layouts, `toolkit/layers/parallel.py`).
+
+`check_tensor_parallel` refuses, before anything is sharded, a model this toolkit cannot shard yet
+and a configuration whose dimensions the group size does not divide (naming the dimension, as vLLM
+refuses it). `shard_model` then keeps each rank's slices in place: every layer with a `shard_`
+method (attention by heads, MLP by intermediate channels), the embedding and the LM head by rows of
+the padded vocabulary. Norms and the residual stream stay whole on every rank.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from toolkit.distributed import TPGroup
+from toolkit.errors import NotSupportedYetError
+from toolkit.layers.parallel import VocabParallelEmbedding, padded_vocab, shard_lm_head
+from toolkit.models.base import CausalLM
+
+# the architectures whose every layer has a shard_ method so far (issue 27 adds the others)
+SHARDABLE = ("LlamaForCausalLM",)
+
+
+def check_tensor_parallel(model: CausalLM, tp_size: int) -> None:
+    """Raise if `model` cannot run sharded over `tp_size` ranks (nothing to check for one rank)."""
+    if tp_size == 1:
+        return
+    if model.hf_architecture not in SHARDABLE:
+        raise NotSupportedYetError(f"tensor_parallel_size={tp_size}: sharding is built for {', '.join(SHARDABLE)} "
+                                   f"so far, not {model.hf_architecture}")
+    config = model.config
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if heads % tp_size:
+        raise ValueError(f"Total number of attention heads ({heads}) must be divisible by tensor parallel "
+                         f"size ({tp_size}).")
+    if kv % tp_size and tp_size % kv:
+        raise ValueError(f"num_key_value_heads ({kv}) and tensor parallel size ({tp_size}): one must divide the "
+                         "other (each rank holds kv/tp KV heads, or one replicated over tp/kv ranks)")
+    if config.intermediate_size % tp_size:
+        raise ValueError(f"intermediate_size ({config.intermediate_size}) must be divisible by tensor parallel "
+                         f"size ({tp_size})")
+    if padded_vocab(config.vocab_size) % tp_size:
+        raise ValueError(f"the vocabulary padded to a multiple of 64 ({padded_vocab(config.vocab_size)} for "
+                         f"vocab_size {config.vocab_size}) must be divisible by tensor parallel size ({tp_size})")
+
+
+def shard_model(model: CausalLM, tp: TPGroup) -> CausalLM:
+    """Keep this rank's slices of `model` (in place; returned). Call `check_tensor_parallel` first."""
+    if not tp.sharded:
+        return model
+    tied = model.is_tied
+    for module in list(model.modules()):
+        shard = getattr(module, "shard_", None)
+        if shard is not None:
+            shard(tp)
+    body = model.body
+    embed = getattr(body, body.embed_name)
+    if not isinstance(embed, nn.Embedding):
+        raise NotSupportedYetError(f"{model.hf_architecture}: the input embedding is a {type(embed).__name__}")
+    setattr(body, body.embed_name, VocabParallelEmbedding(embed, tp))
+    if tied:
+        model.lm_head.weight = model.get_input_embeddings().weight
+        model.lm_head.out_features = model.lm_head.weight.shape[0]
+    else:
+        shard_lm_head(model.lm_head, model.config.vocab_size, tp)
+    model.tp = tp
+    return model
