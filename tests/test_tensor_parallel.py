@@ -6,7 +6,8 @@ and the test compares rank with rank (bitwise: the logits are all-gathered, so e
 from the same numbers) and TP=2 with TP=1 (logits within 1e-4 in fp32, never bitwise: the
 row-parallel sums add in another order).
 
-The parts are also checked in one process: a layer's shards reassemble the full weights."""
+The parts are also checked in one process: a layer's shards reassemble the full weights; a Mamba2
+mixer's sections are sliced each on its own, its single group replicated."""
 from __future__ import annotations
 
 from datetime import timedelta
@@ -39,10 +40,9 @@ def run_engine(preset: str, tp: int, **engine) -> dict:
     """One engine's tokens (per request) and logits (per step) for PROMPTS."""
     llm = LLM(preset, tensor_parallel_size=tp, **{**ENGINE, **engine})
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)
-    attn = llm.model_runner.model.model.layers[0].self_attn
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
               "logits": [r.logits.clone() for r in llm.trace if r.logits is not None and not r.is_warmup],
-              "heads": (attn.num_heads, attn.num_kv_heads), "rank": llm.tp.rank}
+              "params": sum(p.numel() for p in llm.model_runner.model.parameters()), "rank": llm.tp.rank}
     llm.shutdown()
     return result
 
@@ -64,12 +64,14 @@ def run_ranks(tmp_path: Path, preset: str, world: int = 2, **engine) -> list[dic
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama"])
+# attention + MLP; Mamba2 with its 2 groups split; Bamba: Mamba2 with 1 group replicated on both
+# ranks (its gated norm's statistic all-reduced), attention and MLP
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mamba2", "tiny-bamba"])
 def test_two_ranks_equal_one(tmp_path, preset):
     single = run_engine(preset, 1)
     ranks = run_ranks(tmp_path, preset)
-    assert [r["rank"] for r in ranks] == [0, 1] and single["heads"] == (4, 2)
-    assert all(r["heads"] == (2, 1) for r in ranks)                      # each rank ran its half
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert all(r["params"] < 0.7 * single["params"] for r in ranks)        # each rank holds its share
     assert ranks[0]["tokens"] == ranks[1]["tokens"]
     assert all(torch.equal(a, b) for a, b in zip(ranks[0]["logits"], ranks[1]["logits"], strict=True))
     assert ranks[0]["tokens"] == single["tokens"]
@@ -121,9 +123,39 @@ def test_configurations_that_cannot_shard_are_refused():
     with pytest.raises(ValueError, match=r"attention heads \(4\) must be divisible by tensor parallel size \(3\)"):
         check_tensor_parallel(model, 3)
     check_tensor_parallel(model, 4)
-    with pytest.raises(NotSupportedYetError, match="sharding is built for LlamaForCausalLM so far, not"):
-        check_tensor_parallel(cpu_model("tiny-bamba"), 2)
+    with pytest.raises(NotSupportedYetError, match="so far, not JambaForCausalLM"):
+        check_tensor_parallel(cpu_model("tiny-jamba"), 2)
+    mamba2 = cpu_model("tiny-mamba2")            # 8 heads, 2 groups
+    check_tensor_parallel(mamba2, 2)
+    with pytest.raises(ValueError, match=r"does not divide num_groups \(2\), then num_groups must equal 1"):
+        check_tensor_parallel(mamba2, 4)
+    with pytest.raises(ValueError, match=r"Tensor parallel world size \(3\) must divide num heads \(8\)"):
+        check_tensor_parallel(mamba2, 3)
     with pytest.raises(NotSupportedYetError, match="torchrun"):
         LLM("tiny-llama", device="cpu", tensor_parallel_size=2)          # no process group: no ranks
     with pytest.raises(ValueError, match="tensor_parallel_size=0"):
         LLM("tiny-llama", device="cpu", tensor_parallel_size=0)
+
+
+def test_mamba2_sections_sliced_each_on_its_own():
+    """in_proj [gate | x | B | C | dt] and the conv's [x | B | C]: rank r keeps its heads' rows of each
+    section; B and C by groups (tiny-mamba2: 2 groups, one per rank) or, with one group (tiny-bamba),
+    the whole group on every rank."""
+    for preset, layer, replicated in (("tiny-mamba2", 0, False), ("tiny-bamba", 0, True)):
+        full = cpu_model(preset)
+        mixer = full.body.layers[layer].mixer if preset == "tiny-mamba2" else full.body.layers[layer].mamba
+        i, gn, h = mixer.intermediate_size, mixer.n_groups * mixer.state_size, mixer.num_heads
+        w = mixer.in_proj.weight
+        for r in range(2):
+            model = shard_model(cpu_model(preset), TPGroup(r, 2))
+            m = model.body.layers[layer].mixer if preset == "tiny-mamba2" else model.body.layers[layer].mamba
+            half, bc = i // 2, (gn if replicated else gn // 2)
+            b0 = 0 if replicated else r * bc
+            want = torch.cat([w[r * half:(r + 1) * half], w[i + r * half:i + (r + 1) * half],
+                              w[2 * i + b0:2 * i + b0 + bc], w[2 * i + gn + b0:2 * i + gn + b0 + bc],
+                              w[2 * i + 2 * gn + r * h // 2:2 * i + 2 * gn + (r + 1) * h // 2]])
+            assert torch.equal(m.in_proj.weight, want), (preset, r)
+            assert m.conv1d.weight.shape[0] == m.conv_dim == half + 2 * bc
+            assert m.state_shapes() == ((mixer.conv_kernel - 1, half + 2 * bc),
+                                        (h // 2, mixer.head_dim, mixer.state_size))
+            assert m.norm_across_ranks == replicated

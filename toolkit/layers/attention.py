@@ -78,6 +78,15 @@ class PagedAttention(nn.Module):
         """The output projection, whatever the checkpoint calls it (`o_proj_name`)."""
         return getattr(self, self._o_proj_name)
 
+    def check_shardable(self, tp_size: int) -> None:
+        if self.num_heads % tp_size:
+            raise ValueError(f"Total number of attention heads ({self.num_heads}) must be divisible by tensor "
+                             f"parallel size ({tp_size}).")
+        if self.num_kv_heads % tp_size and tp_size % self.num_kv_heads:
+            raise ValueError(f"num_key_value_heads ({self.num_kv_heads}) and tensor parallel size ({tp_size}): one "
+                             "must divide the other (each rank holds kv/tp KV heads, or one replicated over tp/kv "
+                             "ranks)")
+
     def shard_(self, tp: TPGroup) -> None:
         """Keep this rank's heads (vLLM `QKVParallelLinear` + `RowParallelLinear`): q heads H/tp;
         KV heads kv/tp, or with fewer KV heads than ranks one each, replicated over tp/kv ranks (rank r

@@ -22,9 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from toolkit.attention.mamba2 import compute_chunk_metadata
+from toolkit.distributed import SINGLE, TPGroup
 from toolkit.kv_cache_spec import MambaSpec
 from toolkit.layers.mlp import get_activation
 from toolkit.layers.norms import RMSNormGated, RMSNormThenGate
+from toolkit.layers.parallel import keep_entries, keep_rows, shard_rows
 from toolkit.layers.state_mixer import States, StateSlotMixer
 
 # --------------------------------------------------------------------------------------------
@@ -115,6 +117,57 @@ class Mamba2Mixer(StateSlotMixer):
         self.proj_multipliers = tuple(float(m) for m in proj_multipliers) if proj_multipliers is not None else None
         self._proj_mult_cache: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
+    # -- tensor parallelism (vLLM `MambaMixer2`) -------------------------------------------------
+    tp: TPGroup = SINGLE
+    norm_across_ranks = False        # one group replicated over the ranks: the gated norm's statistic
+                                     # is all-reduced (over the full intermediate size)
+
+    def check_shardable(self, tp_size: int) -> None:
+        """vLLM's refusals: heads must split; groups must split, or be one group (replicated)."""
+        if self.num_heads % tp_size:
+            raise ValueError(f"{self.layer_name}: Tensor parallel world size ({tp_size}) must divide num heads "
+                             f"({self.num_heads}).")
+        if self.n_groups % tp_size and self.n_groups != 1:
+            raise ValueError(f"{self.layer_name}: If tensor parallel world size ({tp_size}) does not divide "
+                             f"num_groups ({self.n_groups}), then num_groups must equal 1.")
+        if self.norm is not None and self.n_groups == 1 and tp_size > 1 and isinstance(self.norm, RMSNormThenGate):
+            raise ValueError(f"{self.layer_name}: a norm-before-gate mixer with one group is not sharded yet")
+
+    def shard_(self, tp: TPGroup) -> None:
+        """Keep this rank's heads H/tp: in_proj's [gate_r | x_r | B_r | C_r | dt_r] rows, the conv's
+        [x_r | B_r | C_r] channels, dt_bias / A_log / D and the norm weight for its heads; B and C by
+        groups G/tp, or (G = 1) the one group on every rank; out_proj row-parallel (all-reduced)."""
+        n, r = tp.world_size, tp.rank
+        heads, groups, p, dn = self.num_heads // n, max(self.n_groups // n, 1), self.head_dim, self.state_size
+        inter, full, gn = heads * p, self.intermediate_size, self.n_groups * dn
+        g0 = r * groups * dn if self.n_groups > 1 else 0
+        x = torch.arange(r * inter, (r + 1) * inter)
+        bc = torch.arange(g0, g0 + groups * dn)
+        dt = torch.arange(r * heads, (r + 1) * heads)
+        keep_rows(self.in_proj, torch.cat([x, full + x, 2 * full + bc, 2 * full + gn + bc, 2 * full + 2 * gn + dt]))
+        keep_rows(self.conv1d, torch.cat([x, full + bc, full + gn + bc]))
+        self.conv1d.in_channels = self.conv1d.out_channels = self.conv1d.groups = inter + 2 * groups * dn
+        for name in ("dt_bias", "A_log", "D"):
+            keep_entries(self, name, dt)
+        if self.norm is not None:
+            keep_entries(self.norm, "weight", x)
+            self.norm_across_ranks = self.n_groups == 1
+            self.norm.group_size = inter if self.n_groups == 1 else self.norm.group_size
+        shard_rows(self.out_proj, r * inter, inter, tp)
+        self.full_intermediate = full
+        self.num_heads, self.n_groups, self.intermediate_size = heads, groups, inter
+        self.conv_dim = inter + 2 * groups * dn
+        self._proj_mult_cache.clear()
+        self.tp = tp
+
+    def _norm_over_ranks(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The gated norm of one group split over the ranks (RMSNormGated's math: gate, then the
+        statistic over the full intermediate size, its sum of squares all-reduced)."""
+        norm = self.norm
+        x = y.float() * F.silu(gate.float())
+        var = self.tp.all_reduce(x.pow(2).sum(-1, keepdim=True)) / self.full_intermediate
+        return (norm.weight * (x * torch.rsqrt(var + norm.eps)).to(y.dtype)).to(dtype)
+
     # -- cache plumbing (bind_kv_cache / unbind_kv_cache: StateSlotMixer) --------------------
     def prefill_checkpoint_alignment(self) -> int | None:
         return self.chunk_size        # its SSD scan saves states at chunk ends
@@ -188,8 +241,13 @@ class Mamba2Mixer(StateSlotMixer):
 
         y = self.run_state_slots(attn_metadata, (t, self.num_heads, self.head_dim), torch.float32, decode, prefill)
         y = y.reshape(t, self.intermediate_size)
-        out = (y * F.silu(gate)).to(dtype) if self.norm is None else self.norm(y, gate, out_dtype=dtype)
-        return self.out_proj(out)
+        if self.norm is None:
+            out = (y * F.silu(gate)).to(dtype)
+        elif self.norm_across_ranks:
+            out = self._norm_over_ranks(y, gate, dtype)
+        else:
+            out = self.norm(y, gate, out_dtype=dtype)
+        return self.tp.all_reduce(self.out_proj(out))
 
     def _proj_multiplier_vector(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """[in_proj out] vector of `proj_multipliers` over the sections [gate | x | B | C | dt]

@@ -38,6 +38,11 @@ class SwiGLUMLP(nn.Module):
 
     tp: TPGroup = SINGLE             # tensor parallelism: set by shard_
 
+    def check_shardable(self, tp_size: int) -> None:
+        if self.down_proj.in_features % tp_size:
+            raise ValueError(f"intermediate_size ({self.down_proj.in_features}) must be divisible by tensor "
+                             f"parallel size ({tp_size})")
+
     def shard_(self, tp: TPGroup) -> None:
         """gate / up column-parallel over the intermediate size, down row-parallel (all-reduced)."""
         size = self.down_proj.in_features // tp.world_size

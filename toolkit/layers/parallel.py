@@ -40,6 +40,21 @@ def shard_columns(linear: nn.Linear, start: int, size: int) -> None:
     linear.out_features = size
 
 
+def keep_entries(module: nn.Module, name: str, index: torch.Tensor) -> None:
+    """Keep entries `index` (dim 0) of parameter `name` of `module` (per-head / per-channel vectors)."""
+    setattr(module, name, _param(getattr(module, name).data[index], getattr(module, name)))
+
+
+def keep_rows(module: nn.Module, index: torch.Tensor) -> None:
+    """Keep rows `index` of a module's weight and bias (dim 0: a Linear's output features, a depthwise
+    Conv1d's channels): a fused projection's sections, each sliced on its own."""
+    module.weight = _param(module.weight.data[index], module.weight)
+    if getattr(module, "bias", None) is not None:
+        module.bias = _param(module.bias.data[index], module.bias)
+    if isinstance(module, nn.Linear):
+        module.out_features = len(index)
+
+
 def shard_rows(linear: nn.Linear, start: int, size: int, tp: TPGroup) -> None:
     """Row-parallel: keep input features [start, start + size) (weight columns); the bias stays whole
     on rank 0 and becomes zeros elsewhere (the all-reduce of the outputs adds it once)."""

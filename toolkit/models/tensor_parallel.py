@@ -3,8 +3,9 @@
 `check_tensor_parallel` refuses, before anything is sharded, a model this toolkit cannot shard yet
 and a configuration whose dimensions the group size does not divide (naming the dimension, as vLLM
 refuses it). `shard_model` then keeps each rank's slices in place: every layer with a `shard_`
-method (attention by heads, MLP by intermediate channels), the embedding and the LM head by rows of
-the padded vocabulary. Norms and the residual stream stay whole on every rank.
+method (attention by heads, MLP by intermediate channels, the Mamba2 mixer by heads with its groups
+split or replicated), the embedding and the LM head by rows of the padded vocabulary. Norms and
+the residual stream stay whole on every rank.
 """
 from __future__ import annotations
 
@@ -16,31 +17,25 @@ from toolkit.layers.parallel import VocabParallelEmbedding, padded_vocab, shard_
 from toolkit.models.base import CausalLM
 
 # the architectures whose every layer has a shard_ method so far (issue 27 adds the others)
-SHARDABLE = ("LlamaForCausalLM",)
+SHARDABLE = ("LlamaForCausalLM", "Mamba2ForCausalLM", "BambaForCausalLM")
 
 
 def check_tensor_parallel(model: CausalLM, tp_size: int) -> None:
-    """Raise if `model` cannot run sharded over `tp_size` ranks (nothing to check for one rank)."""
+    """Raise if `model` cannot run sharded over `tp_size` ranks (nothing to check for one rank):
+    each shardable layer checks its own dimensions (`check_shardable`), then the vocabulary."""
     if tp_size == 1:
         return
     if model.hf_architecture not in SHARDABLE:
         raise NotSupportedYetError(f"tensor_parallel_size={tp_size}: sharding is built for {', '.join(SHARDABLE)} "
                                    f"so far, not {model.hf_architecture}")
-    config = model.config
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    if heads % tp_size:
-        raise ValueError(f"Total number of attention heads ({heads}) must be divisible by tensor parallel "
-                         f"size ({tp_size}).")
-    if kv % tp_size and tp_size % kv:
-        raise ValueError(f"num_key_value_heads ({kv}) and tensor parallel size ({tp_size}): one must divide the "
-                         "other (each rank holds kv/tp KV heads, or one replicated over tp/kv ranks)")
-    if config.intermediate_size % tp_size:
-        raise ValueError(f"intermediate_size ({config.intermediate_size}) must be divisible by tensor parallel "
-                         f"size ({tp_size})")
-    if padded_vocab(config.vocab_size) % tp_size:
-        raise ValueError(f"the vocabulary padded to a multiple of 64 ({padded_vocab(config.vocab_size)} for "
-                         f"vocab_size {config.vocab_size}) must be divisible by tensor parallel size ({tp_size})")
+    for module in model.modules():
+        check = getattr(module, "check_shardable", None)
+        if check is not None:
+            check(tp_size)
+    vocab = model.config.vocab_size
+    if padded_vocab(vocab) % tp_size:
+        raise ValueError(f"the vocabulary padded to a multiple of 64 ({padded_vocab(vocab)} for vocab_size {vocab}) "
+                         f"must be divisible by tensor parallel size ({tp_size})")
 
 
 def shard_model(model: CausalLM, tp: TPGroup) -> CausalLM:
