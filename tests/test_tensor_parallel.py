@@ -64,9 +64,10 @@ def run_ranks(tmp_path: Path, preset: str, world: int = 2, **engine) -> list[dic
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 
-# attention + MLP; Mamba2 with its 2 groups split; Bamba: Mamba2 with 1 group replicated on both
-# ranks (its gated norm's statistic all-reduced), attention and MLP
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mamba2", "tiny-bamba"])
+# attention + MLP; Mamba1 (tied embeddings; FalconMamba's weightless dt/B/C norms after the x_proj
+# all-reduce); Mamba2 with its 2 groups split; Bamba: Mamba2 with 1 group replicated on both ranks
+# (its gated norm's statistic all-reduced), attention and MLP
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mamba", "tiny-falcon-mamba", "tiny-mamba2", "tiny-bamba"])
 def test_two_ranks_equal_one(tmp_path, preset):
     single = run_engine(preset, 1)
     ranks = run_ranks(tmp_path, preset)

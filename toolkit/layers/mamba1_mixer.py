@@ -27,9 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from toolkit.distributed import SINGLE, TPGroup
 from toolkit.kv_cache_spec import MambaSpec
 from toolkit.layers.mlp import get_activation
 from toolkit.layers.norms import RMSNorm
+from toolkit.layers.parallel import keep_entries, keep_rows, shard_columns, shard_rows
 from toolkit.layers.state_mixer import States, StateSlotMixer
 
 BCDT_NORMS = (None, "weightless", "weighted")
@@ -110,6 +112,31 @@ class Mamba1Mixer(StateSlotMixer):
             self.c_layernorm = RMSNorm(n, eps=self.bcdt_norm_eps)
 
     # -- cache plumbing (bind_kv_cache / unbind_kv_cache: StateSlotMixer) --------------------
+    # -- tensor parallelism (vLLM `MambaMixer`) ---------------------------------------------------
+    tp: TPGroup = SINGLE
+
+    def check_shardable(self, tp_size: int) -> None:
+        if self.intermediate_size % tp_size:
+            raise ValueError(f"{self.layer_name}: intermediate_size ({self.intermediate_size}) is not divisible by "
+                             f"tensor parallel size ({tp_size})")
+
+    def shard_(self, tp: TPGroup) -> None:
+        """Keep this rank's channels Di/tp: in_proj's [x_r | z_r] rows, the conv's channels, A_log, D
+        and dt_proj's rows (column-parallel); x_proj row-parallel (its [T, R + 2N] output all-reduced
+        before the dt / B / C split and norms, which stay whole); out_proj row-parallel."""
+        n, r, di = tp.world_size, tp.rank, self.intermediate_size
+        local = di // n
+        x = torch.arange(r * local, (r + 1) * local)
+        keep_rows(self.in_proj, torch.cat([x, di + x]))
+        keep_rows(self.conv1d, x)
+        self.conv1d.in_channels = self.conv1d.out_channels = self.conv1d.groups = local
+        shard_rows(self.x_proj, r * local, local, tp)
+        shard_columns(self.dt_proj, r * local, local)
+        keep_entries(self, "A_log", x)
+        keep_entries(self, "D", x)
+        shard_rows(self.out_proj, r * local, local, tp)
+        self.intermediate_size, self.tp = local, tp
+
     def prefill_checkpoint_alignment(self) -> int | None:
         return 1                      # its conv and scan run token by token
 
@@ -128,7 +155,7 @@ class Mamba1Mixer(StateSlotMixer):
     def _ssm_params(self, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv output xc [T, Di] -> (dt [T, Di] fp32 softplus'ed, B [T, N], C [T, N])."""
         n, r = self.state_size, self.time_step_rank
-        ts, B, C = torch.split(self.x_proj(xc), [r, n, n], dim=-1)
+        ts, B, C = torch.split(self.tp.all_reduce(self.x_proj(xc)), [r, n, n], dim=-1)
         if self.bcdt_norm == "weightless":     # = the op's RMS norm with a weight of ones (x * 1 is exact)
             ts, B, C = (self.ops.rms_norm(v, self._ones(v), self.bcdt_norm_eps) for v in (ts, B, C))
         elif self.bcdt_norm == "weighted":
@@ -178,7 +205,8 @@ class Mamba1Mixer(StateSlotMixer):
                                         checkpoints=checkpoints)
 
         y = self.run_state_slots(attn_metadata, (t, di), torch.float32, decode, prefill)
-        return self.out_proj(self.ops.silu_and_mul(z, y, out_dtype=dtype))     # y * silu(z) in fp32, then dtype
+        # y * silu(z) in fp32, then dtype
+        return self.tp.all_reduce(self.out_proj(self.ops.silu_and_mul(z, y, out_dtype=dtype)))
 
     def extra_repr(self) -> str:
         return f"layer_name={self.layer_name!r}, bcdt_norm={self.bcdt_norm!r}"
