@@ -67,7 +67,9 @@ def run_ranks(tmp_path: Path, preset: str, world: int = 2, **engine) -> list[dic
 # attention + MLP; Mamba1 (tied embeddings; FalconMamba's weightless dt/B/C norms after the x_proj
 # all-reduce); Mamba2 with its 2 groups split; Bamba: Mamba2 with 1 group replicated on both ranks
 # (its gated norm's statistic all-reduced), attention and MLP
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mamba", "tiny-falcon-mamba", "tiny-mamba2", "tiny-bamba"])
+# LFM2: short conv by channels, attention with per-head q/k norms (whole on every rank), tied head
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mamba", "tiny-falcon-mamba", "tiny-mamba2", "tiny-bamba",
+                                    "tiny-lfm2"])
 def test_two_ranks_equal_one(tmp_path, preset):
     single = run_engine(preset, 1)
     ranks = run_ranks(tmp_path, preset)

@@ -31,7 +31,7 @@ from toolkit.distributed import SINGLE, TPGroup
 from toolkit.kv_cache_spec import MambaSpec
 from toolkit.layers.mlp import get_activation
 from toolkit.layers.norms import RMSNorm
-from toolkit.layers.parallel import keep_entries, keep_rows, shard_columns, shard_rows
+from toolkit.layers.parallel import check_divides, keep_entries, keep_rows, shard_columns, shard_rows
 from toolkit.layers.state_mixer import States, StateSlotMixer
 
 BCDT_NORMS = (None, "weightless", "weighted")
@@ -116,9 +116,7 @@ class Mamba1Mixer(StateSlotMixer):
     tp: TPGroup = SINGLE
 
     def check_shardable(self, tp_size: int) -> None:
-        if self.intermediate_size % tp_size:
-            raise ValueError(f"{self.layer_name}: intermediate_size ({self.intermediate_size}) is not divisible by "
-                             f"tensor parallel size ({tp_size})")
+        check_divides(f"{self.layer_name}: intermediate_size", self.intermediate_size, tp_size)
 
     def shard_(self, tp: TPGroup) -> None:
         """Keep this rank's channels Di/tp: in_proj's [x_r | z_r] rows, the conv's channels, A_log, D

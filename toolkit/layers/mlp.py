@@ -10,7 +10,7 @@ from torch import nn
 from toolkit.distributed import SINGLE, TPGroup
 from toolkit.errors import UnsupportedArchitectureError
 from toolkit.layers.ops import TORCH_OPS
-from toolkit.layers.parallel import shard_columns, shard_rows
+from toolkit.layers.parallel import check_divides, shard_gated_mlp
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "swish": F.silu}
 
@@ -39,16 +39,10 @@ class SwiGLUMLP(nn.Module):
     tp: TPGroup = SINGLE             # tensor parallelism: set by shard_
 
     def check_shardable(self, tp_size: int) -> None:
-        if self.down_proj.in_features % tp_size:
-            raise ValueError(f"intermediate_size ({self.down_proj.in_features}) must be divisible by tensor "
-                             f"parallel size ({tp_size})")
+        check_divides("intermediate_size", self.down_proj.in_features, tp_size)
 
     def shard_(self, tp: TPGroup) -> None:
-        """gate / up column-parallel over the intermediate size, down row-parallel (all-reduced)."""
-        size = self.down_proj.in_features // tp.world_size
-        shard_columns(self.gate_proj, tp.rank * size, size)
-        shard_columns(self.up_proj, tp.rank * size, size)
-        shard_rows(self.down_proj, tp.rank * size, size, tp)
+        shard_gated_mlp(self.gate_proj, self.up_proj, self.down_proj, tp)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

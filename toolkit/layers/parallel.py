@@ -102,3 +102,18 @@ def shard_lm_head(lm_head: nn.Linear, vocab_size: int, tp: TPGroup) -> None:
     """The LM head's rows of the padded vocabulary (its logits are all-gathered by the model)."""
     lm_head.weight = _param(_vocab_rows(lm_head.weight.data, vocab_size, tp), lm_head.weight)
     lm_head.out_features = lm_head.weight.shape[0]
+
+
+def shard_gated_mlp(gate: nn.Linear, up: nn.Linear, down: nn.Linear, tp: TPGroup) -> None:
+    """A gated MLP down(act(gate(x)) * up(x)): gate / up column-parallel over the intermediate size,
+    down row-parallel (its output all-reduced by the MLP)."""
+    size = down.in_features // tp.world_size
+    shard_columns(gate, tp.rank * size, size)
+    shard_columns(up, tp.rank * size, size)
+    shard_rows(down, tp.rank * size, size, tp)
+
+
+def check_divides(what: str, size: int, tp_size: int) -> None:
+    """ValueError naming the dimension when `tp_size` does not divide `size`."""
+    if size % tp_size:
+        raise ValueError(f"{what} ({size}) must be divisible by tensor parallel size ({tp_size})")

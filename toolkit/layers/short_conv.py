@@ -15,7 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from toolkit.distributed import SINGLE, TPGroup
 from toolkit.kv_cache_spec import MambaSpec
+from toolkit.layers.parallel import check_divides, keep_rows, shard_rows
 from toolkit.layers.state_mixer import States, StateSlotMixer
 
 
@@ -40,6 +42,25 @@ class ShortConv(StateSlotMixer):
             padding=conv_kernel - 1, bias=bias,
         )
         self.out_proj = nn.Linear(hidden_size, hidden_size, bias=bias)
+
+    # -- tensor parallelism (vLLM `ShortConv`) ----------------------------------------------------
+    tp: TPGroup = SINGLE
+
+    def check_shardable(self, tp_size: int) -> None:
+        check_divides(f"{self.layer_name}: hidden_size", self.hidden_size, tp_size)
+
+    def shard_(self, tp: TPGroup) -> None:
+        """Keep this rank's channels D/tp: in_proj's [B_r | C_r | x_r] rows, the conv's channels;
+        out_proj row-parallel (all-reduced). `hidden_size` becomes the local channel count (the
+        residual stream stays whole: out_proj's output)."""
+        d = self.hidden_size
+        local = d // tp.world_size
+        x = torch.arange(tp.rank * local, (tp.rank + 1) * local)
+        keep_rows(self.in_proj, torch.cat([x, d + x, 2 * d + x]))
+        keep_rows(self.conv, x)
+        self.conv.in_channels = self.conv.out_channels = self.conv.groups = local
+        shard_rows(self.out_proj, tp.rank * local, local, tp)
+        self.hidden_size, self.tp = local, tp
 
     # -- cache plumbing (bind_kv_cache / unbind_kv_cache: StateSlotMixer) --------------------
     def prefill_checkpoint_alignment(self) -> int | None:
@@ -79,4 +100,4 @@ class ShortConv(StateSlotMixer):
                                          checkpoints=self.checkpoints(md))
 
         v = self.run_state_slots(attn_metadata, tuple(u.shape), u.dtype, decode, prefill)
-        return self.out_proj(C * v)
+        return self.tp.all_reduce(self.out_proj(C * v))

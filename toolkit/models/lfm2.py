@@ -15,10 +15,12 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from toolkit.distributed import SINGLE, TPGroup
 from toolkit.errors import UnsupportedArchitectureError
 from toolkit.layers.attention import PagedAttention
 from toolkit.layers.norms import RMSNorm
 from toolkit.layers.ops import TORCH_OPS
+from toolkit.layers.parallel import check_divides, shard_gated_mlp
 from toolkit.layers.short_conv import ShortConv
 from toolkit.models.base import CausalLM, DecoderBody, PreNormBlock
 from toolkit.models.llama import attention_head_dim, build_rotary
@@ -61,8 +63,17 @@ class Lfm2MLP(nn.Module):
         self.w2 = nn.Linear(ffn_dim, hidden_size, bias=False)
         self.ops = TORCH_OPS                    # set_ops() swaps in the Triton kernel
 
+    tp: TPGroup = SINGLE
+
+    def check_shardable(self, tp_size: int) -> None:
+        check_divides("the feed-forward size", self.w2.in_features, tp_size)
+
+    def shard_(self, tp: TPGroup) -> None:
+        shard_gated_mlp(self.w1, self.w3, self.w2, tp)
+        self.tp = tp
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.ops.silu_and_mul(self.w1(x), self.w3(x)))
+        return self.tp.all_reduce(self.w2(self.ops.silu_and_mul(self.w1(x), self.w3(x))))
 
 
 def lfm2_mixer(config: PretrainedConfig, layer_idx: int, layer_type: str) -> tuple[str, nn.Module]:
