@@ -1,15 +1,22 @@
-"""Tensor parallelism (issue 27), first slice: a model sharded over 2 ranks on gloo equals the
-unsharded one, with every rank running the same engine on the same requests (vLLM's external-launcher
-mode: what torchrun starts). The ranks are spawned processes (torch.multiprocessing, a fresh
-`file://` rendezvous per run, a 60 s group timeout); each writes its tokens and every step's logits,
-and the test compares rank with rank (bitwise: the logits are all-gathered, so every rank samples
-from the same numbers) and TP=2 with TP=1 (logits within 1e-4 in fp32, never bitwise: the
-row-parallel sums add in another order).
+"""Tensor parallelism (issue 27): a model sharded over 2 ranks on gloo equals the unsharded one.
+
+Two ways to run the ranks:
+- external launcher (what torchrun starts): the test spawns the ranks (torch.multiprocessing, a fresh
+  `file://` rendezvous per run, a 60 s group timeout), every rank runs the same engine on the same
+  requests and writes its tokens and every step's logits; the test compares rank with rank (bitwise:
+  the logits are all-gathered, so every rank samples from the same numbers) and TP=2 with TP=1
+  (logits within 1e-4 in fp32, never bitwise: the row-parallel sums add in another order);
+- the engine starts its workers (`LLM(tensor_parallel_size=2)` in this process, rank 0): tokens equal
+  TP=1; a worker that raises or is killed makes the next step raise naming the rank; shutdown leaves
+  no process behind, and a second engine starts in the same process.
 
 The parts are also checked in one process: a layer's shards reassemble the full weights; a Mamba2
 mixer's sections are sliced each on its own, its single group replicated."""
 from __future__ import annotations
 
+import os
+import signal
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from toolkit import LLM, SamplingParams
+from toolkit import LLM, SamplingParams, TensorParallelError
 from toolkit.distributed import TPGroup
 from toolkit.errors import NotSupportedYetError
 from toolkit.layers.parallel import padded_vocab
@@ -134,8 +141,9 @@ def test_configurations_that_cannot_shard_are_refused():
         check_tensor_parallel(mamba2, 4)
     with pytest.raises(ValueError, match=r"Tensor parallel world size \(3\) must divide num heads \(8\)"):
         check_tensor_parallel(mamba2, 3)
-    with pytest.raises(NotSupportedYetError, match="torchrun"):
-        LLM("tiny-llama", device="cpu", tensor_parallel_size=2)          # no process group: no ranks
+    with pytest.raises(ValueError, match="must be divisible by tensor parallel size"):   # before any worker starts
+        LLM("tiny-llama", device="cpu", tensor_parallel_size=3)
+    assert not mp.active_children()
     with pytest.raises(ValueError, match="tensor_parallel_size=0"):
         LLM("tiny-llama", device="cpu", tensor_parallel_size=0)
 
@@ -162,3 +170,50 @@ def test_mamba2_sections_sliced_each_on_its_own():
             assert m.state_shapes() == ((mixer.conv_kernel - 1, half + 2 * bc),
                                         (h // 2, mixer.head_dim, mixer.state_size))
             assert m.norm_across_ranks == replicated
+
+
+# ---- the engine starts its workers (rank 0 is this process) ------------------------------------
+def tokens_of(llm: LLM) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)]
+
+
+@pytest.mark.parametrize("preset", ["tiny-mamba2", "tiny-lfm2"])
+def test_the_engine_starts_its_workers(preset):
+    engine = {k: v for k, v in ENGINE.items() if k != "inspect"}
+    want = tokens_of(LLM(preset, inspect="off", **engine))
+    for _ in range(2):                   # a second engine after shutdown, in the same process
+        llm = LLM(preset, tensor_parallel_size=2, **engine)
+        assert llm.tp.rank == 0 and len(mp.active_children()) == 1
+        llm.warmup(progress=False)
+        assert tokens_of(llm) == want
+        assert all(not r.violations for r in llm.trace)
+        llm.shutdown()
+        assert not mp.active_children() and not dist.is_initialized()
+
+
+def test_a_worker_that_raises_is_named():
+    llm = LLM("tiny-llama", tensor_parallel_size=2, **ENGINE)
+    llm.add_request({"prompt_token_ids": PROMPTS[0]}, PARAMS[0])
+    llm.step()
+    llm._executor.broadcast(("no_such_method", (), {}))          # rank 1 raises AttributeError and exits
+    with pytest.raises(TensorParallelError, match=r"rank 1 \(exit code 1\): AttributeError"):
+        llm.step()
+    with pytest.raises(TensorParallelError, match="failed earlier"):
+        llm.step()
+    llm.shutdown()
+    assert not mp.active_children() and not dist.is_initialized()
+
+
+def test_a_killed_worker_is_named_within_the_timeout():
+    llm = LLM("tiny-llama", tensor_parallel_size=2, **ENGINE)
+    llm.add_request({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=50, ignore_eos=True))
+    llm.step()
+    worker = mp.active_children()[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(10)
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"rank 1 \(exit code -9\)"):
+        llm.step()
+    assert time.monotonic() - start < 30
+    llm.shutdown()
+    assert not mp.active_children() and not dist.is_initialized()

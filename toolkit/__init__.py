@@ -17,12 +17,12 @@ _PUBLIC = {
     **{name: "toolkit.errors" for name in (
         "ToolkitError", "EngineClosedError", "InvariantError", "MetadataContractError", "InvalidRequestError",
         "UnknownModelError", "UnsupportedArchitectureError", "CheckpointError", "NotSupportedYetError",
-        "ModelStateError", "TraceBudgetWarning")},
+        "ModelStateError", "TraceBudgetWarning", "TensorParallelError")},
 }
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "StepRecord",
            "ToolkitError", "EngineClosedError", "InvariantError", "MetadataContractError", "InvalidRequestError",
            "UnknownModelError", "UnsupportedArchitectureError", "CheckpointError", "NotSupportedYetError",
-           "ModelStateError", "TraceBudgetWarning"]
+           "ModelStateError", "TraceBudgetWarning", "TensorParallelError"]
 
 if TYPE_CHECKING:
     from toolkit.errors import (
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         MetadataContractError,
         ModelStateError,
         NotSupportedYetError,
+        TensorParallelError,
         ToolkitError,
         TraceBudgetWarning,
         UnknownModelError,

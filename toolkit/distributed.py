@@ -15,8 +15,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from toolkit.errors import NotSupportedYetError
-
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -46,20 +44,18 @@ class TPGroup:
 SINGLE = TPGroup()
 
 
-def tp_group_from_environment(world_size: int) -> TPGroup:
-    """The group of `LLM(tensor_parallel_size=world_size)`: torch.distributed's default group, which
-    the launcher (torchrun, or a test that spawns the ranks) initialised with that many ranks; every
-    rank runs the same engine code on the same requests (vLLM's external-launcher mode)."""
+def launched_group(world_size: int) -> TPGroup | None:
+    """The group of `LLM(tensor_parallel_size=world_size)` when a launcher started the ranks
+    (torchrun, or a test that spawns them, initialised torch.distributed with that many ranks):
+    every rank runs the same engine on the same requests (vLLM's external-launcher mode). SINGLE
+    for one rank; None when torch.distributed is not initialised: the engine starts its workers
+    (runner/executor.py)."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"tensor_parallel_size={world_size!r}: must be an int >= 1")
     if world_size == 1:
         return SINGLE
     if not dist.is_available() or not dist.is_initialized():
-        raise NotSupportedYetError(
-            f"tensor_parallel_size={world_size} runs one engine per rank under a launcher for now: start "
-            f"{world_size} processes with torchrun (or initialise torch.distributed with world_size="
-            f"{world_size} in each) and build the same LLM in every one; an engine that starts its own "
-            "worker processes is not built yet")
+        return None
     if dist.get_world_size() != world_size:
         raise ValueError(f"tensor_parallel_size={world_size}, but torch.distributed was initialised with "
                          f"world_size={dist.get_world_size()}")

@@ -50,6 +50,10 @@ class ModelStateError(ToolkitError, RuntimeError):
     """A model state was given caches it cannot manage (a routing bug, cf. vLLM #52374)."""
 
 
+class TensorParallelError(ToolkitError, RuntimeError):
+    """A tensor-parallel worker failed (raised, died or hung); the message names the rank and its error."""
+
+
 class InvariantError(ToolkitError, RuntimeError):
     """A runtime check (`LLM(checks=True)`) found the engine's books wrong: a live request on the
     null slot, a state index that is not the request's slot, a reused slot not zeroed, ...

@@ -18,8 +18,8 @@ from toolkit.config import (
     resolve_max_model_len,
     resolve_speculative_config,
 )
-from toolkit.distributed import tp_group_from_environment
-from toolkit.errors import EngineClosedError, InvalidRequestError, ToolkitError
+from toolkit.distributed import launched_group
+from toolkit.errors import EngineClosedError, InvalidRequestError, NotSupportedYetError, ToolkitError
 from toolkit.inspect import checks
 from toolkit.inspect.capture import LayerSpec, RequestSpec, check_capture_mode
 from toolkit.inspect.memory import MemoryMarks, MemoryReport, collect, resolve_trace_budget
@@ -43,6 +43,7 @@ from toolkit.request import (
 )
 from toolkit.runner.cudagraph import CaptureReport
 from toolkit.runner.cudagraph import resolve_mode as resolve_cudagraph_mode
+from toolkit.runner.executor import TPExecutor
 from toolkit.runner.model_runner import ModelRunner
 from toolkit.runner.spec_decode import DraftModelProposer, SpecDecodeStats
 from toolkit.sampling import SamplingParams, check_seed, derive_seed
@@ -85,10 +86,11 @@ class LLM:
         dev, dt = resolve_device_dtype(device, dtype)
         self.backend = resolve_backend(backend, dev)      # "torch" or "triton"
         self.cudagraph_mode = resolve_cudagraph_mode(cudagraph_mode, enforce_eager, dev, self.backend)
-        self.tp = tp_group_from_environment(tensor_parallel_size)     # this process's rank (one rank: SINGLE)
+        # tensor parallelism: this process's rank (SINGLE for one); None: this engine starts the workers
+        self.tp = launched_group(tensor_parallel_size)
+        self._executor: TPExecutor | None = None
         loaded = load_model(model, dtype=dt, device=dev, seed=seed)
         check_tensor_parallel(loaded.model, tensor_parallel_size)
-        shard_model(loaded.model, self.tp)
         self.hf_config = loaded.config
         self.cfg = RunnerConfig(device=dev, dtype=dt, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
@@ -107,8 +109,22 @@ class LLM:
         self.draft = None         # speculative_config method "draft_model": the draft engine
         proposer = None
         if self.speculative_config is not None and self.speculative_config.method == "draft_model":
+            if tensor_parallel_size > 1:
+                raise NotSupportedYetError("speculative_config method 'draft_model' with tensor_parallel_size > 1 "
+                                           "is not built yet (the n-gram proposer is)")
             self.draft, proposer = self._draft_engine(self.speculative_config, dev, dt, seed, backend)
-        self.model_runner = ModelRunner(loaded.model, self.cfg, self.speculative_config, proposer)
+        if self.tp is None:       # start ranks 1..N-1 (they load and shard their own copy)
+            self._executor = TPExecutor(tensor_parallel_size, model, self.cfg, self.speculative_config)
+            self.tp = self._executor.group
+        try:
+            self.model_runner = ModelRunner(shard_model(loaded.model, self.tp), self.cfg, self.speculative_config,
+                                            proposer)
+        except BaseException:
+            if self._executor is not None:
+                self._executor.shutdown()
+            raise
+        if self._executor is not None:
+            self._executor.mirror(self.model_runner)
         groups = self.model_runner.kv_cache_groups
         attn = [g for g in groups if g.kind == "attention"]
         self.scheduler = Scheduler(
@@ -426,6 +442,8 @@ class LLM:
             self.draft.shutdown()
         runner = self.model_runner
         runner.shutdown()
+        if self._executor is not None:
+            self._executor.shutdown()
         collect()
         self._memory.mark("shutdown")
         if self.checks:

@@ -1,0 +1,229 @@
+"""Tensor-parallel worker processes (vLLM `MultiprocExecutor`, cut down): rank 0 is the caller's
+process (a notebook kernel included) and owns the scheduler, the sampler's outputs and the trace;
+ranks 1..N-1 are processes this module starts (torch.multiprocessing, "spawn") that hold their
+shard of the model and a ModelRunner of their own.
+
+Every call of the runner that runs the model (MIRRORED: the step's execute_model and sample_tokens,
+warmup's profile and dummy runs, graph capture, releasing finished requests' rows) is broadcast by
+rank 0 (`torch.distributed.broadcast_object_list`: the method's name and arguments, a
+SchedulerOutput for a step) before rank 0 runs it, and each worker runs the same call on its own
+runner. So every rank builds the same batch and metadata itself; the collectives happen inside the
+model (the row-parallel all-reduces, the LM head's all-gather), and every rank samples the same
+tokens from the same gathered logits (as MRV2 does).
+
+Failures: the process group has a timeout (`timeout_s`, 30 s), so a hung worker makes rank 0's
+collective raise instead of waiting for gloo's 30-minute default; a worker that raises sends its
+traceback over a pipe before it exits, and a dead worker closes its end of the group, so rank 0's
+collective raises within milliseconds. Rank 0 then raises `TensorParallelError` naming the rank,
+its exit code and its error. `shutdown()` tells the workers to stop, waits, terminates what is left,
+destroys the process group; a new engine can start another group in the same process.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from toolkit.config import RunnerConfig, SpeculativeConfig
+from toolkit.distributed import TPGroup
+from toolkit.errors import TensorParallelError
+from toolkit.models import load_model
+from toolkit.models.tensor_parallel import check_tensor_parallel, shard_model
+from toolkit.runner.model_runner import ModelRunner
+
+MIRRORED = ("execute_model", "sample_tokens", "profile_run", "dummy_run", "capture_cudagraphs", "remove_requests")
+DEFAULT_TIMEOUT_S = 30.0
+STOP = None                      # the broadcast that ends a worker's loop
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def worker_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r's device: cuda:r on CUDA (one GPU per rank), the CPU otherwise."""
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def _worker_main(rank: int, world: int, store: str, timeout_s: float, model: str, cfg: RunnerConfig,
+                 spec: SpeculativeConfig | None, conn) -> None:
+    """A worker: join the group, build its shard and runner, then run each broadcast call until STOP."""
+    runner = None
+    try:
+        if cfg.device.type == "cpu":          # the ranks share the machine's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        dist.init_process_group(_backend(cfg.device), init_method=f"file://{store}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+        tp = TPGroup(rank, world)
+        loaded = load_model(model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
+        check_tensor_parallel(loaded.model, world)
+        runner = ModelRunner(shard_model(loaded.model, tp), cfg, spec)
+        conn.send(("ready", None))
+        while True:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=0)
+            if box[0] is STOP:
+                break
+            method, args, kwargs = box[0]
+            getattr(runner, method)(*args, **kwargs)
+    except BaseException as err:            # tell rank 0 why, then leave (rank 0's collective fails)
+        try:
+            conn.send(("error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+        except (BrokenPipeError, OSError):
+            pass
+        os._exit(1)
+    finally:
+        if runner is not None:
+            runner.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        conn.close()
+
+
+class TPExecutor:
+    """Starts ranks 1..N-1 and joins rank 0 (this process) to their group; `mirror(runner)` makes the
+    runner's MIRRORED calls broadcast first. See the module docstring."""
+
+    def __init__(self, world_size: int, model: str, cfg: RunnerConfig, spec: SpeculativeConfig | None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if dist.is_initialized():
+            raise TensorParallelError("torch.distributed is initialised already in this process: shut the other "
+                                      "tensor-parallel engine down first (or run under torchrun)")
+        self.world_size, self.timeout_s = world_size, timeout_s
+        self._dir = Path(tempfile.mkdtemp(prefix="runnerscope_tp_"))
+        store = str(self._dir / "store")
+        ctx = mp.get_context("spawn")
+        self.workers, self.pipes, self.closed = [], [], False
+        self._inside = False             # rank 0 is running a mirrored call
+        self.failure: str | None = None  # why the group is unusable (a worker failed)
+        for rank in range(1, world_size):
+            here, there = ctx.Pipe(duplex=False)
+            worker_cfg = _with_device(cfg, worker_device(cfg.device, rank))
+            proc = ctx.Process(target=_worker_main, name=f"runnerscope-tp-rank{rank}", daemon=True,
+                               args=(rank, world_size, store, timeout_s, model, worker_cfg, spec, there))
+            proc.start()
+            there.close()
+            self.workers.append(proc)
+            self.pipes.append(here)
+        try:
+            dist.init_process_group(_backend(cfg.device), init_method=f"file://{store}", rank=0,
+                                    world_size=world_size, timeout=timedelta(seconds=timeout_s))
+            for rank in range(1, world_size):
+                self._wait_ready(rank)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.group = TPGroup(0, world_size)
+
+    def _wait_ready(self, rank: int) -> None:
+        pipe = self.pipes[rank - 1]
+        if not pipe.poll(max(self.timeout_s * 4, 120.0)):      # loading a model can take a while
+            raise TensorParallelError(f"tensor-parallel rank {rank} did not start within the timeout")
+        kind, message = pipe.recv()
+        if kind != "ready":
+            raise TensorParallelError(f"tensor-parallel rank {rank} failed to start: {message}")
+
+    # ---- the calls ------------------------------------------------------------------------------
+    def mirror(self, runner: ModelRunner) -> None:
+        """Wrap the runner's MIRRORED methods (on the instance): broadcast, then run here."""
+        for name in MIRRORED:
+            setattr(runner, name, self._mirrored(name, getattr(runner, name)))
+
+    def _mirrored(self, name: str, local):
+        def call(*args, **kwargs):
+            if self._inside:                     # a mirrored call made by another one (execute_model
+                return local(*args, **kwargs)     # releases finished rows): the workers make it too
+            self.broadcast((name, args, kwargs))
+            self._inside = True
+            try:
+                return local(*args, **kwargs)
+            except RuntimeError as err:          # a worker failed? say which rank and why
+                self.raise_worker_failure(err, collective=False)
+                raise
+            finally:
+                self._inside = False
+        call.__wrapped__ = local
+        call.__name__ = name
+        return call
+
+    def broadcast(self, message: Any) -> None:
+        if self.closed:
+            raise TensorParallelError("the tensor-parallel workers are shut down")
+        if self.failure is not None:
+            raise TensorParallelError(f"the tensor-parallel engine failed earlier: {self.failure}")
+        try:
+            dist.broadcast_object_list([message], src=0)
+        except RuntimeError as err:
+            self.raise_worker_failure(err, collective=True)
+            raise
+
+    def raise_worker_failure(self, err: BaseException, collective: bool) -> None:
+        """Raise TensorParallelError naming the failed ranks (their exit codes and errors). With none
+        found: raise it anyway for a failed collective (a hung worker: the group timed out), else
+        return (the error is rank 0's own, raised as it is)."""
+        failed = []
+        for rank, (proc, pipe) in enumerate(zip(self.workers, self.pipes, strict=True), start=1):
+            message = ""
+            if pipe.poll(0.5 if not proc.is_alive() else 0):
+                try:
+                    kind, message = pipe.recv()
+                except (EOFError, OSError):
+                    message = ""
+            proc.join(0.5 if message or not proc.is_alive() else 0)
+            if message or not proc.is_alive():
+                code = proc.exitcode
+                failed.append(f"rank {rank} ({'exit code ' + str(code) if code is not None else 'alive'})"
+                              + (f": {message.strip()}" if message else ""))
+        if failed:
+            self.failure = "; ".join(failed)
+            raise TensorParallelError(f"tensor-parallel worker failed: {self.failure} (rank 0 saw: {err})") from err
+        if collective:
+            self.failure = f"a collective failed on rank 0 ({err})"
+            raise TensorParallelError(f"a tensor-parallel collective failed on rank 0 ({err}); the workers are alive "
+                                      f"(a hung worker makes it time out after {self.timeout_s:g} s)") from err
+
+    # ---- the end --------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the workers (STOP, then terminate, then kill what is left) and destroy the group."""
+        if self.closed and not self.workers:
+            return
+        if not self.closed and self.failure is None and dist.is_initialized():
+            try:
+                dist.broadcast_object_list([STOP], src=0)
+            except RuntimeError:
+                pass                            # a worker is gone: terminate the rest below
+        self.closed = True
+        for proc in self.workers:
+            proc.join(5.0)
+        for proc in self.workers:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(4.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(1.0)
+        for pipe in self.pipes:
+            pipe.close()
+        self.workers, self.pipes = [], []
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for f in self._dir.glob("*"):
+            f.unlink(missing_ok=True)
+        self._dir.rmdir()
+
+    @property
+    def alive(self) -> list[int]:
+        """The worker ranks whose processes are alive."""
+        return [rank for rank, proc in enumerate(self.workers, start=1) if proc.is_alive()]
+
+
+def _with_device(cfg: RunnerConfig, device: torch.device) -> RunnerConfig:
+    return dataclasses.replace(cfg, device=device)
