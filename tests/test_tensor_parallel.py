@@ -33,6 +33,8 @@ from toolkit.layers.parallel import padded_vocab
 from toolkit.models import load_model
 from toolkit.models.tensor_parallel import check_tensor_parallel, shard_model
 
+from harness import ScriptedProposer
+
 LOGITS_ATOL = 1e-4
 _rng = np.random.default_rng(27)
 PROMPTS = [_rng.integers(3, 300, n).tolist() for n in (21, 9, 14)]
@@ -217,3 +219,27 @@ def test_a_killed_worker_is_named_within_the_timeout():
     assert time.monotonic() - start < 30
     llm.shutdown()
     assert not mp.active_children() and not dist.is_initialized()
+
+
+def test_with_prefix_caching_and_speculation():
+    """The engine's other features keep working sharded: prefix caching ("align", a second round
+    hitting the first one's checkpoints) and n-gram speculation (verify rows) on Bamba, TP=2 == TP=1."""
+    engine = dict(device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, inspect="metadata",
+                  enable_prefix_caching=True, block_size=8,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    plain = LLM("tiny-bamba", device="cpu", dtype="float32", inspect="off")
+    refs = [p + t for p, t in zip(PROMPTS, tokens_of(plain))]
+    plain.shutdown()
+    runs = []
+    for tp in (1, 2):
+        llm = LLM("tiny-bamba", tensor_parallel_size=tp, **engine)
+        llm.model_runner.proposer = ScriptedProposer(refs, 3)       # rank 0's drafts go to every rank
+        runs.append((tokens_of(llm), tokens_of(llm)[:2], llm.stats()))
+        assert all(not r.violations for r in llm.trace)
+        llm.shutdown()
+    (a, a2, _), (b, b2, stats) = runs
+    assert a == b and a2 == b2
+    assert stats["prompt_tokens_skipped"] > 0 and stats["spec_accepted_drafts"] > 0
+    with pytest.raises(NotSupportedYetError, match="inspect='full'"):
+        LLM("tiny-bamba", tensor_parallel_size=2, device="cpu", inspect="full")
+    assert not mp.active_children()

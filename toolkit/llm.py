@@ -88,6 +88,9 @@ class LLM:
         self.cudagraph_mode = resolve_cudagraph_mode(cudagraph_mode, enforce_eager, dev, self.backend)
         # tensor parallelism: this process's rank (SINGLE for one); None: this engine starts the workers
         self.tp = launched_group(tensor_parallel_size)
+        if tensor_parallel_size > 1 and inspect == "full":
+            raise NotSupportedYetError("inspect='full' with tensor_parallel_size > 1 is not built yet (its cold "
+                                       "replays and gathered states run on rank 0 alone); use 'metadata'")
         self._executor: TPExecutor | None = None
         loaded = load_model(model, dtype=dt, device=dev, seed=seed)
         check_tensor_parallel(loaded.model, tensor_parallel_size)
