@@ -77,8 +77,10 @@ def run_ranks(tmp_path: Path, preset: str, world: int = 2, **engine) -> list[dic
 # all-reduce); Mamba2 with its 2 groups split; Bamba: Mamba2 with 1 group replicated on both ranks
 # (its gated norm's statistic all-reduced), attention and MLP
 # LFM2: short conv by channels, attention with per-head q/k norms (whole on every rank), tied head
+# Jamba: Mamba1 with weighted dt/B/C norms, attention without RoPE, MoE (every expert's intermediate
+# split, the router whole) and dense MLP layers
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mamba", "tiny-falcon-mamba", "tiny-mamba2", "tiny-bamba",
-                                    "tiny-lfm2"])
+                                    "tiny-lfm2", "tiny-jamba"])
 def test_two_ranks_equal_one(tmp_path, preset):
     single = run_engine(preset, 1)
     ranks = run_ranks(tmp_path, preset)
@@ -135,8 +137,8 @@ def test_configurations_that_cannot_shard_are_refused():
     with pytest.raises(ValueError, match=r"attention heads \(4\) must be divisible by tensor parallel size \(3\)"):
         check_tensor_parallel(model, 3)
     check_tensor_parallel(model, 4)
-    with pytest.raises(NotSupportedYetError, match="so far, not JambaForCausalLM"):
-        check_tensor_parallel(cpu_model("tiny-jamba"), 2)
+    with pytest.raises(NotSupportedYetError, match="so far, not Qwen3NextForCausalLM"):
+        check_tensor_parallel(cpu_model("tiny-qwen3-next"), 2)
     mamba2 = cpu_model("tiny-mamba2")            # 8 heads, 2 groups
     check_tensor_parallel(mamba2, 2)
     with pytest.raises(ValueError, match=r"does not divide num_groups \(2\), then num_groups must equal 1"):

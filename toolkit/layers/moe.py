@@ -20,8 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from toolkit.distributed import SINGLE, TPGroup
 from toolkit.layers.mlp import get_activation
 from toolkit.layers.ops import TORCH_OPS
+from toolkit.layers.parallel import check_divides
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
@@ -183,6 +185,23 @@ class SparseMoeBlock(nn.Module):
         self.router = TopKRouter(hidden_size, num_experts)
         self.experts = FusedExperts(hidden_size, intermediate_size, num_experts, hidden_act)
 
+    # -- tensor parallelism (vLLM's fused MoE in TP mode) -----------------------------------------
+    tp: TPGroup = SINGLE
+
+    def check_shardable(self, tp_size: int) -> None:
+        check_divides("the experts' intermediate_size", self.experts.intermediate_size, tp_size)
+
+    def shard_(self, tp: TPGroup) -> None:
+        """Every expert on every rank, its intermediate size split (gate_up's [gate_r | up_r] rows,
+        down's columns); the router whole (every rank routes alike); the output all-reduced."""
+        ex, i = self.experts, self.experts.intermediate_size
+        local = i // tp.world_size
+        rows = torch.arange(tp.rank * local, (tp.rank + 1) * local)
+        ex.gate_up_proj = nn.Parameter(ex.gate_up_proj.data[:, torch.cat([rows, i + rows])].clone(),
+                                       requires_grad=ex.gate_up_proj.requires_grad)
+        ex.down_proj = nn.Parameter(ex.down_proj.data[:, :, rows].clone(), requires_grad=ex.down_proj.requires_grad)
+        ex.intermediate_size, self.tp = local, tp
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = topk_routing(self.router(x), self.top_k, self.renormalize)
-        return self.experts(x, weights.to(x.dtype), ids)
+        return self.tp.all_reduce(self.experts(x, weights.to(x.dtype), ids))

@@ -4,8 +4,9 @@
 and a configuration whose dimensions the group size does not divide (naming the dimension, as vLLM
 refuses it). `shard_model` then keeps each rank's slices in place: every layer with a `shard_`
 method (attention by heads, MLP by intermediate channels, the Mamba1 mixer and the short conv by
-channels, the Mamba2 mixer by heads with its groups split or replicated), the embedding and the LM
-head by rows of the padded vocabulary. Norms and the residual stream stay whole on every rank.
+channels, the Mamba2 mixer by heads with its groups split or replicated, MoE experts by their
+intermediate channels), the embedding and the LM head by rows of the padded vocabulary. Norms and
+the residual stream stay whole on every rank.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from toolkit.models.base import CausalLM
 
 # the architectures whose every layer has a shard_ method so far (issue 27 adds the others)
 SHARDABLE = ("LlamaForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM",
-             "BambaForCausalLM", "Lfm2ForCausalLM")
+             "BambaForCausalLM", "Lfm2ForCausalLM", "JambaForCausalLM")
 
 
 def check_tensor_parallel(model: CausalLM, tp_size: int) -> None:
