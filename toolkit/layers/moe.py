@@ -163,6 +163,22 @@ class FusedExperts(nn.Module):
         return out
 
 
+def shard_experts(experts: nn.Module, tp: TPGroup, gated: bool = True) -> None:
+    """Keep this rank's slice of every expert's intermediate size (vLLM's fused MoE in TP mode):
+    gate_up_proj [E, 2I, H]'s [gate_r | up_r] rows (`gated`; a non-gated up_proj [E, I, H]: its rows)
+    and down_proj [E, H, I]'s columns. The experts' sum is a partial one: the caller all-reduces it."""
+    up_name = "gate_up_proj" if gated else "up_proj"
+    up, down = getattr(experts, up_name), experts.down_proj
+    i = down.shape[-1]
+    local = i // tp.world_size
+    rows = torch.arange(tp.rank * local, (tp.rank + 1) * local)
+    keep = torch.cat([rows, i + rows]) if gated else rows
+    setattr(experts, up_name, nn.Parameter(up.data[:, keep].clone(), requires_grad=up.requires_grad))
+    experts.down_proj = nn.Parameter(down.data[:, :, rows].clone(), requires_grad=down.requires_grad)
+    if hasattr(experts, "intermediate_size"):
+        experts.intermediate_size = local
+
+
 class SparseMoeBlock(nn.Module):
     """x [T, H] -> [T, H]: router (top-k softmax) then the experts. Names: router.weight,
     experts.gate_up_proj, experts.down_proj."""
@@ -192,15 +208,10 @@ class SparseMoeBlock(nn.Module):
         check_divides("the experts' intermediate_size", self.experts.intermediate_size, tp_size)
 
     def shard_(self, tp: TPGroup) -> None:
-        """Every expert on every rank, its intermediate size split (gate_up's [gate_r | up_r] rows,
-        down's columns); the router whole (every rank routes alike); the output all-reduced."""
-        ex, i = self.experts, self.experts.intermediate_size
-        local = i // tp.world_size
-        rows = torch.arange(tp.rank * local, (tp.rank + 1) * local)
-        ex.gate_up_proj = nn.Parameter(ex.gate_up_proj.data[:, torch.cat([rows, i + rows])].clone(),
-                                       requires_grad=ex.gate_up_proj.requires_grad)
-        ex.down_proj = nn.Parameter(ex.down_proj.data[:, :, rows].clone(), requires_grad=ex.down_proj.requires_grad)
-        ex.intermediate_size, self.tp = local, tp
+        """Every expert on every rank, its intermediate size split; the router whole (every rank
+        routes alike); the output all-reduced."""
+        shard_experts(self.experts, tp)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = topk_routing(self.router(x), self.top_k, self.renormalize)

@@ -90,12 +90,14 @@ class VocabParallelEmbedding(nn.Module):
         self.embedding_dim = full.embedding_dim
         self.start, self.rows = vocab_shard(full.num_embeddings, tp)
         self.weight = _param(_vocab_rows(full.weight.data, full.num_embeddings, tp), full.weight)
+        self.multiplier = getattr(full, "multiplier", None)      # a scaled embedding (Granite) keeps its scale
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.rows)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return self.tp.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
+        out = self.tp.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
+        return out if self.multiplier is None else out * self.multiplier
 
 
 def shard_lm_head(lm_head: nn.Linear, vocab_size: int, tp: TPGroup) -> None:

@@ -120,9 +120,13 @@ class CausalLM(nn.Module, ABC):
 
     # -- shared -----------------------------------------------------------------------------
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> float32 logits [N, V]. Tensor-parallel: each rank's logits over its slice
-        of the padded vocabulary, all-gathered in rank order and cut to V (the padding's are 0)."""
-        logits = self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
+        """hidden [N, H] -> float32 logits [N, V]."""
+        return self.gather_logits(self.lm_head(hidden.to(self.lm_head.weight.dtype)).float())
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits as every rank needs them: unsharded, as they are; tensor-parallel,
+        each rank's logits over its slice of the padded vocabulary all-gathered in rank order and
+        cut to V (the padding's are 0)."""
         if self.tp.sharded:
             logits = self.tp.all_gather(logits)[:, :self.config.vocab_size]
         return logits

@@ -152,4 +152,4 @@ class FalconH1ForCausalLM(CausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, V] = lm_head(hidden) * lm_head_multiplier."""
         w = self.lm_head.weight
-        return (self.lm_head(hidden.to(w.dtype)) * float(self.config.lm_head_multiplier)).float()
+        return self.gather_logits((self.lm_head(hidden.to(w.dtype)) * float(self.config.lm_head_multiplier)).float())

@@ -32,11 +32,13 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from toolkit.distributed import SINGLE, TPGroup
 from toolkit.errors import UnsupportedArchitectureError
 from toolkit.layers.attention import PagedAttention
 from toolkit.layers.mlp import get_activation
-from toolkit.layers.moe import FusedExperts, TopKRouter
+from toolkit.layers.moe import FusedExperts, TopKRouter, shard_experts
 from toolkit.layers.norms import RMSNorm
+from toolkit.layers.parallel import check_divides, keep_rows, shard_rows
 from toolkit.models.bamba import bamba_mixer
 from toolkit.models.base import CausalLM, DecoderBody
 from toolkit.models.llama import attention_head_dim, build_rotary
@@ -83,9 +85,24 @@ class GraniteSharedMLP(nn.Module):
         self.output_linear = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.act_fn = get_activation(hidden_act)
 
+    tp: TPGroup = SINGLE
+
+    def check_shardable(self, tp_size: int) -> None:
+        check_divides("shared_intermediate_size", self.output_linear.in_features, tp_size)
+
+    def shard_(self, tp: TPGroup) -> None:
+        """input_linear's fused [a | b] sliced section by section ([a_r | b_r]), output_linear
+        row-parallel (its own all-reduce, as vLLM's)."""
+        i = self.output_linear.in_features
+        local = i // tp.world_size
+        rows = torch.arange(tp.rank * local, (tp.rank + 1) * local)
+        keep_rows(self.input_linear, torch.cat([rows, i + rows]))
+        shard_rows(self.output_linear, tp.rank * local, local, tp)
+        self.tp = tp
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a, b = self.input_linear(x).chunk(2, dim=-1)
-        return self.output_linear(self.act_fn(a) * b)
+        return self.tp.all_reduce(self.output_linear(self.act_fn(a) * b))
 
 
 class GraniteMoE(nn.Module):
@@ -101,10 +118,19 @@ class GraniteMoE(nn.Module):
         self.router = TopKRouter(hidden_size, num_experts)
         self.experts = FusedExperts(hidden_size, intermediate_size, num_experts, hidden_act)
 
+    tp: TPGroup = SINGLE
+
+    def check_shardable(self, tp_size: int) -> None:
+        check_divides("the experts' intermediate_size", self.experts.intermediate_size, tp_size)
+
+    def shard_(self, tp: TPGroup) -> None:
+        shard_experts(self.experts, tp)
+        self.tp = tp
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_logits, ids = self.router(x).float().topk(self.top_k, dim=-1)
         weights = torch.softmax(top_logits, dim=-1).to(x.dtype)
-        return self.experts(x, weights, ids)
+        return self.tp.all_reduce(self.experts(x, weights, ids))
 
 
 class GraniteHybridBlock(nn.Module):
@@ -163,7 +189,8 @@ class GraniteMoeHybridForCausalLM(CausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, V] = lm_head(hidden) / logits_scaling (divided in the
         model dtype, as HF)."""
-        return (self.lm_head(hidden.to(self.lm_head.weight.dtype)) / self.config.logits_scaling).float()
+        logits = self.lm_head(hidden.to(self.lm_head.weight.dtype)) / self.config.logits_scaling
+        return self.gather_logits(logits.float())
 
     @staticmethod
     def remap_checkpoint_key(key: str) -> str:

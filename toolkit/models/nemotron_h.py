@@ -39,12 +39,14 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from toolkit.distributed import SINGLE, TPGroup
 from toolkit.errors import UnsupportedArchitectureError
 from toolkit.layers.attention import PagedAttention
 from toolkit.layers.mamba2_mixer import Mamba2Mixer
 from toolkit.layers.mlp import get_activation
-from toolkit.layers.moe import DENSE_MAX_TOKENS, dense_routing
+from toolkit.layers.moe import DENSE_MAX_TOKENS, dense_routing, shard_experts
 from toolkit.layers.norms import RMSNorm
+from toolkit.layers.parallel import check_divides, shard_columns, shard_rows
 from toolkit.models.base import CausalLM, DecoderBody, PreNormBlock
 
 # HF layers_block_type -> our block kind (legacy names as HF's remap_legacy_layer_types)
@@ -94,8 +96,20 @@ class NemotronHMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = nemotron_h_activation(act)
 
+    tp: TPGroup = SINGLE
+
+    def check_shardable(self, tp_size: int) -> None:
+        check_divides("the MLP's intermediate size", self.down_proj.in_features, tp_size)
+
+    def shard_(self, tp: TPGroup) -> None:
+        """up column-parallel, down row-parallel (all-reduced); relu2 is elementwise, so shard-safe."""
+        size = self.down_proj.in_features // tp.world_size
+        shard_columns(self.up_proj, tp.rank * size, size)
+        shard_rows(self.down_proj, tp.rank * size, size, tp)
+        self.tp = tp
+
     def forward(self, x: torch.Tensor, attn_metadata: dict[str, object] | None = None) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(self.act_fn(self.up_proj(x))))
 
 
 def sigmoid_group_topk_routing(
@@ -192,9 +206,21 @@ class NemotronHMoE(nn.Module):
             self.fc1_latent_proj = nn.Identity()
             self.fc2_latent_proj = nn.Identity()
 
+    tp: TPGroup = SINGLE
+
+    def check_shardable(self, tp_size: int) -> None:
+        check_divides("moe_intermediate_size", self.experts.down_proj.shape[-1], tp_size)
+
+    def shard_(self, tp: TPGroup) -> None:
+        """Every expert on every rank, its intermediate size split (non-gated: up_proj's rows); the
+        router and the latent projections whole; the experts' partial sum all-reduced before
+        fc2_latent_proj. The shared expert shards itself (an NemotronHMLP)."""
+        shard_experts(self.experts, tp, gated=False)
+        self.tp = tp
+
     def forward(self, x: torch.Tensor, attn_metadata: dict[str, object] | None = None) -> torch.Tensor:
         weights, ids = self.gate(x)
-        routed = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(x), weights, ids))
+        routed = self.fc2_latent_proj(self.tp.all_reduce(self.experts(self.fc1_latent_proj(x), weights, ids)))
         return routed + self.shared_experts(x)
 
 

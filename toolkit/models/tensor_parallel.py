@@ -19,7 +19,8 @@ from toolkit.models.base import CausalLM
 
 # the architectures whose every layer has a shard_ method so far (issue 27 adds the others)
 SHARDABLE = ("LlamaForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM",
-             "BambaForCausalLM", "Lfm2ForCausalLM", "JambaForCausalLM")
+             "BambaForCausalLM", "Lfm2ForCausalLM", "JambaForCausalLM", "GraniteMoeHybridForCausalLM",
+             "NemotronHForCausalLM")
 
 
 def check_tensor_parallel(model: CausalLM, tp_size: int) -> None:
