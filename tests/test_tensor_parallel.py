@@ -81,10 +81,11 @@ def run_ranks(tmp_path: Path, preset: str, world: int = 2, **engine) -> list[dic
 # split, the router whole) and dense MLP layers
 # Granite: a scaled embedding, multipliers, MoE plus a shared MLP (each its own all-reduce), logits
 # scaled; NemotronH: relu2 MLPs and MoE of non-gated experts with a shared expert, Mamba2 groups split;
-# Falcon-H1: attention and Mamba2 in parallel (norm before gate, muP multipliers over the local sections)
+# Falcon-H1: attention and Mamba2 in parallel (norm before gate, muP multipliers over the local sections);
+# Zamba2: shared attention + MLP blocks with per-layer adapters (their second projections sharded)
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mamba", "tiny-falcon-mamba", "tiny-mamba2", "tiny-bamba",
                                     "tiny-lfm2", "tiny-jamba", "tiny-granite-hybrid", "tiny-nemotron-h",
-                                    "tiny-falcon-h1"])
+                                    "tiny-falcon-h1", "tiny-zamba2"])
 def test_two_ranks_equal_one(tmp_path, preset):
     single = run_engine(preset, 1)
     ranks = run_ranks(tmp_path, preset)

@@ -91,15 +91,20 @@ class PagedAttention(nn.Module):
         """Keep this rank's heads (vLLM `QKVParallelLinear` + `RowParallelLinear`): q heads H/tp;
         KV heads kv/tp, or with fewer KV heads than ranks one each, replicated over tp/kv ranks (rank r
         keeps head r // (tp/kv), which its q heads read); o_proj row-parallel, its output all-reduced."""
+        (q_start, q_size), (kv_start, kv_size) = self.head_slices(tp)
+        shard_columns(self.q_proj, q_start, q_size)
+        shard_columns(self.k_proj, kv_start, kv_size)
+        shard_columns(self.v_proj, kv_start, kv_size)
+        shard_rows(self.output_proj, q_start, q_size, tp)
+        self.num_heads, self.num_kv_heads, self.tp = q_size // self.head_dim, kv_size // self.head_dim, tp
+
+    def head_slices(self, tp: TPGroup) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(first feature, features) of this rank's q heads and of its KV heads (before sharding)."""
         n, r, d = tp.world_size, tp.rank, self.head_dim
         heads = self.num_heads // n
         kv_heads, kv_first = ((self.num_kv_heads // n, r * (self.num_kv_heads // n)) if self.num_kv_heads >= n
                               else (1, r // (n // self.num_kv_heads)))
-        shard_columns(self.q_proj, r * heads * d, heads * d)
-        shard_columns(self.k_proj, kv_first * d, kv_heads * d)
-        shard_columns(self.v_proj, kv_first * d, kv_heads * d)
-        shard_rows(self.output_proj, r * heads * d, heads * d, tp)
-        self.num_heads, self.num_kv_heads, self.tp = heads, kv_heads, tp
+        return (r * heads * d, heads * d), (kv_first * d, kv_heads * d)
 
     def get_kv_cache_spec(self) -> AttentionSpec:
         return AttentionSpec(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.q_proj.weight.dtype)

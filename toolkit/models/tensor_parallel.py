@@ -20,7 +20,7 @@ from toolkit.models.base import CausalLM
 # the architectures whose every layer has a shard_ method so far (issue 27 adds the others)
 SHARDABLE = ("LlamaForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM",
              "BambaForCausalLM", "Lfm2ForCausalLM", "JambaForCausalLM", "GraniteMoeHybridForCausalLM",
-             "NemotronHForCausalLM", "FalconH1ForCausalLM")
+             "NemotronHForCausalLM", "FalconH1ForCausalLM", "Zamba2ForCausalLM")
 
 
 def check_tensor_parallel(model: CausalLM, tp_size: int) -> None:

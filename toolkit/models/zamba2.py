@@ -38,10 +38,12 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
+from toolkit.distributed import SINGLE, TPGroup
 from toolkit.errors import UnsupportedArchitectureError
 from toolkit.layers.attention import PagedAttention
 from toolkit.layers.mamba2_mixer import Mamba2Mixer
 from toolkit.layers.norms import RMSNorm
+from toolkit.layers.parallel import check_divides, keep_rows, shard_columns, shard_rows
 from toolkit.models.base import CausalLM, DecoderBody
 from toolkit.models.llama import build_rotary
 
@@ -118,6 +120,20 @@ class Zamba2Attention(PagedAttention):
             self.linear_k_adapter_list = _adapter_list(*args)
             self.linear_v_adapter_list = _adapter_list(*args)
 
+    def shard_(self, tp: TPGroup) -> None:
+        """PagedAttention's heads; each adapter's second projection (rank -> q / k / v) keeps the same
+        rows as the projection it adds to (its first, d -> adapter_rank, stays whole on every rank:
+        vLLM all-gathers that column-parallel [T, rank] output instead)."""
+        (q_start, q_size), (kv_start, kv_size) = self.head_slices(tp)
+        super().shard_(tp)
+        if self.use_adapters:
+            for adapters, start, size in ((self.linear_q_adapter_list, q_start, q_size),
+                                          (self.linear_k_adapter_list, kv_start, kv_size),
+                                          (self.linear_v_adapter_list, kv_start, kv_size)):
+                for adapter in adapters:
+                    if isinstance(adapter, nn.Sequential):
+                        shard_columns(adapter[1], start, size)
+
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: dict[str, object] | None) -> torch.Tensor:
         """hidden [T, 2H], positions [T] -> [T, H]; PagedAttention.forward plus the adapters."""
@@ -134,7 +150,7 @@ class Zamba2Attention(PagedAttention):
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
         out = self.attend(q, k, v, attn_metadata)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.num_heads * self.head_dim)))
 
 
 class Zamba2MLP(nn.Module):
@@ -150,10 +166,28 @@ class Zamba2MLP(nn.Module):
         self.gate_up_proj_adapter_list = _adapter_list(num_hybrid, int(config.num_mem_blocks), block_id, h,
                                                        int(config.adapter_rank), 2 * inter)
 
+    tp: TPGroup = SINGLE
+
+    def check_shardable(self, tp_size: int) -> None:
+        check_divides("intermediate_size", self.down_proj.in_features, tp_size)
+
+    def shard_(self, tp: TPGroup) -> None:
+        """gate_up_proj's fused [gate | up] sliced section by section ([gate_r | up_r]), each adapter's
+        second projection alike; down_proj row-parallel (all-reduced)."""
+        i = self.down_proj.in_features
+        local = i // tp.world_size
+        rows = torch.arange(tp.rank * local, (tp.rank + 1) * local)
+        keep_rows(self.gate_up_proj, torch.cat([rows, i + rows]))
+        for adapter in self.gate_up_proj_adapter_list:
+            if isinstance(adapter, nn.Sequential):
+                keep_rows(adapter[1], torch.cat([rows, i + rows]))
+        shard_rows(self.down_proj, tp.rank * local, local, tp)
+        self.tp = tp
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x) + self.gate_up_proj_adapter_list[self.hybrid_index](x)
         gate, up = torch.chunk(gate_up, 2, dim=-1)
-        return self.down_proj(self.act_fn(gate) * up)
+        return self.tp.all_reduce(self.down_proj(self.act_fn(gate) * up))
 
 
 class Zamba2SharedTransformer(nn.Module):
