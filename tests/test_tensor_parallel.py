@@ -31,7 +31,8 @@ from toolkit.distributed import TPGroup
 from toolkit.errors import NotSupportedYetError
 from toolkit.layers.parallel import padded_vocab
 from toolkit.models import load_model
-from toolkit.models.tensor_parallel import check_tensor_parallel, shard_model
+from toolkit.models.registry import MODEL_REGISTRY
+from toolkit.models.tensor_parallel import SHARDABLE, check_tensor_parallel, shard_model
 
 from harness import ScriptedProposer
 
@@ -82,10 +83,11 @@ def run_ranks(tmp_path: Path, preset: str, world: int = 2, **engine) -> list[dic
 # Granite: a scaled embedding, multipliers, MoE plus a shared MLP (each its own all-reduce), logits
 # scaled; NemotronH: relu2 MLPs and MoE of non-gated experts with a shared expert, Mamba2 groups split;
 # Falcon-H1: attention and Mamba2 in parallel (norm before gate, muP multipliers over the local sections);
-# Zamba2: shared attention + MLP blocks with per-layer adapters (their second projections sharded)
+# Zamba2: shared attention + MLP blocks with per-layer adapters (their second projections sharded);
+# Qwen3-Next: Gated DeltaNet by key-head groups, gated attention ([q | gate] per head), MoE + shared expert
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mamba", "tiny-falcon-mamba", "tiny-mamba2", "tiny-bamba",
                                     "tiny-lfm2", "tiny-jamba", "tiny-granite-hybrid", "tiny-nemotron-h",
-                                    "tiny-falcon-h1", "tiny-zamba2"])
+                                    "tiny-falcon-h1", "tiny-zamba2", "tiny-qwen3-next"])
 def test_two_ranks_equal_one(tmp_path, preset):
     single = run_engine(preset, 1)
     ranks = run_ranks(tmp_path, preset)
@@ -142,8 +144,7 @@ def test_configurations_that_cannot_shard_are_refused():
     with pytest.raises(ValueError, match=r"attention heads \(4\) must be divisible by tensor parallel size \(3\)"):
         check_tensor_parallel(model, 3)
     check_tensor_parallel(model, 4)
-    with pytest.raises(NotSupportedYetError, match="so far, not Qwen3NextForCausalLM"):
-        check_tensor_parallel(cpu_model("tiny-qwen3-next"), 2)
+    assert set(SHARDABLE) == set(MODEL_REGISTRY)                        # every architecture
     mamba2 = cpu_model("tiny-mamba2")            # 8 heads, 2 groups
     check_tensor_parallel(mamba2, 2)
     with pytest.raises(ValueError, match=r"does not divide num_groups \(2\), then num_groups must equal 1"):

@@ -68,6 +68,7 @@ class PagedAttention(nn.Module):
             self.add_module(qk_norm_names[0], RMSNorm(head_dim, eps=qk_norm_eps))
             self.add_module(qk_norm_names[1], RMSNorm(head_dim, eps=qk_norm_eps))
         self.rotary = rotary
+        self.q_rows_per_head = head_dim       # q_proj rows per head (a gated attention has 2 * head_dim)
         self.kv_cache: torch.Tensor | None = None
         self.ops = TORCH_OPS                        # set_ops() swaps in the Triton kernels
 
@@ -92,7 +93,8 @@ class PagedAttention(nn.Module):
         KV heads kv/tp, or with fewer KV heads than ranks one each, replicated over tp/kv ranks (rank r
         keeps head r // (tp/kv), which its q heads read); o_proj row-parallel, its output all-reduced."""
         (q_start, q_size), (kv_start, kv_size) = self.head_slices(tp)
-        shard_columns(self.q_proj, q_start, q_size)
+        per = self.q_rows_per_head // self.head_dim          # q_proj rows per q feature (2: [q | gate])
+        shard_columns(self.q_proj, per * q_start, per * q_size)
         shard_columns(self.k_proj, kv_start, kv_size)
         shard_columns(self.v_proj, kv_start, kv_size)
         shard_rows(self.output_proj, q_start, q_size, tp)

@@ -42,9 +42,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from toolkit.attention.gdn import GDN_CHUNK_SIZE, compute_gdn_chunk_metadata
+from toolkit.distributed import SINGLE, TPGroup
 from toolkit.kv_cache_spec import MambaSpec
 from toolkit.layers.mlp import get_activation
 from toolkit.layers.norms import RMSNormThenGate
+from toolkit.layers.parallel import check_divides, keep_entries, keep_rows, shard_rows
 from toolkit.layers.state_mixer import States, StateSlotMixer
 
 # --------------------------------------------------------------------------------------------
@@ -110,6 +112,36 @@ class GatedDeltaNet(StateSlotMixer):
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
         self.norm = RMSNormThenGate(head_v_dim, eps=norm_eps, cast_normed=True)   # HF Qwen3NextRMSNormGated
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+
+    # -- tensor parallelism (vLLM `QwenGatedDeltaNetAttention`, interleaved layout) --------------
+    tp: TPGroup = SINGLE
+
+    def check_shardable(self, tp_size: int) -> None:
+        check_divides(f"{self.layer_name}: linear_num_key_heads", self.num_k_heads, tp_size)
+        check_divides(f"{self.layer_name}: linear_num_value_heads", self.num_v_heads, tp_size)
+
+    def shard_(self, tp: TPGroup) -> None:
+        """Keep Hk/tp key heads and their Hv/tp value heads: in_proj_qkvz / in_proj_ba are grouped per
+        key head on disk ([q_g | k_g | v_g | z_g], [b_g | a_g]), so a contiguous 1/tp of their rows is
+        whole groups; the conv's flat [q | k | v] channels sliced section by section; A_log and
+        dt_bias per value head; the per-head gated norm whole; out_proj row-parallel (all-reduced)."""
+        n, r = tp.world_size, tp.rank
+        hk, hv, kd, vd = self.num_k_heads // n, self.num_v_heads // n, self.head_k_dim, self.head_v_dim
+        qkvz = self.in_proj_qkvz.out_features // n
+        keep_rows(self.in_proj_qkvz, torch.arange(r * qkvz, (r + 1) * qkvz))
+        ba = self.in_proj_ba.out_features // n
+        keep_rows(self.in_proj_ba, torch.arange(r * ba, (r + 1) * ba))
+        q = torch.arange(r * hk * kd, (r + 1) * hk * kd)
+        v = torch.arange(r * hv * vd, (r + 1) * hv * vd)
+        keep_rows(self.conv1d, torch.cat([q, self.key_dim + q, 2 * self.key_dim + v]))
+        keep_entries(self, "dt_bias", torch.arange(r * hv, (r + 1) * hv))
+        keep_entries(self, "A_log", torch.arange(r * hv, (r + 1) * hv))
+        shard_rows(self.out_proj, r * hv * vd, hv * vd, tp)
+        self.num_k_heads, self.num_v_heads = hk, hv
+        self.key_dim, self.value_dim = hk * kd, hv * vd
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv1d.in_channels = self.conv1d.out_channels = self.conv1d.groups = self.conv_dim
+        self.tp = tp
 
     # -- cache plumbing (bind_kv_cache / unbind_kv_cache: StateSlotMixer) --------------------
     def prefill_checkpoint_alignment(self) -> int | None:
@@ -188,7 +220,7 @@ class GatedDeltaNet(StateSlotMixer):
         y = self.run_state_slots(attn_metadata, (t, self.num_v_heads, self.head_v_dim), torch.float32,
                                  decode, prefill)
         out = self.norm(y.to(dtype), z)                        # per value head, over V
-        return self.out_proj(out.reshape(t, self.value_dim))
+        return self.tp.all_reduce(self.out_proj(out.reshape(t, self.value_dim)))
 
     def extra_repr(self) -> str:
         return (f"layer_name={self.layer_name!r}, heads k/v={self.num_k_heads}/{self.num_v_heads}, "

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from toolkit.distributed import SINGLE, TPGroup
 from toolkit.errors import UnsupportedArchitectureError
 from toolkit.layers.attention import PagedAttention
 from toolkit.layers.gdn import GatedDeltaNet
@@ -38,9 +39,11 @@ from toolkit.layers.moe import (
     FusedExperts,
     TopKRouter,
     merge_expert_checkpoint_tensors,
+    shard_experts,
     split_expert_state_tensors,
     topk_routing,
 )
+from toolkit.layers.parallel import check_divides
 from toolkit.models.base import CausalLM, DecoderBody, PreNormBlock
 from toolkit.models.llama import attention_head_dim, build_rotary
 
@@ -93,6 +96,7 @@ class GatedPagedAttention(PagedAttention):
         super().__init__(layer_name=layer_name, hidden_size=hidden_size, num_heads=num_heads,
                          num_kv_heads=num_kv_heads, head_dim=head_dim, bias=bias, rotary=rotary)
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim * 2, bias=bias)
+        self.q_rows_per_head = 2 * head_dim       # tensor parallelism: a head's rows are [q | gate]
         self.q_norm = OffsetRMSNorm(head_dim, eps=eps)
         self.k_norm = OffsetRMSNorm(head_dim, eps=eps)
 
@@ -109,7 +113,7 @@ class GatedPagedAttention(PagedAttention):
             q, k = self.rotary(positions, q, k)
         out = self.attend(q, k, v, attn_metadata)
         out = out.reshape(t, self.num_heads * self.head_dim) * torch.sigmoid(gate.reshape(t, -1))
-        return self.output_proj(out)
+        return self.tp.all_reduce(self.output_proj(out))
 
 
 class SharedExpertMoeBlock(nn.Module):
@@ -130,10 +134,21 @@ class SharedExpertMoeBlock(nn.Module):
         self.shared_expert = SwiGLUMLP(hidden_size, shared_intermediate_size, False, hidden_act)
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
+    tp: TPGroup = SINGLE
+
+    def check_shardable(self, tp_size: int) -> None:
+        check_divides("moe_intermediate_size", self.experts.intermediate_size, tp_size)
+
+    def shard_(self, tp: TPGroup) -> None:
+        """The experts' intermediate sizes split (the router and the shared expert's gate whole; the
+        shared expert, a SwiGLUMLP, shards and reduces itself); the experts' sum all-reduced."""
+        shard_experts(self.experts, tp)
+        self.tp = tp
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         weights, ids = topk_routing(self.gate(x), self.top_k, self.renormalize)
-        return self.experts(x, weights.to(x.dtype), ids) + shared
+        return self.tp.all_reduce(self.experts(x, weights.to(x.dtype), ids)) + shared
 
 
 def qwen3_next_mixer(config: PretrainedConfig, layer_idx: int, layer_type: str) -> tuple[str, nn.Module]:

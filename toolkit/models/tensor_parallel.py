@@ -17,10 +17,10 @@ from toolkit.errors import NotSupportedYetError
 from toolkit.layers.parallel import VocabParallelEmbedding, padded_vocab, shard_lm_head
 from toolkit.models.base import CausalLM
 
-# the architectures whose every layer has a shard_ method so far (issue 27 adds the others)
+# the architectures whose every layer has a shard_ method
 SHARDABLE = ("LlamaForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM",
              "BambaForCausalLM", "Lfm2ForCausalLM", "JambaForCausalLM", "GraniteMoeHybridForCausalLM",
-             "NemotronHForCausalLM", "FalconH1ForCausalLM", "Zamba2ForCausalLM")
+             "NemotronHForCausalLM", "FalconH1ForCausalLM", "Zamba2ForCausalLM", "Qwen3NextForCausalLM")
 
 
 def check_tensor_parallel(model: CausalLM, tp_size: int) -> None:
