@@ -704,6 +704,9 @@ def run_program(preset: str, config: EngineConfig, ops: list) -> Books:
          ops=[Add((3,), Params("greedy", max_tokens=1)),            # a spec page left behind by a prefill
               Add(tuple(range(40, 64)), Params("greedy", max_tokens=1)),    # chunk was registered as a
               Add(tuple(range(40, 56)), Params("greedy", max_tokens=1))])   # checkpoint, and hit
+@example(config=_make_config(4, 6, 2, 0, "padded_eager", False, "align", 1),   # padded verify batches:
+         ops=[Add((3,), Params("greedy", max_tokens=1)), Add((3,), Params("greedy", max_tokens=1)),
+              Warmup(drain=True)])          # 4 rows x 2 tokens overflowed a 6-token budget's buffers
 @given(config=engine_configs, ops=programs)
 def test_random_programs_keep_books_and_outputs(preset, config, ops):
     books = run_program(preset, config, ops)

@@ -123,8 +123,11 @@ class ModelRunner:
                                                                for g in self.kv_cache_groups])
         self.input_buffers = InputBuffers(self.staging, cfg.max_num_batched_tokens, cfg.device)
         self.sampler = Sampler(cfg.max_num_seqs, cfg.device, self.ops.gumbel_argmax)
+        # a padded decode batch of size rows holds size * (1 + k) tokens: at most the step's token
+        # budget (the persistent buffers' size), and the model's own graph limit (a MoE layer's)
+        graph_tokens = min(model.max_graph_tokens() or cfg.max_num_batched_tokens, cfg.max_num_batched_tokens)
         self.cudagraph_manager = CudaGraphManager(cfg.cudagraph_mode, cfg.max_num_seqs, cfg.device,
-                                                  model.max_graph_tokens(), 1 + cfg.num_speculative_tokens)
+                                                  graph_tokens, 1 + cfg.num_speculative_tokens)
         self.execute_state: ExecuteModelState | None = None
         self.observer: StepObserver | None = None
         self.clock = StageClock(use_events=cfg.device.type == "cuda")
