@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from toolkit.distributed import TPGroup
+from toolkit.distributed import SINGLE, TPGroup
 
 VOCAB_PADDING = 64
 
@@ -119,3 +119,18 @@ def check_divides(what: str, size: int, tp_size: int) -> None:
     """ValueError naming the dimension when `tp_size` does not divide `size`."""
     if size % tp_size:
         raise ValueError(f"{what} ({size}) must be divisible by tensor parallel size ({tp_size})")
+
+
+class ShardedGatedMLP:
+    """Mixin for a gated MLP down(act(gate(x)) * up(x)) whose three nn.Linear attributes are named by
+    `tp_projections` (gate, up, down): its `check_shardable` and `shard_`; its forward all-reduces
+    `self.tp.all_reduce(down(...))`."""
+    tp: TPGroup = SINGLE
+    tp_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+    def check_shardable(self, tp_size: int) -> None:
+        check_divides("the MLP's intermediate size", getattr(self, self.tp_projections[2]).in_features, tp_size)
+
+    def shard_(self, tp: TPGroup) -> None:
+        shard_gated_mlp(*(getattr(self, name) for name in self.tp_projections), tp)
+        self.tp = tp

@@ -28,12 +28,11 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from toolkit.distributed import SINGLE, TPGroup
 from toolkit.errors import UnsupportedArchitectureError
 from toolkit.layers.attention import PagedAttention
 from toolkit.layers.mamba2_mixer import Mamba2Mixer
 from toolkit.layers.norms import RMSNorm
-from toolkit.layers.parallel import check_divides, shard_gated_mlp
+from toolkit.layers.parallel import ShardedGatedMLP
 from toolkit.models.base import CausalLM, DecoderBody
 from toolkit.models.llama import attention_head_dim, build_rotary
 
@@ -81,7 +80,7 @@ def falcon_h1_attention(config: PretrainedConfig, layer_idx: int) -> PagedAttent
     )
 
 
-class FalconH1MLP(nn.Module):
+class FalconH1MLP(ShardedGatedMLP, nn.Module):
     """HF `FalconH1MLP`: down_proj(up_proj(x) * act(gate_proj(x) * gate_m)) * down_m."""
 
     def __init__(self, config: PretrainedConfig) -> None:
@@ -94,15 +93,6 @@ class FalconH1MLP(nn.Module):
             raise UnsupportedArchitectureError(f"hidden_act '{config.hidden_act}' is not supported")
         self.act_fn = ACT2FN[config.hidden_act]
         self.gate_multiplier, self.down_multiplier = (float(m) for m in config.mlp_multipliers)
-
-    tp: TPGroup = SINGLE
-
-    def check_shardable(self, tp_size: int) -> None:
-        check_divides("intermediate_size", self.down_proj.in_features, tp_size)
-
-    def shard_(self, tp: TPGroup) -> None:
-        shard_gated_mlp(self.gate_proj, self.up_proj, self.down_proj, tp)
-        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.up_proj(x) * self.act_fn(self.gate_proj(x) * self.gate_multiplier)

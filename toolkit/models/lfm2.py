@@ -15,12 +15,11 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from toolkit.distributed import SINGLE, TPGroup
 from toolkit.errors import UnsupportedArchitectureError
 from toolkit.layers.attention import PagedAttention
 from toolkit.layers.norms import RMSNorm
 from toolkit.layers.ops import TORCH_OPS
-from toolkit.layers.parallel import check_divides, shard_gated_mlp
+from toolkit.layers.parallel import ShardedGatedMLP
 from toolkit.layers.short_conv import ShortConv
 from toolkit.models.base import CausalLM, DecoderBody, PreNormBlock
 from toolkit.models.llama import attention_head_dim, build_rotary
@@ -53,7 +52,7 @@ def lfm2_ffn_dim(config: PretrainedConfig) -> int:
     return dim
 
 
-class Lfm2MLP(nn.Module):
+class Lfm2MLP(ShardedGatedMLP, nn.Module):
     """x [T, D] -> w2(silu(w1(x)) * w3(x)); HF names w1 (gate), w3 (up), w2 (down), no biases."""
 
     def __init__(self, hidden_size: int, ffn_dim: int) -> None:
@@ -63,14 +62,7 @@ class Lfm2MLP(nn.Module):
         self.w2 = nn.Linear(ffn_dim, hidden_size, bias=False)
         self.ops = TORCH_OPS                    # set_ops() swaps in the Triton kernel
 
-    tp: TPGroup = SINGLE
-
-    def check_shardable(self, tp_size: int) -> None:
-        check_divides("the feed-forward size", self.w2.in_features, tp_size)
-
-    def shard_(self, tp: TPGroup) -> None:
-        shard_gated_mlp(self.w1, self.w3, self.w2, tp)
-        self.tp = tp
+    tp_projections = ("w1", "w3", "w2")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.w2(self.ops.silu_and_mul(self.w1(x), self.w3(x))))
