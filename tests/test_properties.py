@@ -371,9 +371,11 @@ def check_ledger(llm: LLM) -> None:
                     <= -(-(req.num_computed_tokens + k) // group.block_size) + k, (req.request_id, ids)
             elif group.kind == "attention" or kv.aligned(g):   # the blocks (columns) its computed tokens fill
                 assert len(ids) == -(-req.num_computed_tokens // group.block_size), (req.request_id, ids)
-            if kv.aligned(g) and not sched.prefill_checkpoints:    # the running page (and k spec pages),
-                assert ids[-1] and len([i for i in ids if i]) <= 2 + (k + 1 if k else 0), \
-                    f"{req.request_id}: row {ids}"   # at most its source, and a verify row's checkpoint
+            if kv.aligned(g) and not sched.prefill_checkpoints and not k:    # the running page, and at
+                assert ids[-1] and len([i for i in ids if i]) <= 2, f"{req.request_id}: row {ids}"   # most its source
+            elif kv.aligned(g) and k:       # a verify row's 1 + d columns, the columns its last step's
+                assert 0 < len([i for i in ids if i]) <= 3 + k, f"{req.request_id}: row {ids}"   # drafts wrote,
+                # and the block a boundary copy reaches
             elif kv.aligned(g):                 # "all": the others hold checkpoints of its blocks
                 pool = kv.pool(g)
                 for c, i in enumerate(ids[:-1]):
@@ -704,6 +706,11 @@ def run_program(preset: str, config: EngineConfig, ops: list) -> Books:
          ops=[Add((3,), Params("greedy", max_tokens=1)),            # a spec page left behind by a prefill
               Add(tuple(range(40, 64)), Params("greedy", max_tokens=1)),    # chunk was registered as a
               Add(tuple(range(40, 56)), Params("greedy", max_tokens=1))])   # checkpoint, and hit
+@example(config=_make_config(1, 12, 4, 0, "none", True, "align", 3),     # spec + caching in a tight pool:
+         ops=[Add((3,), Params("greedy", max_tokens=1)),       # prefill chunks kept spec pages they never
+              Add((3,) * 25, Params("greedy", max_tokens=1))])     # use, and the request stalled
+@example(config=_make_config(1, 1, 2, 0, "none", False, "align", 1),     # a 1-token budget below 1 + k:
+         ops=[Add((3,), Params("greedy", max_tokens=1)), Add((3,), Params("greedy", max_tokens=1))])  # no graphs
 @example(config=_make_config(4, 6, 2, 0, "padded_eager", False, "align", 1),   # padded verify batches:
          ops=[Add((3,), Params("greedy", max_tokens=1)), Add((3,), Params("greedy", max_tokens=1)),
               Warmup(drain=True)])          # 4 rows x 2 tokens overflowed a 6-token budget's buffers

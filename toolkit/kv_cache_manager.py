@@ -295,6 +295,7 @@ class KVCacheManager:
         self._pages_registered_upto: dict[str, int] = {}   # per request: Mamba columns registered so far
         self._running_column: dict[str, int] = {}   # per request: its aligned rows' running column at
                                                     # the last allocation
+        self._num_drafts: dict[str, int] = {}       # ... and the drafts its row verified then
 
     def pool(self, g: int) -> BlockPool:
         return self.kv_pool if self.groups[g].kind == "attention" else self.state_pool
@@ -333,6 +334,7 @@ class KVCacheManager:
         self._ids[to_id] = held
         if from_id in self._running_column:
             self._running_column[to_id] = self._running_column.pop(from_id)
+            self._num_drafts[to_id] = self._num_drafts.pop(from_id, 0)
 
     # ---- growing a request ------------------------------------------------------------------------
     def _plan(self, req_id: str, num_computed: int, num_after: int, num_drafts: int = 0
@@ -351,22 +353,22 @@ class KVCacheManager:
 
     def _plan_aligned(self, req_id: str, ids: list[int], bs: int, num_computed: int, num_after: int,
                       num_drafts: int) -> tuple[list[int], list[int]]:
-        """An aligned Mamba row (vLLM `MambaManager`, "align"): pages at the running column (that of
-        the last scheduled token, drafts included) and the k spec columns after it, where a verify
-        step leaves the state after each position. Kept: every column from the lower of the column
-        holding the computed tokens' state (the last step's running column, or one of its spec
-        columns) and the column of the block the first new token is in (a verify row whose drafts
-        cross a boundary copies that block's checkpoint there after acceptance); released: the
-        pages before them (registered checkpoints stay cached in the pool)."""
-        k = self.state_columns - 1
+        """An aligned Mamba row (vLLM `MambaManager`, "align"): a page at the running column (that of
+        the last scheduled token, drafts included) and, for a verify row of d drafts, at the d columns
+        after it, where its positions leave their states; with drafts crossing a block boundary also
+        at the column of the block the first new token is in (the boundary copy's target). Kept: the
+        columns where the computed tokens' state can be (the last step's running column and the
+        columns its drafts wrote: its accepted count picks one). Every other page is released
+        (registered checkpoints stay cached in the pool)."""
         new = -(-num_after // bs) - 1
         last = self._running_column.get(req_id, -(-num_computed // bs) - 1)
+        keep = set(range(last, last + self._num_drafts.get(req_id, 0) + 1))
+        need = set(range(new, new + num_drafts + 1))
         first_block = num_computed // bs
-        release = [i for i in ids[:max(min(first_block, last), 0)] if i]
-        need = list(range(new, new + k + 1))
         if num_drafts and first_block < new:
-            need.append(first_block)
-        return [c for c in need if c >= len(ids) or not ids[c]], release
+            need.add(first_block)
+        release = [i for c, i in enumerate(ids) if i and c not in keep and c not in need]
+        return sorted(c for c in need if c >= len(ids) or not ids[c]), release
 
     def can_allocate(self, req_id: str, num_computed: int, num_after: int, num_drafts: int = 0) -> bool:
         plan = self._plan(req_id, num_computed, num_after, num_drafts)
@@ -401,6 +403,7 @@ class KVCacheManager:
                     row += [0] * (col + 1 - len(row))
                     row[col] = page
                 self._running_column[req_id] = -(-num_after // self.groups[g].block_size) - 1
+                self._num_drafts[req_id] = num_drafts
             rows.append(row)
             added.append(list(row) if self.aligned(g) else new)
         self._ids[req_id] = tuple(rows)
@@ -423,6 +426,7 @@ class KVCacheManager:
     def free(self, req_id: str) -> None:
         self._hashed_upto.pop(req_id, None)
         self._running_column.pop(req_id, None)
+        self._num_drafts.pop(req_id, None)
         self._pages_registered_upto.pop(req_id, None)
         held = self._ids.pop(req_id, None)
         if held is None:

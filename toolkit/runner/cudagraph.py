@@ -47,6 +47,8 @@ def capture_sizes(max_num_seqs: int, max_tokens: int | None = None) -> list[int]
     and up to `max_tokens` when the model cannot capture larger steps (a MoE layer's dense routing
     stops at DENSE_MAX_TOKENS: above it, its sparse path syncs, which a graph cannot hold)."""
     top = max_num_seqs if max_tokens is None else min(max_num_seqs, max_tokens)
+    if top < 1:                     # not one row fits (a verify row longer than the step's budget)
+        return []
     sizes = [s for s in (1, 2, 4) if s <= top]
     sizes += list(range(8, top + 1, 8))
     if sizes[-1] != top:
@@ -111,7 +113,7 @@ class CudaGraphManager:
     def padded_size(self, num_reqs: int, num_tokens: int, all_decode: bool) -> int | None:
         """The capture size a decode batch runs at (rows), or None: run eagerly at its own size."""
         if (self.mode == "none" or not all_decode or num_tokens != num_reqs * self.tokens_per_row
-                or num_reqs > self.sizes[-1]):
+                or not self.sizes or num_reqs > self.sizes[-1]):
             return None
         return next(s for s in self.sizes if s >= num_reqs)
 
