@@ -510,13 +510,7 @@ class KVCacheManager:
                 # the pages of the blocks finished since the last call: the running page when the step
                 # ended on its block's last token, and ("all") the pages of the boundaries inside the chunk
                 done = self._pages_registered_upto.get(req_id, 0)
-                columns = range(done, min(full, len(ids)))
-                if self.state_columns > 1:
-                    # speculative decoding: only the last block finished holds its checkpoint (the
-                    # running page at a chunk end, or a verify row's boundary copy); a column before it
-                    # may hold a spec page left behind when the running column jumped ahead
-                    columns = columns[-1:]
-                for c in columns:
+                for c in range(done, min(full, len(ids))):
                     if ids[c]:
                         self.state_pool.register(ids[c], hashes[c], c)
                 self._pages_registered_upto[req_id] = max(done, full)

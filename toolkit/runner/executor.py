@@ -106,7 +106,7 @@ class TPExecutor:
         self.failure: str | None = None  # why the group is unusable (a worker failed)
         for rank in range(1, world_size):
             here, there = ctx.Pipe(duplex=False)
-            worker_cfg = _with_device(cfg, worker_device(cfg.device, rank))
+            worker_cfg = dataclasses.replace(cfg, device=worker_device(cfg.device, rank))
             proc = ctx.Process(target=_worker_main, name=f"runnerscope-tp-rank{rank}", daemon=True,
                                args=(rank, world_size, store, timeout_s, model, worker_cfg, spec, there))
             proc.start()
@@ -223,7 +223,3 @@ class TPExecutor:
     def alive(self) -> list[int]:
         """The worker ranks whose processes are alive."""
         return [rank for rank, proc in enumerate(self.workers, start=1) if proc.is_alive()]
-
-
-def _with_device(cfg: RunnerConfig, device: torch.device) -> RunnerConfig:
-    return dataclasses.replace(cfg, device=device)
