@@ -250,5 +250,5 @@ def test_with_prefix_caching_and_speculation():
     assert a == b and a2 == b2
     assert stats["prompt_tokens_skipped"] > 0 and stats["spec_accepted_drafts"] > 0
     with pytest.raises(NotSupportedYetError, match="inspect='full'"):
-        LLM("tiny-bamba", tensor_parallel_size=2, device="cpu", inspect="full")
+        LLM("tiny-bamba", tensor_parallel_size=2, **{**engine, "inspect": "full"})
     assert not mp.active_children()

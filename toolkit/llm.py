@@ -3,6 +3,7 @@ shutdown(). It wires a Scheduler (who runs, which blocks), a ModelRunner (what r
 inspection or checks are on, a Recorder (what happened), and delegates to them."""
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -20,10 +21,11 @@ from toolkit.config import (
 )
 from toolkit.distributed import launched_group
 from toolkit.errors import EngineClosedError, InvalidRequestError, NotSupportedYetError, ToolkitError
-from toolkit.inspect import checks
+from toolkit.inspect import checks, faults
 from toolkit.inspect.capture import LayerSpec, RequestSpec, check_capture_mode
 from toolkit.inspect.memory import MemoryMarks, MemoryReport, collect, resolve_trace_budget
 from toolkit.inspect.prefix_cache import PrefixCacheReport, prefix_cache_report
+from toolkit.inspect.ranks import WorkerInspectorFactory, gather_memory
 from toolkit.inspect.recorder import MODES, Recorder, StepOutcome, step_record
 from toolkit.inspect.step_record import StepRecord
 from toolkit.inspect.trace import Trace
@@ -43,7 +45,7 @@ from toolkit.request import (
 )
 from toolkit.runner.cudagraph import CaptureReport
 from toolkit.runner.cudagraph import resolve_mode as resolve_cudagraph_mode
-from toolkit.runner.executor import TPExecutor
+from toolkit.runner.executor import TPExecutor, check_no_engine_group
 from toolkit.runner.model_runner import ModelRunner
 from toolkit.runner.spec_decode import DraftModelProposer, SpecDecodeStats
 from toolkit.sampling import SamplingParams, check_seed, derive_seed
@@ -87,10 +89,14 @@ class LLM:
         self.backend = resolve_backend(backend, dev)      # "torch" or "triton"
         self.cudagraph_mode = resolve_cudagraph_mode(cudagraph_mode, enforce_eager, dev, self.backend)
         # tensor parallelism: this process's rank (SINGLE for one); None: this engine starts the workers
+        if tensor_parallel_size != 1:
+            check_no_engine_group()
         self.tp = launched_group(tensor_parallel_size)
-        if tensor_parallel_size > 1 and inspect == "full":
-            raise NotSupportedYetError("inspect='full' with tensor_parallel_size > 1 is not built yet (its cold "
-                                       "replays and gathered states run on rank 0 alone); use 'metadata'")
+        if tensor_parallel_size > 1 and inspect == "full" and (enable_prefix_caching or self.speculative_config):
+            raise NotSupportedYetError("inspect='full' with tensor_parallel_size > 1 and prefix caching or speculative "
+                                       "decoding is not built yet (its cold-replay checks run the model on rank 0 "
+                                       "alone); use inspect='metadata' there")
+        self.checks = (inspect != "off") if checks is None else bool(checks)
         self._executor: TPExecutor | None = None
         loaded = load_model(model, dtype=dt, device=dev, seed=seed)
         check_tensor_parallel(loaded.model, tensor_parallel_size)
@@ -117,7 +123,11 @@ class LLM:
                                            "is not built yet (the n-gram proposer is)")
             self.draft, proposer = self._draft_engine(self.speculative_config, dev, dt, seed, backend)
         if self.tp is None:       # start ranks 1..N-1 (they load and shard their own copy)
-            self._executor = TPExecutor(tensor_parallel_size, model, self.cfg, self.speculative_config)
+            planted = faults.active()
+            self._executor = TPExecutor(tensor_parallel_size, model, self.cfg, self.speculative_config,
+                                        worker_hooks=WorkerInspectorFactory(inspect != "off" or self.checks,
+                                                                            self.checks),
+                                        worker_context=functools.partial(faults.inject, *planted) if planted else None)
             self.tp = self._executor.group
         try:
             self.model_runner = ModelRunner(shard_model(loaded.model, self.tp), self.cfg, self.speculative_config,
@@ -147,7 +157,6 @@ class LLM:
         self._closed = False
         self.cudagraph_report = None      # CaptureReport after warmup() captured graphs (CUDA)
         self.inspect = inspect
-        self.checks = (inspect != "off") if checks is None else bool(checks)
         self._recorder = (Recorder(inspect, self.checks, self.model_runner, self.scheduler, self.trace,
                                    self.backend, inspect_layers, inspect_requests)
                           if inspect != "off" or self.checks else None)
@@ -461,8 +470,12 @@ class LLM:
     def memory_report(self) -> MemoryReport:
         """Bytes by category (weights, kv_cache, state_cache, persistent_buffers, graphs, trace;
         cuda_allocated on a GPU), measured from the tensors at load, after warmup, after
-        shutdown, and now."""
-        return self._memory.report()
+        shutdown, and now. A tensor-parallel engine adds a row per rank (`ranks`: each rank's bytes
+        now, asked of the workers; not after shutdown)."""
+        report = self._memory.report()
+        if self.tp.sharded and not self._closed:
+            report.ranks = gather_memory(self._executor, report.marks["now"])
+        return report
 
     def _check_open(self) -> None:
         if self._closed:

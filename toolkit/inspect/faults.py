@@ -10,7 +10,9 @@ purpose so you can watch the toolkit catch them.
 
 Each fault is planted where the real bug lived (the model state, a metadata builder, the runner),
 by replacing one method or function for the duration of the `with` block, never in the checker.
-`Fault.detection` says which check or error reports it.
+`Fault.detection` says which check or error reports it. A tensor-parallel engine built inside the
+block plants the same faults in the worker processes it starts (`active()`); the tensor-parallel
+faults act on ranks 1..N-1 only.
 """
 from __future__ import annotations
 
@@ -20,12 +22,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 import toolkit.runner.model_runner as model_runner
 from toolkit.attention.mamba_base import BaseMambaMetadataBuilder
 from toolkit.errors import ToolkitError
 from toolkit.inspect import html as H
 from toolkit.kv_cache_manager import KVCacheManager, PrefixHit
+from toolkit.layers.mamba2_mixer import Mamba2Mixer
 from toolkit.runner.block_table import BlockTables
 from toolkit.runner.input_batch import runs_as_decode
 from toolkit.runner.model_runner import ModelRunner
@@ -256,6 +260,29 @@ def _plant_accepted_not_reset(stack: contextlib.ExitStack) -> None:
     _patch(stack, MambaHybridModelState, "add_request", keeps_count)
 
 
+def _on_a_worker_rank() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_rank() > 0
+
+
+def _plant_rank_misses_an_append(stack: contextlib.ExitStack) -> None:
+    original = BlockTables.append_block_ids
+
+    def drops_later_blocks(self, req_idx, block_ids, overwrite):
+        before = [int(n[req_idx]) for n in self.num_blocks]
+        original(self, req_idx, block_ids, overwrite)
+        if _on_a_worker_rank() and not overwrite:
+            for g, ids in enumerate(block_ids):       # a row's later blocks stay the null block here
+                if ids and before[g] > 0 and not self.aligned[g]:
+                    self.tables[g][req_idx, before[g]:before[g] + len(ids)] = 0
+    _patch(stack, BlockTables, "append_block_ids", drops_later_blocks)
+
+
+def _plant_mamba2_group_replicated(stack: contextlib.ExitStack) -> None:
+    def first_group_everywhere(self, tp):              # the replicated-group rule applied to split groups
+        return torch.arange(max(self.n_groups // tp.world_size, 1) * self.state_size)
+    _patch(stack, Mamba2Mixer, "group_rows", first_group_everywhere)
+
+
 _CATALOGUE = [
     Fault("missing_seq_lens_cpu_upper_bound",
           "the hybrid model state computes seq_lens_cpu_upper_bound but does not forward it to the "
@@ -357,6 +384,25 @@ _CATALOGUE = [
           "InvariantError (checkpoint_from_accepted_position) after the step, naming request, block and "
           "pages", "checkpoint_from_accepted_position", _plant_checkpoint_from_last_column,
           "speculative decoding with prefix caching"),
+    Fault("rank_block_table_differs",
+          "tensor parallelism: a worker rank applies a request's first blocks but misses its later ones "
+          "(they stay the null block in that rank's table): that rank writes and reads its KV heads' cache "
+          "in the null block while rank 0 is right, and the output is silently wrong",
+          "every rank of vLLM's executor builds its own input batch and block tables from the scheduler "
+          "output rank 0 broadcasts; a rank that applies an update differently drifts without an error",
+          "InvariantError (metadata_equal_on_every_rank) before the forward, naming the step, the rank, "
+          "the group's block table and the first entry that differs",
+          "metadata_equal_on_every_rank", _plant_rank_misses_an_append, "tensor parallelism"),
+    Fault("mamba2_group_replicated_instead_of_split",
+          "tensor parallelism: a Mamba2 mixer whose groups split over the ranks (n_groups >= tp) gets group "
+          "0's B and C rows on every rank, the rule for one replicated group: every shape fits, rank 1's "
+          "heads read the wrong group's B and C, and the output is silently wrong",
+          "vLLM's `mamba_v2_sharded_weight_loader` (groups are split or replicated depending on n_groups "
+          "vs tp; the mapping is easy to get wrong and raises nothing)",
+          "no runtime check can see it (each rank is self-consistent); `diff_traces` of the TP=2 trace "
+          "against a TP=1 trace (inspect='full', gathered states) names the first request, position and "
+          "layer state that differ",
+          "diff_traces", _plant_mamba2_group_replicated, "tensor parallelism"),
 ]
 
 
@@ -383,7 +429,17 @@ def inject(*names: str) -> Iterator[list[Fault]]:
     with contextlib.ExitStack() as stack:
         for fault in chosen:
             fault.plant(stack)
+        _ACTIVE.extend(names)
+        stack.callback(lambda: [_ACTIVE.remove(n) for n in names])
         yield chosen
+
+
+_ACTIVE: list[str] = []        # the faults planted now, innermost last
+
+
+def active() -> tuple[str, ...]:
+    """The names of the faults planted now (what a tensor-parallel engine plants in its workers)."""
+    return tuple(_ACTIVE)
 
 
 def catalogue_html(faults: list[Fault] | None = None) -> str:

@@ -195,13 +195,24 @@ class MemoryReport:
     marks: dict[str, dict[str, int]] = field(default_factory=dict)
     device: str = "cpu"
     trace_budget: int | None = None     # the trace's byte budget (host bytes); None: no byte bound
+    ranks: list[dict[str, int]] | None = None    # tensor parallelism: each rank's bytes now, rank order
 
     def __repr__(self) -> str:
         cols = list(self.marks)
         lines = [f"{'category':<20}" + "".join(f"{c:>14}" for c in cols)]
         for cat in self.categories():
             lines.append(f"{cat:<20}" + "".join(f"{fmt_bytes(self.marks[c].get(cat, 0)):>14}" for c in cols))
-        return f"MemoryReport ({self.device})\n" + "\n".join(lines) + f"\n{self.budget_line()}"
+        text = f"MemoryReport ({self.device})\n" + "\n".join(lines) + f"\n{self.budget_line()}"
+        if self.ranks:
+            cats = self.rank_categories()
+            text += "\nper rank, now:\n" + f"{'rank':<6}" + "".join(f"{c:>20}" for c in cats)
+            for r, m in enumerate(self.ranks):
+                text += f"\n{r:<6}" + "".join(f"{fmt_bytes(m.get(c, 0)):>20}" for c in cats)
+        return text
+
+    def rank_categories(self) -> list[str]:
+        """The categories any rank holds bytes in (the trace lives on rank 0 only)."""
+        return [c for c in self.categories() if any(m.get(c, 0) for m in self.ranks or [])]
 
     def budget_line(self) -> str:
         if self.trace_budget is None:
@@ -217,9 +228,15 @@ class MemoryReport:
         cols = list(self.marks)
         rows = [[H.escape(cat)] + [H.escape(fmt_bytes(self.marks[c].get(cat, 0))) for c in cols]
                 for cat in self.categories()]
-        return (H.title(f"memory by category ({self.device})")
+        html = (H.title(f"memory by category ({self.device})")
                 + H.table(["category", *cols], rows, right=range(1, len(cols) + 1))
                 + H.span(self.budget_line(), H.SOFT))
+        if self.ranks:
+            cats = self.rank_categories()
+            per_rank = [[str(r)] + [H.escape(fmt_bytes(m.get(c, 0))) for c in cats] for r, m in enumerate(self.ranks)]
+            html += (H.title("per rank, now (tensor parallel: each rank holds its shard)")
+                     + H.table(["rank", *cats], per_rank, right=range(1, len(cats) + 1)))
+        return html
 
     def _repr_html_(self) -> str:
         return H.wrap(self.table_html())

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from toolkit.distributed import SINGLE
 from toolkit.host import to_host
 from toolkit.inspect import checks
 from toolkit.inspect.capture import (
@@ -37,6 +38,7 @@ from toolkit.inspect.capture import (
     resolve_requests,
 )
 from toolkit.inspect.cold_state import ColdReplay, check_hit_states, check_spec_start_states
+from toolkit.inspect.ranks import CapturePlan, RankSync
 from toolkit.inspect.step_record import (
     TOP_K_LOGITS,
     CheckpointCopy,
@@ -177,8 +179,15 @@ class Recorder:
                 self._layer_info[module.layer_name] = (specs[module.layer_name].mamba_type,
                                                        list(module.state_names))
         self._state_names = {layer: info[1] for layer, info in self._layer_info.items()}   # for check messages
-        # host bytes one row's state takes, per recurrent layer (what reserving room for a step counts)
-        self._slot_bytes = {n: sum(t[0].nbytes for t in runner.kv_caches[n]) for n in specs}
+        # tensor parallelism: the inspection collectives (every rank's metadata, gathered states)
+        tp = getattr(runner.model, "tp", SINGLE)
+        self.ranks = RankSync(runner, tp) if tp.sharded else None
+        self._plan: CapturePlan | None = None
+        # host bytes one row's full state takes, per recurrent layer (what reserving room for a step
+        # counts; a rank's shard scaled to the full state, which a sharded record holds)
+        self._slot_bytes = {n: sum(t[0].nbytes * (sh.full // len(sh.index) if sh is not None else 1)
+                                   for t, sh in zip(runner.kv_caches[n], self._shards_of(n)))
+                            for n in specs}
         self._states_refused = False
         self.capture = self.make_filter(layers, requests)
         # prefix caching in full mode: the oracle of `checkpoint_equals_cold_state`
@@ -189,6 +198,10 @@ class Recorder:
         self._kept_last_step: dict[str, int] = {}
         self._column_last_step: dict[str, int] = {}      # prefix caching: each request's running column
         runner.observer = self
+
+    def _shards_of(self, layer: str) -> list:
+        shards = self.ranks.shards.get(layer) if self.ranks is not None else None
+        return list(shards) if shards is not None else [None] * len(self.runner.kv_caches[layer])
 
     def make_filter(self, layers: LayerSpec = None, requests: RequestSpec = None,
                     finished: Collection[str] = ()) -> CaptureFilter:
@@ -218,6 +231,7 @@ class Recorder:
                 self._column_last_step.pop(new.req_id, None)
 
     def before_forward(self, runner, state) -> None:
+        plan = None
         if self.mode == "full" and self.capture.layers:
             batch = state.input_batch
             self._rows = capture_rows(batch.req_ids, self.capture)
@@ -234,10 +248,18 @@ class Recorder:
             # room in the trace first (before and after, every chosen row and layer), so that the
             # process never holds more than the budget; a step larger than the budget gathers nothing
             need = 2 * len(self._rows) * sum(self._slot_bytes[n] for n in self._host_slots)
-            if self.trace.reserve(need + self.trace.last_record_bytes):      # the record's logits too
+            if not self.trace.reserve(need + self.trace.last_record_bytes):      # the record's logits too
+                self._states_refused = True
+            elif self.ranks is None:
                 self._before = gather_states(runner, state, self.capture, self._rows, self._host_slots)
             else:
-                self._states_refused = True
+                plan = CapturePlan(self.capture.layers, self._rows, self._host_slots)
+        if self.ranks is not None:      # every rank's metadata compared; states gathered by rank 0's plan
+            violations, self._plan = self.ranks.exchange(state, self.checks_on, plan, self.where)
+            self._pending += violations
+            if self._plan is not None:
+                self._before, violations = self.ranks.gather(runner, state, self._plan, self._plan.slots, self.where)
+                self._pending += violations
         names = self._state_names
         if self.checks_on:
             self._pending += checks.check_fresh_slots(runner, state, self.where, names)
@@ -250,6 +272,12 @@ class Recorder:
             self._pending += check_spec_start_states(self.cold, self.scheduler, runner, state, self.where, names)
 
     def after_forward(self, runner, state) -> None:
+        if self.ranks is not None:
+            if self._plan is not None:
+                self._after, violations = self.ranks.gather(runner, state, self._plan, self._plan.slots, self.where)
+                self._pending += violations
+                self._plan = None
+            return
         if self._before is not None and not self.spec:      # speculative decoding: after sampling (record_step)
             self._after = gather_states(runner, state, self.capture, self._rows, self._host_slots)
 
@@ -350,7 +378,8 @@ class Recorder:
         for (name, before), (_, after) in zip(self._before.states, self._after.states):
             mamba_type, names = self._layer_info.get(name, ("?", [f"state{i}" for i in range(len(before))]))
             out.append(LayerState(name, mamba_type, names, list(self._before.request_ids),
-                                  self._before.slots[name], before, after))
+                                  self._before.slots[name], before, after,
+                                  self.ranks.rank_shards(name) if self.ranks is not None else None))
         return out
 
     # ---- warmup stages -------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from toolkit.kv_cache_manager import PrefixLookup
+from toolkit.layers.state_mixer import StateShard
 from toolkit.request import RequestOutput, TokenLogprobs
 from toolkit.runner.attn_utils import GroupMetadata
 from toolkit.runner.input_batch import InputBatch
@@ -84,7 +85,8 @@ class LayerState:
     """One recurrent layer's state for the rows of a step, gathered from the state cache at each
     request's slot: `before` as the forward read it, `after` as it wrote it. Each tensor is
     [B, *per-slot shape] in batch order (conv: [B, K-1, conv_dim]; Mamba2 ssm: [B, H, P, N];
-    Mamba1 ssm: [B, d_inner, N])."""
+    Mamba1 ssm: [B, d_inner, N]). With tensor parallelism the tensors are the full states, gathered
+    from every rank at the step, and `rank_shards` says where each rank's shard sits in them."""
     layer_name: str
     mamba_type: str                     # "mamba1", "mamba2" or "short_conv"
     state_names: list[str]              # e.g. ["conv_state", "ssm_state"]
@@ -92,11 +94,23 @@ class LayerState:
     slots: list[int]
     before: list[torch.Tensor]
     after: list[torch.Tensor]
+    rank_shards: list[tuple[StateShard, ...]] | None = None     # per rank, per state; None: one rank
 
-    def of(self, request_id: str, when: str = "after") -> dict[str, torch.Tensor]:
-        """{state name: tensor} of one request, `when` = "before" or "after"."""
+    def of(self, request_id: str, when: str = "after", rank: int | None = None) -> dict[str, torch.Tensor]:
+        """{state name: tensor} of one request, `when` = "before" or "after"; `rank`: that rank's
+        shard of it (tensor parallelism), as the rank held it."""
         row = self.request_ids.index(request_id)
-        return {n: t[row] for n, t in zip(self.state_names, getattr(self, when))}
+        if rank is None:
+            return {n: t[row] for n, t in zip(self.state_names, getattr(self, when))}
+        if self.rank_shards is None or not 0 <= rank < len(self.rank_shards):
+            ranks = "one rank" if self.rank_shards is None else f"ranks 0..{len(self.rank_shards) - 1}"
+            raise ValueError(f"rank={rank}: {self.layer_name}'s states were recorded from {ranks}")
+        return {n: t[row].index_select(sh.dim, sh.index)
+                for n, t, sh in zip(self.state_names, getattr(self, when), self.rank_shards[rank])}
+
+    @property
+    def num_ranks(self) -> int:
+        return 1 if self.rank_shards is None else len(self.rank_shards)
 
 
 @dataclass

@@ -47,7 +47,7 @@ from toolkit.kv_cache_spec import MambaSpec
 from toolkit.layers.mlp import get_activation
 from toolkit.layers.norms import RMSNormThenGate
 from toolkit.layers.parallel import check_divides, keep_entries, keep_rows, shard_rows
-from toolkit.layers.state_mixer import States, StateSlotMixer
+from toolkit.layers.state_mixer import States, StateShard, StateSlotMixer
 
 # --------------------------------------------------------------------------------------------
 # pure math
@@ -133,7 +133,10 @@ class GatedDeltaNet(StateSlotMixer):
         keep_rows(self.in_proj_ba, torch.arange(r * ba, (r + 1) * ba))
         q = torch.arange(r * hk * kd, (r + 1) * hk * kd)
         v = torch.arange(r * hv * vd, (r + 1) * hv * vd)
-        keep_rows(self.conv1d, torch.cat([q, self.key_dim + q, 2 * self.key_dim + v]))
+        conv = torch.cat([q, self.key_dim + q, 2 * self.key_dim + v])
+        keep_rows(self.conv1d, conv)
+        self.state_shards = (StateShard(1, conv, self.conv_dim),
+                             StateShard(0, torch.arange(r * hv, (r + 1) * hv), self.num_v_heads))
         keep_entries(self, "dt_bias", torch.arange(r * hv, (r + 1) * hv))
         keep_entries(self, "A_log", torch.arange(r * hv, (r + 1) * hv))
         shard_rows(self.out_proj, r * hv * vd, hv * vd, tp)

@@ -32,7 +32,7 @@ from toolkit.kv_cache_spec import MambaSpec
 from toolkit.layers.mlp import get_activation
 from toolkit.layers.norms import RMSNorm
 from toolkit.layers.parallel import check_divides, keep_entries, keep_rows, shard_columns, shard_rows
-from toolkit.layers.state_mixer import States, StateSlotMixer
+from toolkit.layers.state_mixer import States, StateShard, StateSlotMixer
 
 BCDT_NORMS = (None, "weightless", "weighted")
 
@@ -133,6 +133,7 @@ class Mamba1Mixer(StateSlotMixer):
         keep_entries(self, "A_log", x)
         keep_entries(self, "D", x)
         shard_rows(self.out_proj, r * local, local, tp)
+        self.state_shards = (StateShard(1, x, di), StateShard(0, x, di))
         self.intermediate_size, self.tp = local, tp
 
     def prefill_checkpoint_alignment(self) -> int | None:

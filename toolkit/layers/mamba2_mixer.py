@@ -27,7 +27,7 @@ from toolkit.kv_cache_spec import MambaSpec
 from toolkit.layers.mlp import get_activation
 from toolkit.layers.norms import RMSNormGated, RMSNormThenGate
 from toolkit.layers.parallel import keep_entries, keep_rows, shard_rows
-from toolkit.layers.state_mixer import States, StateSlotMixer
+from toolkit.layers.state_mixer import States, StateShard, StateSlotMixer
 
 # --------------------------------------------------------------------------------------------
 # pure math
@@ -140,12 +140,12 @@ class Mamba2Mixer(StateSlotMixer):
         n, r = tp.world_size, tp.rank
         heads, groups, p, dn = self.num_heads // n, max(self.n_groups // n, 1), self.head_dim, self.state_size
         inter, full, gn = heads * p, self.intermediate_size, self.n_groups * dn
-        g0 = r * groups * dn if self.n_groups > 1 else 0
         x = torch.arange(r * inter, (r + 1) * inter)
-        bc = torch.arange(g0, g0 + groups * dn)
+        bc = self.group_rows(tp)
         dt = torch.arange(r * heads, (r + 1) * heads)
         keep_rows(self.in_proj, torch.cat([x, full + x, 2 * full + bc, 2 * full + gn + bc, 2 * full + 2 * gn + dt]))
-        keep_rows(self.conv1d, torch.cat([x, full + bc, full + gn + bc]))
+        conv = torch.cat([x, full + bc, full + gn + bc])
+        keep_rows(self.conv1d, conv)
         self.conv1d.in_channels = self.conv1d.out_channels = self.conv1d.groups = inter + 2 * groups * dn
         for name in ("dt_bias", "A_log", "D"):
             keep_entries(self, name, dt)
@@ -158,7 +158,14 @@ class Mamba2Mixer(StateSlotMixer):
         self.num_heads, self.n_groups, self.intermediate_size = heads, groups, inter
         self.conv_dim = inter + 2 * groups * dn
         self._proj_mult_cache.clear()
+        self.state_shards = (StateShard(1, conv, full + 2 * gn), StateShard(0, dt, n * heads))
         self.tp = tp
+
+    def group_rows(self, tp: TPGroup) -> torch.Tensor:
+        """This rank's rows of B (and of C) [G/tp * N]: its groups, or the one group on every rank."""
+        groups, dn = max(self.n_groups // tp.world_size, 1), self.state_size
+        first = tp.rank * groups * dn if self.n_groups > 1 else 0
+        return torch.arange(first, first + groups * dn)
 
     def _norm_over_ranks(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The gated norm of one group split over the ranks (RMSNormGated's math: gate, then the

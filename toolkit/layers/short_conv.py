@@ -18,7 +18,7 @@ from torch import nn
 from toolkit.distributed import SINGLE, TPGroup
 from toolkit.kv_cache_spec import MambaSpec
 from toolkit.layers.parallel import check_divides, keep_rows, shard_rows
-from toolkit.layers.state_mixer import States, StateSlotMixer
+from toolkit.layers.state_mixer import States, StateShard, StateSlotMixer
 
 
 class ShortConv(StateSlotMixer):
@@ -60,6 +60,7 @@ class ShortConv(StateSlotMixer):
         keep_rows(self.conv, x)
         self.conv.in_channels = self.conv.out_channels = self.conv.groups = local
         shard_rows(self.out_proj, tp.rank * local, local, tp)
+        self.state_shards = (StateShard(1, x, d),)
         self.hidden_size, self.tp = local, tp
 
     # -- cache plumbing (bind_kv_cache / unbind_kv_cache: StateSlotMixer) --------------------

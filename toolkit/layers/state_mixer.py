@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,6 +43,17 @@ from toolkit.kernels.state_slots_ref import Checkpoints
 from toolkit.layers.ops import TORCH_OPS
 
 States = tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class StateShard:
+    """Where one state tensor of a tensor-parallel rank sits in the full (unsharded) state: along
+    `dim` of the per-slot shape, entry i of the rank's tensor is entry `index[i]` of the full one
+    (`full` entries). Sections that every rank holds (a Mamba2 mixer's one group) appear in every
+    rank's index; inspection gathers the ranks' shards by it (inspect/ranks.py)."""
+    dim: int
+    index: torch.Tensor          # int64 [local entries]
+    full: int
 DecodeFn = Callable[[slice, States, torch.Tensor], torch.Tensor]
 PrefillFn = Callable[[slice, States, torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
 
@@ -55,6 +67,9 @@ class StateSlotMixer(nn.Module, ABC):
     """
 
     state_names: tuple[str, ...] = ()
+    # tensor parallelism: where each state tensor of this rank sits in the full state (set by the
+    # subclass's shard_); None while unsharded
+    state_shards: tuple[StateShard, ...] | None = None
 
     def __init__(self, layer_name: str) -> None:
         super().__init__()

@@ -11,6 +11,11 @@ runner. So every rank builds the same batch and metadata itself; the collectives
 model (the row-parallel all-reduces, the LM head's all-gather), and every rank samples the same
 tokens from the same gathered logits (as MRV2 does).
 
+Besides the runner's calls, rank 0 can ask the workers' helper (an object the engine's `worker_hooks`
+builds in each worker around its runner: the inspection side, inspect/ranks.py) a question with
+`ask(name, ...)`: every worker answers and rank 0 gathers the answers (`gather_object`). A
+`worker_context` (a picklable context-manager factory, e.g. planted faults) wraps each worker's life.
+
 Failures: the process group has a timeout (`timeout_s`, 30 s), so a hung worker makes rank 0's
 collective raise instead of waiting for gloo's 30-minute default; a worker that raises sends its
 traceback over a pipe before it exits, and a dead worker closes its end of the group, so rank 0's
@@ -20,10 +25,12 @@ destroys the process group; a new engine can start another group in the same pro
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import tempfile
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -42,6 +49,8 @@ from toolkit.runner.model_runner import ModelRunner
 MIRRORED = ("execute_model", "sample_tokens", "profile_run", "dummy_run", "capture_cudagraphs", "remove_requests")
 DEFAULT_TIMEOUT_S = 30.0
 STOP = None                      # the broadcast that ends a worker's loop
+ASK = "?"                        # a broadcast method name starting with it asks the workers' helper
+WorkerHooks = Callable[[ModelRunner, TPGroup], Any]
 
 
 def _backend(device: torch.device) -> str:
@@ -54,26 +63,13 @@ def worker_device(device: torch.device, rank: int) -> torch.device:
 
 
 def _worker_main(rank: int, world: int, store: str, timeout_s: float, model: str, cfg: RunnerConfig,
-                 spec: SpeculativeConfig | None, conn) -> None:
+                 spec: SpeculativeConfig | None, conn, hooks: WorkerHooks | None,
+                 context: Callable[[], contextlib.AbstractContextManager] | None) -> None:
     """A worker: join the group, build its shard and runner, then run each broadcast call until STOP."""
     runner = None
     try:
-        if cfg.device.type == "cpu":          # the ranks share the machine's cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        dist.init_process_group(_backend(cfg.device), init_method=f"file://{store}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
-        tp = TPGroup(rank, world)
-        loaded = load_model(model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
-        check_tensor_parallel(loaded.model, world)
-        runner = ModelRunner(shard_model(loaded.model, tp), cfg, spec)
-        conn.send(("ready", None))
-        while True:
-            box: list[Any] = [None]
-            dist.broadcast_object_list(box, src=0)
-            if box[0] is STOP:
-                break
-            method, args, kwargs = box[0]
-            getattr(runner, method)(*args, **kwargs)
+        with context() if context is not None else contextlib.nullcontext():
+            runner = _serve(rank, world, store, timeout_s, model, cfg, spec, conn, hooks)
     except BaseException as err:            # tell rank 0 why, then leave (rank 0's collective fails)
         try:
             conn.send(("error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
@@ -88,12 +84,50 @@ def _worker_main(rank: int, world: int, store: str, timeout_s: float, model: str
         conn.close()
 
 
+def _serve(rank: int, world: int, store: str, timeout_s: float, model: str, cfg: RunnerConfig,
+           spec: SpeculativeConfig | None, conn, hooks: WorkerHooks | None) -> ModelRunner:
+    """The worker's life inside its context; returns its runner (shut down by the caller)."""
+    if cfg.device.type == "cpu":          # the ranks share the machine's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group(_backend(cfg.device), init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    tp = TPGroup(rank, world)
+    loaded = load_model(model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
+    check_tensor_parallel(loaded.model, world)
+    runner = ModelRunner(shard_model(loaded.model, tp), cfg, spec)
+    helper = hooks(runner, tp) if hooks is not None else None
+    conn.send(("ready", None))
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is STOP:
+            return runner
+        method, args, kwargs = box[0]
+        if method.startswith(ASK):
+            dist.gather_object(getattr(helper, method[len(ASK):])(*args, **kwargs), None, dst=0)
+        else:
+            getattr(runner, method)(*args, **kwargs)
+
+
+_running: list[TPExecutor] = []        # the executor whose group this process is in (at most one)
+
+
+def check_no_engine_group() -> None:
+    """Refuse a second tensor-parallel engine while one this process started still runs: its process
+    group would look like a launcher's (torchrun) to the new engine, whose collectives would then
+    meet the running engine's workers."""
+    if _running:
+        raise TensorParallelError("a tensor-parallel engine this process started is still running: shut it "
+                                  "down (llm.shutdown()) before building another tensor-parallel engine")
+
+
 class TPExecutor:
     """Starts ranks 1..N-1 and joins rank 0 (this process) to their group; `mirror(runner)` makes the
     runner's MIRRORED calls broadcast first. See the module docstring."""
 
     def __init__(self, world_size: int, model: str, cfg: RunnerConfig, spec: SpeculativeConfig | None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, worker_hooks: WorkerHooks | None = None,
+                 worker_context: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
         if dist.is_initialized():
             raise TensorParallelError("torch.distributed is initialised already in this process: shut the other "
                                       "tensor-parallel engine down first (or run under torchrun)")
@@ -108,7 +142,8 @@ class TPExecutor:
             here, there = ctx.Pipe(duplex=False)
             worker_cfg = dataclasses.replace(cfg, device=worker_device(cfg.device, rank))
             proc = ctx.Process(target=_worker_main, name=f"runnerscope-tp-rank{rank}", daemon=True,
-                               args=(rank, world_size, store, timeout_s, model, worker_cfg, spec, there))
+                               args=(rank, world_size, store, timeout_s, model, worker_cfg, spec, there,
+                                     worker_hooks, worker_context))
             proc.start()
             there.close()
             self.workers.append(proc)
@@ -122,6 +157,7 @@ class TPExecutor:
             self.shutdown()
             raise
         self.group = TPGroup(0, world_size)
+        _running.append(self)
 
     def _wait_ready(self, rank: int) -> None:
         pipe = self.pipes[rank - 1]
@@ -164,6 +200,18 @@ class TPExecutor:
         except RuntimeError as err:
             self.raise_worker_failure(err, collective=True)
             raise
+
+    def ask(self, name: str, here: Any, *args: Any, **kwargs: Any) -> list[Any]:
+        """Every rank's answer to `name(*args, **kwargs)` of its helper, in rank order (`here`: rank
+        0's own answer)."""
+        self.broadcast((ASK + name, args, kwargs))
+        answers: list[Any] = [None] * self.world_size
+        try:
+            dist.gather_object(here, answers, dst=0)
+        except RuntimeError as err:
+            self.raise_worker_failure(err, collective=True)
+            raise
+        return answers
 
     def raise_worker_failure(self, err: BaseException, collective: bool) -> None:
         """Raise TensorParallelError naming the failed ranks (their exit codes and errors). With none
@@ -215,6 +263,8 @@ class TPExecutor:
         self.workers, self.pipes = [], []
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self in _running:
+            _running.remove(self)
         for f in self._dir.glob("*"):
             f.unlink(missing_ok=True)
         self._dir.rmdir()

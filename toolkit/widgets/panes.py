@@ -206,34 +206,50 @@ def block_tables_html(record: Any) -> str:
 
 
 # ---- State ---------------------------------------------------------------------------------------
-def state_panels(record: Any, layer: str, request_id: str) -> list[tuple[str, bytes]]:
-    """(state name, PNG of before | after | after - before) for one layer and request."""
+def state_panels(record: Any, layer: str, request_id: str, rank: int | None = None) -> list[tuple[str, bytes]]:
+    """(state name, PNG of before | after | after - before) for one layer and request; `rank`: that
+    tensor-parallel rank's shard (None: the full state, gathered from every rank)."""
     st = record.state(layer)
-    before, after = st.of(request_id, "before"), st.of(request_id, "after")
+    before, after = st.of(request_id, "before", rank), st.of(request_id, "after", rank)
+    whose = "" if rank is None else f", rank {rank}'s shard"
     return [(name, plots.heatmap_png([("before", before[name]), ("after", after[name]),
                                       ("after - before", after[name].float() - before[name].float())],
-                                     f"{layer} {name}, request {request_id!r}, step {record.step_index}"))
+                                     f"{layer} {name}, request {request_id!r}, step {record.step_index}{whose}"))
             for name in st.state_names]
 
 
-def state_norms(records: Any, layer: str, request_id: str) -> tuple[list[str], dict[str, list[float]]]:
-    """The request's state norms after each recorded step that ran it (from `after`)."""
+def state_norms(records: Any, layer: str, request_id: str, rank: int | None = None
+                ) -> tuple[list[str], dict[str, list[float]]]:
+    """The request's state norms after each recorded step that ran it (from `after`; `rank`: of
+    that rank's shard)."""
     steps, norms = [], {}
     for rec in records:
         st = next((s for s in rec.states if s.layer_name == layer), None)
-        if st is None or request_id not in st.request_ids:
+        if st is None or request_id not in st.request_ids or (rank is not None and rank >= st.num_ranks):
             continue
         steps.append(str(rec.step_index) if rec.step_index is not None else "w")
-        for name, t in st.of(request_id, "after").items():
+        for name, t in st.of(request_id, "after", rank).items():
             norms.setdefault(name, []).append(float(t.float().norm()))
     return steps, norms
 
 
-def state_caption(record: Any, layer: str, request_id: str) -> str:
-    """`model.layers.0.mamba, request '0', step 3 (step): state slot 2`."""
+def state_ranks(record: Any) -> int:
+    """Tensor-parallel ranks the record's states were gathered from (1: not sharded, or no states)."""
+    return record.states[0].num_ranks if record is not None and record.states else 1
+
+
+def state_caption(record: Any, layer: str, request_id: str, rank: int | None = None) -> str:
+    """`model.layers.0.mamba, request '0', step 3 (step): state slot 2` (and, sharded, whose state:
+    gathered from N ranks, or rank r's shard with its shape)."""
     st = record.state(layer)
-    return (f"{layer}, request {request_id!r}, step {record.step_index} ({record.stage}): "
+    text = (f"{layer}, request {request_id!r}, step {record.step_index} ({record.stage}): "
             f"state slot {st.slots[st.request_ids.index(request_id)]}")
+    if st.num_ranks > 1 and rank is None:
+        text += f"; the full state, gathered from {st.num_ranks} tensor-parallel ranks"
+    elif rank is not None:
+        shapes = ", ".join(f"{n} {list(t.shape)}" for n, t in st.of(request_id, "after", rank).items())
+        text += f"; rank {rank}'s shard ({shapes})"
+    return text
 
 
 # ---- Prefix cache --------------------------------------------------------------------------------

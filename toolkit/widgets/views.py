@@ -113,16 +113,20 @@ class StateView(_View):
         self.inspect = inspect
         self.layer = W.Dropdown(description="layer", layout=W.Layout(width="360px"))
         self.request = W.Dropdown(description="request", layout=W.Layout(width="240px"))
+        # tensor parallelism: the gathered state or one rank's shard (hidden for one rank)
+        self.rank = W.Dropdown(description="rank", options=[("gathered", None)], value=None,
+                               layout=W.Layout(width="200px", display="none"))
         self.note = W.HTML()
         self.images = W.VBox()
         self.norms = _image()
         self.images.layout = _column()
-        self.widget = W.VBox([W.HBox([self.layer, self.request]), self.note, self.images, self.norms],
+        self.widget = W.VBox([W.HBox([self.layer, self.request, self.rank]), self.note, self.images, self.norms],
                              layout=_column())
         self.trace, self.record = trace, None
         self._updating = False
         self.layer.observe(lambda _: self._redraw(), names="value")
         self.request.observe(lambda _: self._redraw(), names="value")
+        self.rank.observe(lambda _: self._redraw(), names="value")
         if trace is not None:
             self.show(trace, record if record is not None else (trace[-1] if len(trace) else None),
                       layer, request)
@@ -141,6 +145,12 @@ class StateView(_View):
             if requests:
                 self.request.value = request if request in requests else (
                     self.request.value if self.request.value in requests else requests[0])
+            ranks = panes.state_ranks(record)
+            keep = self.rank.value if self.rank.value is None or self.rank.value < ranks else None
+            self.rank.options = [("gathered", None)] + [(f"rank {r}", r) for r in range(ranks)] if ranks > 1 \
+                else [("gathered", None)]
+            self.rank.value = keep
+            self.rank.layout.display = None if ranks > 1 else "none"
         finally:
             self._updating = False
         self._redraw()
@@ -162,10 +172,11 @@ class StateView(_View):
         layer, rid = self.layer.value, self.request.value
         if layer is None or rid is None:
             return
-        panels = panes.state_panels(rec, layer, rid)
-        self.note.value = H.wrap(H.escape(panes.state_caption(rec, layer, rid)))
+        rank = self.rank.value
+        panels = panes.state_panels(rec, layer, rid, rank)
+        self.note.value = H.wrap(H.escape(panes.state_caption(rec, layer, rid, rank)))
         self.images.children = tuple(W.Image(value=png, format="png") for _, png in panels)
-        steps, norms = panes.state_norms(self.trace if self.trace is not None else [rec], layer, rid)
+        steps, norms = panes.state_norms(self.trace if self.trace is not None else [rec], layer, rid, rank)
         _show_png(self.norms, plots.norms_png(steps, norms, f"{layer}, request {rid!r}") if steps else b"")
 
     def _static_html(self) -> str:
