@@ -18,7 +18,7 @@ from toolkit.config import (
     resolve_max_model_len,
     resolve_speculative_config,
 )
-from toolkit.distributed import launched_group
+from toolkit.distributed import TPGroup, launched_group
 from toolkit.errors import EngineClosedError, InvalidRequestError, NotSupportedYetError, ToolkitError
 from toolkit.inspect import checks
 from toolkit.inspect.capture import LayerSpec, RequestSpec, check_capture_mode
@@ -29,7 +29,6 @@ from toolkit.inspect.step_record import StepRecord
 from toolkit.inspect.trace import Trace
 from toolkit.kv_cache_manager import CacheGroupKind, prefix_cache_stats
 from toolkit.models import load_model
-from toolkit.models.tensor_parallel import check_tensor_parallel, shard_model
 from toolkit.request import (
     Prompt,
     Request,
@@ -92,8 +91,9 @@ class LLM:
             raise NotSupportedYetError("inspect='full' with tensor_parallel_size > 1 is not built yet (its cold "
                                        "replays and gathered states run on rank 0 alone); use 'metadata'")
         self._executor: TPExecutor | None = None
-        loaded = load_model(model, dtype=dt, device=dev, seed=seed)
-        check_tensor_parallel(loaded.model, tensor_parallel_size)
+        # rank 0's shard; a configuration that cannot shard raises here, before any worker starts
+        loaded = load_model(model, dtype=dt, device=dev, seed=seed,
+                            tp=self.tp if self.tp is not None else TPGroup(0, tensor_parallel_size))
         self.hf_config = loaded.config
         self.cfg = RunnerConfig(device=dev, dtype=dt, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
@@ -120,8 +120,7 @@ class LLM:
             self._executor = TPExecutor(tensor_parallel_size, model, self.cfg, self.speculative_config)
             self.tp = self._executor.group
         try:
-            self.model_runner = ModelRunner(shard_model(loaded.model, self.tp), self.cfg, self.speculative_config,
-                                            proposer)
+            self.model_runner = ModelRunner(loaded.model, self.cfg, self.speculative_config, proposer)
         except BaseException:
             if self._executor is not None:
                 self._executor.shutdown()
