@@ -19,7 +19,7 @@ from toolkit.config import (
     resolve_max_model_len,
     resolve_speculative_config,
 )
-from toolkit.distributed import launched_group
+from toolkit.distributed import TPGroup, launched_group
 from toolkit.errors import EngineClosedError, InvalidRequestError, NotSupportedYetError, ToolkitError
 from toolkit.inspect import checks, faults
 from toolkit.inspect.capture import LayerSpec, RequestSpec, check_capture_mode
@@ -31,7 +31,6 @@ from toolkit.inspect.step_record import StepRecord
 from toolkit.inspect.trace import Trace
 from toolkit.kv_cache_manager import CacheGroupKind, prefix_cache_stats
 from toolkit.models import load_model
-from toolkit.models.tensor_parallel import check_tensor_parallel, shard_model
 from toolkit.request import (
     Prompt,
     Request,
@@ -98,8 +97,9 @@ class LLM:
                                        "alone); use inspect='metadata' there")
         self.checks = (inspect != "off") if checks is None else bool(checks)
         self._executor: TPExecutor | None = None
-        loaded = load_model(model, dtype=dt, device=dev, seed=seed)
-        check_tensor_parallel(loaded.model, tensor_parallel_size)
+        # rank 0's shard; a configuration that cannot shard raises here, before any worker starts
+        loaded = load_model(model, dtype=dt, device=dev, seed=seed,
+                            tp=self.tp if self.tp is not None else TPGroup(0, tensor_parallel_size))
         self.hf_config = loaded.config
         self.cfg = RunnerConfig(device=dev, dtype=dt, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
@@ -130,8 +130,7 @@ class LLM:
                                         worker_context=functools.partial(faults.inject, *planted) if planted else None)
             self.tp = self._executor.group
         try:
-            self.model_runner = ModelRunner(shard_model(loaded.model, self.tp), self.cfg, self.speculative_config,
-                                            proposer)
+            self.model_runner = ModelRunner(loaded.model, self.cfg, self.speculative_config, proposer)
         except BaseException:
             if self._executor is not None:
                 self._executor.shutdown()

@@ -23,7 +23,7 @@ from torch import nn
 from toolkit.distributed import SINGLE, TPGroup
 from toolkit.layers.mlp import get_activation
 from toolkit.layers.ops import TORCH_OPS
-from toolkit.layers.parallel import check_divides
+from toolkit.layers.parallel import check_divides, keep_entries
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
@@ -168,13 +168,12 @@ def shard_experts(experts: nn.Module, tp: TPGroup, gated: bool = True) -> None:
     gate_up_proj [E, 2I, H]'s [gate_r | up_r] rows (`gated`; a non-gated up_proj [E, I, H]: its rows)
     and down_proj [E, H, I]'s columns. The experts' sum is a partial one: the caller all-reduces it."""
     up_name = "gate_up_proj" if gated else "up_proj"
-    up, down = getattr(experts, up_name), experts.down_proj
-    i = down.shape[-1]
+    i = experts.down_proj.shape[-1]
     local = i // tp.world_size
     rows = torch.arange(tp.rank * local, (tp.rank + 1) * local)
     keep = torch.cat([rows, i + rows]) if gated else rows
-    setattr(experts, up_name, nn.Parameter(up.data[:, keep].clone(), requires_grad=up.requires_grad))
-    experts.down_proj = nn.Parameter(down.data[:, :, rows].clone(), requires_grad=down.requires_grad)
+    keep_entries(experts, up_name, keep, dim=1)
+    keep_entries(experts, "down_proj", rows, dim=2)
     if hasattr(experts, "intermediate_size"):
         experts.intermediate_size = local
 

@@ -1,7 +1,8 @@
 """Tensor-parallel sharding of built layers (vLLM `layers/linear.py`, `vocab_parallel_embedding.py`).
 
-A model is built whole on every rank (the same weights: the preset's seed, or the checkpoint), then
-each rank keeps its slices in place (`toolkit/models/tensor_parallel.py` walks the model):
+A model is built whole on every rank (a preset's seeded weights; a checkpoint's model on the meta
+device, see below), then each rank keeps its slices in place (`toolkit/models/tensor_parallel.py`
+walks the model):
 - column-parallel (`shard_columns`): a projection's output features [out/tp, in] (and bias rows);
   the rank computes its heads / channels with no communication;
 - row-parallel (`shard_rows`): a projection's input features [out, in/tp]; its output is a partial
@@ -11,8 +12,16 @@ each rank keeps its slices in place (`toolkit/models/tensor_parallel.py` walks t
   [r*Vp/tp, (r+1)*Vp/tp) (padding rows zero); the embedding looks up its own ids and all-reduces,
   the LM head's local logits are all-gathered and cut to the real vocabulary.
 Parameter names do not change, so a sharded model's state dict names what the checkpoint names.
+
+Every sharded parameter is made by `_kept` / `_zeros` here, which record on it (`tp_source`, a
+`SourceSlice`) which entries of the whole tensor it holds. That is how sharded loading reads only a
+rank's slices (`toolkit/models/loader.py`): the model is built and sharded on the meta device (free),
+then each parameter's recorded selection is read from the safetensors files. The layouts thus live in
+the `shard_` methods alone; layer code slices parameters only through these helpers.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -28,29 +37,67 @@ def padded_vocab(vocab_size: int) -> int:
     return -(-vocab_size // VOCAB_PADDING) * VOCAB_PADDING
 
 
-def _param(t: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
-    return nn.Parameter(t.contiguous().clone(), requires_grad=like.requires_grad)
+@dataclass(frozen=True)
+class SourceSlice:
+    """What a sharded parameter holds of the whole (checkpoint) tensor, its `tp_source`: per dim, the
+    kept indices (-1: a zero entry, the vocabulary's padding) or None for all; `zeros`: nothing of it
+    (a row-parallel bias on ranks != 0), only zeros."""
+    index: tuple[torch.Tensor | None, ...]
+    zeros: bool = False
+
+
+def source_slice(p: torch.Tensor) -> SourceSlice | None:
+    """The selection `p` holds of its whole tensor; None: all of it (not sharded)."""
+    return getattr(p, "tp_source", None)
+
+
+def _recorded(t: torch.Tensor, like: nn.Parameter, source: SourceSlice) -> nn.Parameter:
+    p = nn.Parameter(t.contiguous(), requires_grad=like.requires_grad)
+    p.tp_source = source
+    return p
+
+
+def _kept(like: nn.Parameter, dim: int, index: torch.Tensor) -> nn.Parameter:
+    """A new parameter holding entries `index` of `like` along `dim` (-1: zeros), recording them
+    composed with what `like` already held of its whole tensor."""
+    index = index.to(torch.long)
+    pad = index < 0
+    picked = like.data[(slice(None),) * dim + (index.clamp(min=0),)]
+    if bool(pad.any()):
+        picked.index_fill_(dim, pad.nonzero().squeeze(1).to(picked.device), 0)
+    prev = source_slice(like) or SourceSlice((None,) * like.dim())
+    old = prev.index[dim]
+    if old is not None:
+        index = torch.where(pad, -1, old[index.clamp(min=0)])
+    return _recorded(picked, like, SourceSlice(prev.index[:dim] + (index,) + prev.index[dim + 1:], prev.zeros))
+
+
+def _zeros(like: nn.Parameter) -> nn.Parameter:
+    """A new parameter of zeros shaped as `like` (nothing of the checkpoint to read)."""
+    return _recorded(torch.zeros_like(like.data), like, SourceSlice((None,) * like.dim(), zeros=True))
+
+
+def _span(start: int, size: int) -> torch.Tensor:
+    return torch.arange(start, start + size)
 
 
 def shard_columns(linear: nn.Linear, start: int, size: int) -> None:
     """Column-parallel: keep output features [start, start + size) (weight rows, bias entries)."""
-    linear.weight = _param(linear.weight.data[start:start + size], linear.weight)
-    if linear.bias is not None:
-        linear.bias = _param(linear.bias.data[start:start + size], linear.bias)
-    linear.out_features = size
+    keep_rows(linear, _span(start, size))
 
 
-def keep_entries(module: nn.Module, name: str, index: torch.Tensor) -> None:
-    """Keep entries `index` (dim 0) of parameter `name` of `module` (per-head / per-channel vectors)."""
-    setattr(module, name, _param(getattr(module, name).data[index], getattr(module, name)))
+def keep_entries(module: nn.Module, name: str, index: torch.Tensor, dim: int = 0) -> None:
+    """Keep entries `index` along `dim` of parameter `name` of `module` (per-head / per-channel
+    vectors; the experts' intermediate channels of a fused [E, ...] tensor)."""
+    setattr(module, name, _kept(getattr(module, name), dim, index))
 
 
 def keep_rows(module: nn.Module, index: torch.Tensor) -> None:
     """Keep rows `index` of a module's weight and bias (dim 0: a Linear's output features, a depthwise
     Conv1d's channels): a fused projection's sections, each sliced on its own."""
-    module.weight = _param(module.weight.data[index], module.weight)
+    module.weight = _kept(module.weight, 0, index)
     if getattr(module, "bias", None) is not None:
-        module.bias = _param(module.bias.data[index], module.bias)
+        module.bias = _kept(module.bias, 0, index)
     if isinstance(module, nn.Linear):
         module.out_features = len(index)
 
@@ -58,9 +105,9 @@ def keep_rows(module: nn.Module, index: torch.Tensor) -> None:
 def shard_rows(linear: nn.Linear, start: int, size: int, tp: TPGroup) -> None:
     """Row-parallel: keep input features [start, start + size) (weight columns); the bias stays whole
     on rank 0 and becomes zeros elsewhere (the all-reduce of the outputs adds it once)."""
-    linear.weight = _param(linear.weight.data[:, start:start + size], linear.weight)
+    linear.weight = _kept(linear.weight, 1, _span(start, size))
     if linear.bias is not None and tp.rank != 0:
-        linear.bias = _param(torch.zeros_like(linear.bias.data), linear.bias)
+        linear.bias = _zeros(linear.bias)
     linear.in_features = size
 
 
@@ -70,13 +117,11 @@ def vocab_shard(vocab_size: int, tp: TPGroup) -> tuple[int, int]:
     return tp.rank * per, per
 
 
-def _vocab_rows(weight: torch.Tensor, vocab_size: int, tp: TPGroup) -> torch.Tensor:
+def _vocab_rows(weight: nn.Parameter, vocab_size: int, tp: TPGroup) -> nn.Parameter:
     """This rank's rows of the padded vocabulary [per, dim]: the real rows it owns, zeros after."""
     start, per = vocab_shard(vocab_size, tp)
-    out = weight.new_zeros((per, weight.shape[1]))
     real = max(min(vocab_size - start, per), 0)
-    out[:real] = weight[start:start + real]
-    return out
+    return _kept(weight, 0, torch.cat([_span(start, real), torch.full((per - real,), -1)]))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -89,7 +134,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings = full.num_embeddings            # the real vocabulary
         self.embedding_dim = full.embedding_dim
         self.start, self.rows = vocab_shard(full.num_embeddings, tp)
-        self.weight = _param(_vocab_rows(full.weight.data, full.num_embeddings, tp), full.weight)
+        self.weight = _vocab_rows(full.weight, full.num_embeddings, tp)
         self.multiplier = getattr(full, "multiplier", None)      # a scaled embedding (Granite) keeps its scale
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -102,7 +147,7 @@ class VocabParallelEmbedding(nn.Module):
 
 def shard_lm_head(lm_head: nn.Linear, vocab_size: int, tp: TPGroup) -> None:
     """The LM head's rows of the padded vocabulary (its logits are all-gathered by the model)."""
-    lm_head.weight = _param(_vocab_rows(lm_head.weight.data, vocab_size, tp), lm_head.weight)
+    lm_head.weight = _vocab_rows(lm_head.weight, vocab_size, tp)
     lm_head.out_features = lm_head.weight.shape[0]
 
 

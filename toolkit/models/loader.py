@@ -2,6 +2,13 @@
 
 Folder format (what `transformers` writes): config.json plus either model.safetensors or
 model.safetensors.index.json with its shards. Only safetensors are read (never pickles).
+
+Sharded loading (`load_model(..., tp=TPGroup(rank, N))`): a folder's model is built on the meta
+device and sharded there (`shard_model`: slicing meta tensors is free), which records on each sharded
+parameter the entries of its checkpoint tensor it keeps (`toolkit.layers.parallel.SourceSlice`); each
+parameter is then read from the files by those slices only (`toolkit.models.lazy_checkpoint`), through
+the architecture's key and tensor conversions. Unsharded parameters (norms, routers, ...) are read whole,
+as is every tensor when loading unsharded (the default), one tensor at a time.
 """
 from __future__ import annotations
 
@@ -9,18 +16,23 @@ import copy
 import json
 import os
 import shutil
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import AutoConfig, PretrainedConfig
 
+from toolkit.distributed import SINGLE, TPGroup
 from toolkit.errors import CheckpointError, UnknownModelError, UnsupportedArchitectureError
+from toolkit.layers.parallel import source_slice
 from toolkit.models.base import CausalLM
+from toolkit.models.lazy_checkpoint import LazyTensor, open_checkpoint, read
 from toolkit.models.presets import PRESETS
 from toolkit.models.registry import MODEL_REGISTRY, get_model_class
+from toolkit.models.tensor_parallel import check_tensor_parallel, shard_model
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -58,7 +70,8 @@ def _finish(model: CausalLM, device: torch.device, dtype: torch.dtype) -> Causal
 
 
 def load_model(
-    model: str | os.PathLike, *, dtype: torch.dtype, device: torch.device | str, seed: int = 0
+    model: str | os.PathLike, *, dtype: torch.dtype, device: torch.device | str, seed: int = 0,
+    tp: TPGroup = SINGLE,
 ) -> LoadedModel:
     """Preset name -> config + `init_random_weights(seed)`; existing folder -> HF checkpoint.
 
@@ -66,6 +79,11 @@ def load_model(
     a preset nor a folder), CheckpointError (no/invalid config.json, no safetensors weights,
     missing/unexpected/misshapen tensors), UnsupportedArchitectureError (architecture not in
     MODEL_REGISTRY). Stored weights of any float dtype are cast to `dtype`.
+
+    `tp`: the model comes back sharded for this rank (`shard_model` is then a no-op on it). A preset
+    is built whole (its seeded weights need the whole tensors) and then sharded; a folder is read
+    sharded, each rank reading only its slices. A configuration that cannot shard over
+    `tp.world_size` raises (`check_tensor_parallel`) before any weight is made or read.
     """
     device = torch.device(device)
     name = os.fspath(model)
@@ -73,15 +91,16 @@ def load_model(
         config = PRESETS[name]()
         cls = get_model_class(config)
         m = cls(config)
+        check_tensor_parallel(m, tp.world_size)
         m.init_random_weights(seed)
-        return LoadedModel(_finish(m, device, dtype), config, None, None)
+        return LoadedModel(shard_model(_finish(m, device, dtype), tp), config, None, None)
     folder = model_folder(name)
     if folder is None:
         raise UnknownModelError(
             f"'{name}' is neither a preset, a shipped demo model nor an existing folder; presets: "
             f"{', '.join(PRESETS)}; demo models: {', '.join(DEMO_MODELS)}"
         )
-    return _load_folder(folder, dtype, device)
+    return _load_folder(folder, dtype, device, tp)
 
 
 def model_folder(name: str | os.PathLike) -> Path | None:
@@ -146,7 +165,20 @@ def _weight_files(folder: Path) -> list[Path]:
     raise CheckpointError(f"{folder}: no weights found (expected {SAFE_WEIGHTS} or {SAFE_INDEX})")
 
 
-def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def _checkpoint_tensors(files: list[Path], cls: type[CausalLM], stack: ExitStack) -> dict[str, LazyTensor]:
+    """The checkpoint's tensors under the model's names, unread (see `lazy_checkpoint`)."""
+    stored = open_checkpoint(files, stack)
+    remap = getattr(cls, "remap_checkpoint_key", None)
+    state = {(remap(k) if remap is not None else k): t for k, t in stored.items() if not k.endswith(IGNORED_SUFFIXES)}
+    # whole-checkpoint conversion, after every shard is listed (e.g. per-expert MoE tensors -> fused)
+    to_model = getattr(cls, "checkpoint_to_state_dict", None)
+    return to_model(state) if to_model is not None else state
+
+
+def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device, tp: TPGroup = SINGLE) -> LoadedModel:
+    """The checkpoint in `folder`, sharded for `tp` (module docstring). The checks compare the FULL
+    shapes in the files with the whole model's; NaN / Inf are looked for in what this rank reads
+    (all of it unsharded)."""
     config = _read_config(folder)
     cls = get_model_class(config)
     files = _weight_files(folder)
@@ -155,39 +187,32 @@ def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> Load
         model = cls(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     tied = model.is_tied
-    remap = getattr(cls, "remap_checkpoint_key", None)
+    check_tensor_parallel(model, tp.world_size)
+    targets = shard_model(model, tp).state_dict(keep_vars=True)
 
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            tensors = load_file(str(f))
-        except Exception as e:
-            raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from e
-        for k, t in tensors.items():
-            if k.endswith(IGNORED_SUFFIXES):
-                continue
-            if remap is not None:
-                k = remap(k)
-            state[k] = t
-    # whole-checkpoint conversion, after every shard is read (e.g. per-expert MoE tensors -> fused)
-    to_model = getattr(cls, "checkpoint_to_state_dict", None)
-    if to_model is not None:
-        state = to_model(state)
-
-    optional = {"lm_head.weight"} if tied else set()
-    missing = sorted(k for k in expected if k not in state and k not in optional)
-    unexpected = sorted(k for k in state if k not in expected)
-    misshapen = sorted(
-        f"{k} (checkpoint {tuple(t.shape)}, model {expected[k]})"
-        for k, t in state.items()
-        if k in expected and tuple(t.shape) != expected[k]
-    )
-    non_float = sorted(k for k, t in state.items() if k in expected and not t.is_floating_point())
-    non_finite = sorted(f"{k} ({int((~torch.isfinite(t)).sum())} of {t.numel()} values)"
-                        for k, t in state.items()
-                        if k in expected and t.is_floating_point() and not bool(torch.isfinite(t).all()))
+    with ExitStack() as stack:
+        stored = _checkpoint_tensors(files, cls, stack)
+        optional = {"lm_head.weight"} if tied else set()
+        missing = sorted(k for k in expected if k not in stored and k not in optional)
+        unexpected = sorted(k for k in stored if k not in expected)
+        misshapen = sorted(
+            f"{k} (checkpoint {tuple(t.shape)}, model {expected[k]})"
+            for k, t in stored.items()
+            if k in expected and tuple(t.shape) != expected[k]
+        )
+        non_float = sorted(k for k, t in stored.items() if k in expected and not t.is_floating_point())
+        state: dict[str, torch.Tensor] = {}
+        non_finite = []
+        for k, lazy in stored.items():
+            selection = source_slice(targets[k]) if k in targets else None
+            # a misshapen tensor is read (unsharded only) just to look for NaN / Inf, as before sharding
+            if k in expected and lazy.is_floating_point() and (tuple(lazy.shape) == expected[k] or selection is None):
+                t = read(lazy, selection)
+                if not bool(torch.isfinite(t).all()):
+                    non_finite.append(f"{k} ({int((~torch.isfinite(t)).sum())} of {t.numel()} values)")
+                state[k] = t.to(device=device, dtype=dtype)
     if non_finite:
-        raise CheckpointError(f"{folder}: NaN or Inf weights in {_list(non_finite)}; a model with them "
+        raise CheckpointError(f"{folder}: NaN or Inf weights in {_list(sorted(non_finite))}; a model with them "
                               "runs and emits tokens that mean nothing: re-export the checkpoint")
     if missing or unexpected or misshapen or non_float:
         parts = []
@@ -203,7 +228,6 @@ def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> Load
 
     if tied:
         state.pop("lm_head.weight", None)
-    state = {k: t.to(device=device, dtype=dtype) for k, t in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     leftover = [n for n, p in model.named_parameters() if p.is_meta]

@@ -7,6 +7,11 @@ method (attention by heads, MLP by intermediate channels, the Mamba1 mixer and t
 channels, the Mamba2 mixer by heads with its groups split or replicated, MoE experts by their
 intermediate channels), the embedding and the LM head by rows of the padded vocabulary. Norms and
 the residual stream stay whole on every rank.
+
+Sharding works on the meta device too: that is how a checkpoint is loaded sharded (`load_model(...,
+tp=...)` in `loader.py`): the model is built and sharded on the meta device, each sharded parameter
+recording the entries it keeps (`toolkit.layers.parallel.SourceSlice`), and only those are read
+from the files. Such a model comes back sharded; `shard_model` on it again is a no-op.
 """
 from __future__ import annotations
 
@@ -42,9 +47,13 @@ def check_tensor_parallel(model: CausalLM, tp_size: int) -> None:
 
 
 def shard_model(model: CausalLM, tp: TPGroup) -> CausalLM:
-    """Keep this rank's slices of `model` (in place; returned). Call `check_tensor_parallel` first."""
-    if not tp.sharded:
+    """Keep this rank's slices of `model` (in place; returned). Call `check_tensor_parallel` first.
+    A model already sharded for `tp` (`load_model(..., tp=tp)`) is returned as it is."""
+    if model.tp == tp:
         return model
+    if model.tp.sharded:
+        raise ValueError(f"the model is already sharded for rank {model.tp.rank} of {model.tp.world_size}, "
+                         f"not rank {tp.rank} of {tp.world_size}")
     tied = model.is_tied
     for module in list(model.modules()):
         shard = getattr(module, "shard_", None)

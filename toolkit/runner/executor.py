@@ -43,7 +43,6 @@ from toolkit.config import RunnerConfig, SpeculativeConfig
 from toolkit.distributed import TPGroup
 from toolkit.errors import TensorParallelError
 from toolkit.models import load_model
-from toolkit.models.tensor_parallel import check_tensor_parallel, shard_model
 from toolkit.runner.model_runner import ModelRunner
 
 MIRRORED = ("execute_model", "sample_tokens", "profile_run", "dummy_run", "capture_cudagraphs", "remove_requests")
@@ -92,9 +91,8 @@ def _serve(rank: int, world: int, store: str, timeout_s: float, model: str, cfg:
     dist.init_process_group(_backend(cfg.device), init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
     tp = TPGroup(rank, world)
-    loaded = load_model(model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
-    check_tensor_parallel(loaded.model, world)
-    runner = ModelRunner(shard_model(loaded.model, tp), cfg, spec)
+    loaded = load_model(model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed, tp=tp)
+    runner = ModelRunner(loaded.model, cfg, spec)
     helper = hooks(runner, tp) if hooks is not None else None
     conn.send(("ready", None))
     while True:
