@@ -28,6 +28,10 @@
 #                    (batch 1, 32, 128) and prefill (128 x 64) on shape-true presets, bf16: eager, CUDA graphs
 #                    and HF generate (gpu_decode.py), with the fraction of the memory roofline; speculative
 #                    decoding off / n-gram / draft model, tokens per forward and speed (spec_decode.py)
+# tp       ~3 min    tensor parallelism on NCCL (benchmarks/tp_check.py): TP=2 vs TP=1 on 6 presets (tokens,
+#                    logits 1e-4 in fp32), gathered full-mode states, a row per rank in memory_report(), a
+#                    killed worker named; needs at least 2 GPUs, else it prints "tp: not run" (the H200 machine
+#                    has one)
 #
 # How the estimates were made (nothing has run on a GPU yet; each part prints its real time at the end, so
 # correct them here after the first run): a part may start on a fresh machine, so every part pays a cold
@@ -55,7 +59,7 @@ REPO="$PWD"
 PY="${PYTHON:-python3}"
 PART_TIMEOUT="${PART_TIMEOUT:-540}"
 DRY="${DRY_RUN:-0}"
-ALL_PARTS=(doctor kernels backend parity graphs bench)
+ALL_PARTS=(doctor kernels backend parity graphs bench tp)
 
 usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; echo "parts: ${ALL_PARTS[*]}"; }
 
@@ -73,7 +77,7 @@ done
 # ---- each part's estimate and commands (the test parts: one pytest selection of whole files) -----------
 estimate_of() {  # estimated device minutes on a cold Triton cache (see the header)
     case "$1" in doctor) echo 3 ;; kernels) echo 4 ;; backend) echo 3 ;; parity) echo 5 ;; graphs) echo 3 ;;
-                 bench) echo 6 ;; esac
+                 bench) echo 6 ;; tp) echo 3 ;; esac
 }
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs --durations=10)
 tests_of() {    # the test files of a test part (empty for the others)
@@ -93,6 +97,7 @@ commands_of() { # one command per line
             echo "$PY benchmarks/kernel_bench.py --dtype bfloat16"
             echo "$PY benchmarks/gpu_decode.py --dtype bfloat16 --repeats 2"
             echo "$PY benchmarks/spec_decode.py --device cuda --dtype bfloat16" ;;
+        tp) echo "$PY benchmarks/tp_check.py --device cuda" ;;
     esac
 }
 

@@ -16,7 +16,7 @@ from harness import kernel_test_device
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
-PARTS = ["doctor", "kernels", "backend", "parity", "graphs", "bench"]
+PARTS = ["doctor", "kernels", "backend", "parity", "graphs", "bench", "tp"]
 TEST_PARTS = {"kernels", "backend", "parity", "graphs"}
 STOP_EARLY = {"-x", "--exitfirst", "--maxfail", "--sw", "--stepwise"}
 

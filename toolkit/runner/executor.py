@@ -223,7 +223,7 @@ class TPExecutor:
                     kind, message = pipe.recv()
                 except (EOFError, OSError):
                     message = ""
-            proc.join(0.5 if message or not proc.is_alive() else 0)
+            proc.join(0.5 if message or not proc.is_alive() else 1.0)     # a worker just killed: reaped soon
             if message or not proc.is_alive():
                 code = proc.exitcode
                 failed.append(f"rank {rank} ({'exit code ' + str(code) if code is not None else 'alive'})"
