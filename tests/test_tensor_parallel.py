@@ -252,3 +252,22 @@ def test_with_prefix_caching_and_speculation():
     with pytest.raises(NotSupportedYetError, match="inspect='full'"):
         LLM("tiny-bamba", tensor_parallel_size=2, **{**engine, "inspect": "full"})
     assert not mp.active_children()
+
+
+def test_draft_model_with_tensor_parallelism():
+    """method "draft_model" sharded: the draft (tiny-mamba2) runs whole in rank 0's process, its drafts
+    reach rank 1 in the next SchedulerOutput; TP=2 keeps plain decoding's greedy tokens."""
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine = dict(device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=16)
+    plain = LLM("tiny-bamba", inspect="off", **engine)
+    want = [list(o.outputs[0].token_ids) for o in plain.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy)]
+    plain.shutdown()
+    llm = LLM("tiny-bamba", tensor_parallel_size=2, **engine,
+              speculative_config={"method": "draft_model", "model": "tiny-mamba2", "num_speculative_tokens": 3})
+    try:
+        got = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy)]
+        assert got == want
+        assert llm.stats()["spec_draft_tokens"] > 0 and all(not r.violations for r in llm.trace)
+    finally:
+        llm.shutdown()
+    assert not mp.active_children()

@@ -118,9 +118,6 @@ class LLM:
         self.draft = None         # speculative_config method "draft_model": the draft engine
         proposer = None
         if self.speculative_config is not None and self.speculative_config.method == "draft_model":
-            if tensor_parallel_size > 1:
-                raise NotSupportedYetError("speculative_config method 'draft_model' with tensor_parallel_size > 1 "
-                                           "is not built yet (the n-gram proposer is)")
             self.draft, proposer = self._draft_engine(self.speculative_config, dev, dt, seed, backend)
         if self.tp is None:       # start ranks 1..N-1 (they load and shard their own copy)
             planted = faults.active()

@@ -44,6 +44,7 @@ from toolkit.distributed import TPGroup
 from toolkit.errors import TensorParallelError
 from toolkit.models import load_model
 from toolkit.runner.model_runner import ModelRunner
+from toolkit.runner.spec_decode import RankZeroProposes
 
 MIRRORED = ("execute_model", "sample_tokens", "profile_run", "dummy_run", "capture_cudagraphs", "remove_requests")
 DEFAULT_TIMEOUT_S = 30.0
@@ -92,7 +93,7 @@ def _serve(rank: int, world: int, store: str, timeout_s: float, model: str, cfg:
                             timeout=timedelta(seconds=timeout_s))
     tp = TPGroup(rank, world)
     loaded = load_model(model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed, tp=tp)
-    runner = ModelRunner(loaded.model, cfg, spec)
+    runner = ModelRunner(loaded.model, cfg, spec, RankZeroProposes() if spec is not None else None)
     helper = hooks(runner, tp) if hooks is not None else None
     conn.send(("ready", None))
     while True:

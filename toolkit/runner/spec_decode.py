@@ -69,6 +69,15 @@ class DraftModelProposer:
         return self.generate([c.tolist() for c in contexts], self.k) if contexts else []
 
 
+class RankZeroProposes:
+    """The proposer of tensor-parallel ranks 1..N-1: none of their own. Rank 0 proposes (an n-gram
+    lookup, or a draft model that runs whole in rank 0's process, as vLLM V0's draft TP of 1), its
+    scheduler puts the drafts in the next SchedulerOutput, and every rank verifies the same ones."""
+
+    def propose_many(self, contexts: list[np.ndarray]) -> list[list[int]]:
+        return [[] for _ in contexts]
+
+
 @dataclass
 class VerifyResult:
     """What one step's verification decided, per verify row (rows with drafts), in batch order."""
