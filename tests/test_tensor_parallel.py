@@ -57,21 +57,27 @@ def run_engine(preset: str, tp: int, **engine) -> dict:
     return result
 
 
-def _rank_main(rank: int, world: int, store: str, out: str, preset: str, engine: dict) -> None:
+def _rank_main(rank: int, world: int, store: str, out: str, presets: list[str], engine: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
-        torch.save(run_engine(preset, world, **engine), f"{out}/rank{rank}.pt")
+        for preset in presets:        # one pair of processes for every preset (a spawn costs seconds)
+            try:
+                result = run_engine(preset, world, **engine)
+            except Exception as err:      # the preset's test reports it
+                result = {"error": f"{type(err).__name__}: {err}"}
+            torch.save(result, f"{out}/{preset}-rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(tmp_path: Path, preset: str, world: int = 2, **engine) -> list[dict]:
-    """Spawn `world` ranks, each running the same engine sharded; their results in rank order."""
-    mp.start_processes(_rank_main, args=(world, str(tmp_path / "store"), str(tmp_path), preset, engine),
+def run_ranks(tmp_path: Path, presets: list[str], world: int = 2, **engine) -> dict[str, list[dict]]:
+    """Spawn `world` ranks, each running the same engine sharded for each preset in turn; per preset,
+    the ranks' results in rank order."""
+    mp.start_processes(_rank_main, args=(world, str(tmp_path / "store"), str(tmp_path), presets, engine),
                        nprocs=world, start_method="spawn", join=True)
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    return {p: [torch.load(tmp_path / f"{p}-rank{r}.pt") for r in range(world)] for p in presets}
 
 
 # attention + MLP; Mamba1 (tied embeddings; FalconMamba's weightless dt/B/C norms after the x_proj
@@ -86,12 +92,22 @@ def run_ranks(tmp_path: Path, preset: str, world: int = 2, **engine) -> list[dic
 # Zamba2: shared attention + MLP blocks with per-layer adapters (their second projections sharded);
 # Qwen3-Next: Gated DeltaNet by key-head groups, gated attention ([q | gate] per head), MoE + shared expert;
 # the trained demo models (HF folders; a vocabulary of 264 padded to 320)
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mamba", "tiny-falcon-mamba", "tiny-mamba2", "tiny-bamba",
-                                    "tiny-lfm2", "tiny-jamba", "tiny-granite-hybrid", "tiny-nemotron-h",
-                                    "tiny-falcon-h1", "tiny-zamba2", "tiny-qwen3-next", "demo-hybrid", "demo-mamba"])
-def test_two_ranks_equal_one(tmp_path, preset):
+EVERY_MODEL = ["tiny-llama", "tiny-mamba", "tiny-falcon-mamba", "tiny-mamba2", "tiny-bamba", "tiny-lfm2", "tiny-jamba",
+               "tiny-granite-hybrid", "tiny-nemotron-h", "tiny-falcon-h1", "tiny-zamba2", "tiny-qwen3-next",
+               "demo-hybrid", "demo-mamba"]
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory) -> dict[str, list[dict]]:
+    return run_ranks(tmp_path_factory.mktemp("ranks"), EVERY_MODEL)
+
+
+@pytest.mark.xdist_group("tp-ranks")      # one worker runs them all: the ranks are spawned once
+@pytest.mark.parametrize("preset", EVERY_MODEL)
+def test_two_ranks_equal_one(sharded_runs, preset):
+    ranks = sharded_runs[preset]
+    assert not any("error" in r for r in ranks), [r.get("error") for r in ranks]
     single = run_engine(preset, 1)
-    ranks = run_ranks(tmp_path, preset)
     assert [r["rank"] for r in ranks] == [0, 1]
     assert all(r["params"] < 0.7 * single["params"] for r in ranks)        # each rank holds its share
     assert ranks[0]["tokens"] == ranks[1]["tokens"]
