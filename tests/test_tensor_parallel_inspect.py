@@ -213,3 +213,20 @@ def test_a_second_engine_while_one_runs_is_refused():
     finally:
         llm.shutdown()
     assert not mp.active_children()
+
+
+def test_state_tab_rank_selector(mamba2_pair):
+    """The StateView shows a rank selector for a sharded trace (hidden for one rank); choosing a rank
+    redraws its shard, "gathered" the full state."""
+    from toolkit.widgets import StateView
+    one, two = mamba2_pair
+    rec = next(r for r in two.trace if r.states and r.step_index is not None)
+    view = StateView(two.trace, record=rec)
+    assert view.rank.layout.display is None
+    assert [label for label, _ in view.rank.options] == ["gathered", "rank 0", "rank 1"]
+    assert "gathered from 2 tensor-parallel ranks" in view.note.value
+    view.rank.value = 1
+    assert "rank 1&#x27;s shard" in view.note.value or "rank 1's shard" in view.note.value
+    assert len(view.images.children) == 2
+    single = StateView(one.trace, record=next(r for r in one.trace if r.states))
+    assert single.rank.layout.display == "none"
