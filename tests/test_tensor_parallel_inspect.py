@@ -230,3 +230,23 @@ def test_state_tab_rank_selector(mamba2_pair):
     assert len(view.images.children) == 2
     single = StateView(one.trace, record=next(r for r in one.trace if r.states))
     assert single.rank.layout.display == "none"
+
+
+def test_workers_end_at_interpreter_exit(tmp_path):
+    """A script that leaves its TP engine running exits promptly, and its worker with it."""
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "leave_running.py"
+    script.write_text("from toolkit import LLM, SamplingParams\n"
+                      "import torch.multiprocessing as mp\n"
+                      "if __name__ == '__main__':\n"
+                      "    llm = LLM('tiny-llama', tensor_parallel_size=2, device='cpu', dtype='float32')\n"
+                      "    llm.generate([{'prompt_token_ids': [5, 6, 7]}], SamplingParams(max_tokens=2))\n"
+                      "    print(mp.active_children()[0].pid, flush=True)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env=os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    pid = int(proc.stdout.split()[-1])
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)

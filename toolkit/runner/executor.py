@@ -25,6 +25,7 @@ destroys the process group; a new engine can start another group in the same pro
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import os
@@ -111,6 +112,14 @@ def _serve(rank: int, world: int, store: str, timeout_s: float, model: str, cfg:
 _running: list[TPExecutor] = []        # the executor whose group this process is in (at most one)
 
 
+@atexit.register
+def _shut_down_at_exit() -> None:
+    """An engine left running at interpreter exit: stop its workers and destroy its group (before
+    multiprocessing's own exit hook, registered earlier, terminates what is left)."""
+    for executor in list(_running):
+        executor.shutdown()
+
+
 def check_no_engine_group() -> None:
     """Refuse a second tensor-parallel engine while one this process started still runs: its process
     group would look like a launcher's (torchrun) to the new engine, whose collectives would then
@@ -152,8 +161,15 @@ class TPExecutor:
                                     world_size=world_size, timeout=timedelta(seconds=timeout_s))
             for rank in range(1, world_size):
                 self._wait_ready(rank)
-        except BaseException:
+        except BaseException as err:
+            gone = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.workers, start=1)
+                    if not p.is_alive()]
             self.shutdown()
+            if isinstance(err, RuntimeError) and gone:       # the rendezvous timed out: a worker never came
+                raise TensorParallelError(
+                    f"tensor-parallel {', '.join(gone)} exited before joining the process group. In a script, "
+                    "build the engine under `if __name__ == \"__main__\":` (the workers are spawned and import "
+                    "the main module)") from err
             raise
         self.group = TPGroup(0, world_size)
         _running.append(self)
