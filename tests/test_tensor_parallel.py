@@ -47,9 +47,11 @@ ENGINE = dict(device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tok
 
 
 def run_engine(preset: str, tp: int, **engine) -> dict:
-    """One engine's tokens (per request) and logits (per step) for PROMPTS."""
+    """One engine's tokens (per request) and logits (per step) for PROMPTS as a chunked mixed batch,
+    then for the first prompt alone."""
     llm = LLM(preset, tensor_parallel_size=tp, **{**ENGINE, **engine})
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)
+    outs += llm.generate([{"prompt_token_ids": PROMPTS[0]}], PARAMS[0])
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
               "logits": [r.logits.clone() for r in llm.trace if r.logits is not None and not r.is_warmup],
               "params": sum(p.numel() for p in llm.model_runner.model.parameters()), "rank": llm.tp.rank}
