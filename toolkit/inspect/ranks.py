@@ -176,6 +176,8 @@ class RankSync:
         (None elsewhere) and a violation per replicated entry that differs between ranks."""
         capture = CaptureFilter(plan.layers, None, len(plan.layers))
         local = gather_states(runner, state, capture, plan.rows, slots)
+        if runner.device.type == "cuda":        # the host copies are issued without blocking: let them land
+            torch.cuda.current_stream(runner.device).synchronize()
         first = self._rank_shards is None
         parts: list[Any] = [None] * self.tp.world_size if self.tp.rank == 0 else None
         dist.gather_object((local, self.shards if first else None), parts, dst=0, group=self.tp.group)

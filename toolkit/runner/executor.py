@@ -90,6 +90,8 @@ def _serve(rank: int, world: int, store: str, timeout_s: float, model: str, cfg:
     """The worker's life inside its context; returns its runner (shut down by the caller)."""
     if cfg.device.type == "cpu":          # the ranks share the machine's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    else:                                 # NCCL's object collectives use the current device: this rank's
+        torch.cuda.set_device(cfg.device)
     dist.init_process_group(_backend(cfg.device), init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
     tp = TPGroup(rank, world)
