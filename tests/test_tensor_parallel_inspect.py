@@ -7,8 +7,15 @@ Mamba2 group replicated instead of split (silent: by `diff_traces` against one r
 The engine starts its worker (rank 1) in a spawned process; each engine here is TP=2 on gloo."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from toolkit import LLM, InvariantError, SamplingParams, TensorParallelError
@@ -16,7 +23,7 @@ from toolkit.errors import NotSupportedYetError
 from toolkit.inspect import faults
 from toolkit.inspect.trace import Trace
 from toolkit.inspect.trace_diff import diff_traces
-from toolkit.widgets import panes
+from toolkit.widgets import StateView, panes
 
 PROMPTS = [list(range(5, 26)), list(range(30, 39))]          # a 21-token prompt prefilled in 2 chunks
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -218,7 +225,6 @@ def test_a_second_engine_while_one_runs_is_refused():
 def test_state_tab_rank_selector(mamba2_pair):
     """The StateView shows a rank selector for a sharded trace (hidden for one rank); choosing a rank
     redraws its shard, "gathered" the full state."""
-    from toolkit.widgets import StateView
     one, two = mamba2_pair
     rec = next(r for r in two.trace if r.states and r.step_index is not None)
     view = StateView(two.trace, record=rec)
@@ -234,9 +240,6 @@ def test_state_tab_rank_selector(mamba2_pair):
 
 def test_workers_end_at_interpreter_exit(tmp_path):
     """A script that leaves its TP engine running exits promptly, and its worker with it."""
-    import os
-    import subprocess
-    import sys
     script = tmp_path / "leave_running.py"
     script.write_text("from toolkit import LLM, SamplingParams\n"
                       "import torch.multiprocessing as mp\n"
@@ -250,3 +253,33 @@ def test_workers_end_at_interpreter_exit(tmp_path):
     pid = int(proc.stdout.split()[-1])
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def _rank_with_its_own_budget(rank: int, world: int, store: str, out: str) -> None:
+    """Under a launcher every rank builds its engine itself: here rank 1 with another token budget."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        llm = LLM("tiny-llama", tensor_parallel_size=world, device="cpu", dtype="float32", max_num_seqs=4,
+                  max_num_batched_tokens=16 if rank == 0 else 8)
+        try:
+            llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY)
+            result = "no error"
+        except InvariantError as err:
+            result = str(err)
+        llm.shutdown()
+        Path(out, f"rank{rank}.txt").write_text(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_whose_batches_differ_in_size_stop_before_the_forward(tmp_path):
+    """Different sizes would make the forward's collectives mismatch (on gloo: a process aborts). With
+    checks on, every rank sees the sizes differ and raises before the forward; both processes live."""
+    mp.start_processes(_rank_with_its_own_budget, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2,
+                       start_method="spawn", join=True)
+    rank0, rank1 = ((tmp_path / f"rank{r}.txt").read_text() for r in range(2))
+    assert "metadata_equal_on_every_rank" in rank0 and "rank 1" in rank0
+    assert "8 vs 16 (rank 1 vs rank 0); stopped before the forward" in rank0     # 8 tokens scheduled, not 16
+    assert "other sizes than rank 0's: stopped before the forward" in rank1

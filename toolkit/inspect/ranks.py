@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from toolkit.distributed import TPGroup
 from toolkit.inspect.capture import Captured, CaptureFilter, gather_states
+from toolkit.inspect.checks import raise_if_any
 from toolkit.inspect.memory import MemoryMarks
 from toolkit.inspect.step_record import Violation
 from toolkit.inspect.trace import Trace
@@ -87,17 +88,23 @@ def _as_numpy(value: Any) -> np.ndarray | None:
     return None
 
 
-def fingerprint(fields: dict[str, Any]) -> dict[str, str]:
-    """A digest per field: shape, dtype and bytes for tensors and arrays, the value for scalars."""
+def fingerprint(fields: dict[str, Any]) -> dict[str, tuple[tuple[int, ...] | None, str]]:
+    """Per field: (shape, a digest of dtype and bytes) for tensors and arrays, (None, the value) for scalars."""
     out = {}
     for path, value in fields.items():
         raw = _as_numpy(value)
         if raw is None:
-            out[path] = repr(value)
+            out[path] = (None, repr(value))
         else:
-            shape = tuple(value.shape)
-            out[path] = f"{shape} {value.dtype} " + hashlib.blake2b(raw.tobytes(), digest_size=8).hexdigest()
+            out[path] = (tuple(value.shape),
+                         f"{value.dtype} " + hashlib.blake2b(raw.tobytes(), digest_size=8).hexdigest())
     return out
+
+
+def _sizes_differ(a: dict, b: dict) -> bool:
+    """Two ranks built batches of other sizes (a field's shape, or the fields themselves, differ): their
+    forwards' collectives would not match, and on gloo a size mismatch aborts a process."""
+    return a.keys() != b.keys() or any(a[path][0] != b[path][0] for path in a)
 
 
 def _first_difference(a: Any, b: Any) -> str:
@@ -160,6 +167,10 @@ class RankSync:
         # a second round, only when a rank differs: the values of the differing fields, to say where
         values = self._all_gather({path: fields.get(path) for path in differing})
         out = []
+        stop = any(_sizes_differ(prints[0], p) for p in prints[1:])
+        if self.tp.rank != 0 and stop:
+            raise_if_any([Violation("metadata_equal_on_every_rank", f"{where}, rank {self.tp.rank}", "the batch",
+                                    "this rank's batch has other sizes than rank 0's: stopped before the forward")])
         if self.tp.rank == 0:
             for rank in range(1, self.tp.world_size):
                 for path in differing:
@@ -167,7 +178,10 @@ class RankSync:
                         out.append(Violation(
                             "metadata_equal_on_every_rank", f"{where}, rank {rank}, {_owner(path)}", path,
                             f"rank {rank} built a different value from rank 0's: "
-                            f"{_first_difference(values[0][path], values[rank][path])} (rank {rank} vs rank 0)"))
+                            f"{_first_difference(values[0][path], values[rank][path])} (rank {rank} vs rank 0)"
+                            + ("; stopped before the forward (its collectives would not match)" if stop else "")))
+            if stop:             # every rank stops here (each saw the sizes): no forward, no mismatched collective
+                raise_if_any(out)
         return out, plan
 
     def gather(self, runner, state, plan: CapturePlan, slots: dict[str, list[int]], where: str
