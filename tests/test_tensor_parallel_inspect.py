@@ -73,6 +73,8 @@ def test_gathered_states_equal_one_rank(preset):
         assert diff.identical, str(diff)
         assert diff.num_states_compared > 0
         assert all(not r.violations for r in two.trace)
+        # the trace's budget counts a step's gathered (full) states, as with one rank
+        assert two._recorder._slot_bytes == one._recorder._slot_bytes
     finally:
         one.shutdown()
         two.shutdown()

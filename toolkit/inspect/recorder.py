@@ -185,7 +185,7 @@ class Recorder:
         self._plan: CapturePlan | None = None
         # host bytes one row's full state takes, per recurrent layer (what reserving room for a step
         # counts; a rank's shard scaled to the full state, which a sharded record holds)
-        self._slot_bytes = {n: sum(t[0].nbytes * (sh.full // len(sh.index) if sh is not None else 1)
+        self._slot_bytes = {n: sum(t[0].nbytes * sh.full // len(sh.index) if sh is not None else t[0].nbytes
                                    for t, sh in zip(runner.kv_caches[n], self._shards_of(n)))
                             for n in specs}
         self._states_refused = False
