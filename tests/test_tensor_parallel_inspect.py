@@ -21,8 +21,11 @@ import torch.multiprocessing as mp
 from toolkit import LLM, InvariantError, SamplingParams, TensorParallelError
 from toolkit.errors import NotSupportedYetError
 from toolkit.inspect import faults
+from toolkit.inspect.capture import Captured
+from toolkit.inspect.ranks import assemble
 from toolkit.inspect.trace import Trace
 from toolkit.inspect.trace_diff import diff_traces
+from toolkit.layers.state_mixer import StateShard
 from toolkit.widgets import StateView, panes
 
 PROMPTS = [list(range(5, 26)), list(range(30, 39))]          # a 21-token prompt prefilled in 2 chunks
@@ -285,3 +288,19 @@ def test_ranks_whose_batches_differ_in_size_stop_before_the_forward(tmp_path):
     assert "metadata_equal_on_every_rank" in rank0 and "rank 1" in rank0
     assert "8 vs 16 (rank 1 vs rank 0); stopped before the forward" in rank0     # 8 tokens scheduled, not 16
     assert "other sizes than rank 0's: stopped before the forward" in rank1
+
+
+def test_assembly_keeps_the_lowest_rank_and_flags_replicas_that_differ():
+    """`assemble` in one process: two ranks' conv shards [x_r | B] of a 6-channel state whose last 2
+    channels (B) both hold; rank 1's copy of B is off: a violation, and the full state keeps rank 0's."""
+    x = torch.arange(12.0).reshape(1, 2, 6)                              # [B=1, K-1=2, channels=6]
+    index = [torch.tensor([0, 1, 4, 5]), torch.tensor([2, 3, 4, 5])]
+    pieces = [x[..., i].clone() for i in index]
+    shards = [{"m": (StateShard(1, i, 6),)} for i in index]
+    parts = [Captured(["0"], {"m": [1]}, [("m", [p])]) for p in pieces]
+    full, violations = assemble(parts, shards, "step 1")
+    assert torch.equal(full.states[0][1][0], x) and not violations
+    pieces[1][..., 3] += 1                                               # rank 1's replica of channel 5
+    full, violations = assemble([Captured(["0"], {"m": [1]}, [("m", [p])]) for p in pieces], shards, "step 1")
+    assert torch.equal(full.states[0][1][0], x)                          # rank 0's copy kept
+    assert [(v.check, v.where) for v in violations] == [("replicated_state_equal_on_every_rank", "step 1, m, rank 1")]

@@ -235,7 +235,8 @@ def assemble(parts: list[Captured], shards: list[dict[str, tuple[StateShard, ...
                             f"state {s}",
                             f"entries every rank holds (a replicated section) differ from a lower rank's by "
                             f"{(before.float() - mine.float()).abs().max().item():.3g}"))
-                full.index_copy_(dim, index, piece)
+                new = torch.nonzero(~again).flatten()
+                full.index_copy_(dim, index[new], piece.index_select(dim, new))
                 held[index] = True
             full_tensors.append(full)
         out.append((layer, full_tensors))
