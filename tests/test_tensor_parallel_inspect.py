@@ -106,8 +106,9 @@ def test_gathered_states_and_rank_shards(mamba2_pair):
         st.of(rid, "after", rank=2)
 
 
-def test_rank_0_shard_is_what_rank_0_holds():
-    """Mid-run, rank 0's shard in the latest record is its state cache at the request's slot."""
+def test_each_rank_shard_is_what_the_rank_holds():
+    """Mid-run, each rank's shard in the latest record is that rank's state cache at the request's
+    slot: rank 0's read here, rank 1's asked of the worker."""
     llm = LLM("tiny-mamba2", tensor_parallel_size=2, inspect="full", **ENGINE)
     try:
         llm.add_request({"prompt_token_ids": PROMPTS[1]}, GREEDY)
@@ -117,6 +118,10 @@ def test_rank_0_shard_is_what_rank_0_holds():
         cache = llm.model_runner.kv_caches[st.layer_name]
         for name, t in zip(st.state_names, cache):
             assert torch.equal(st.of(st.request_ids[0], "after", rank=0)[name], t[slot])
+        held = llm._executor.ask("state_at", None, st.layer_name, slot)[1]
+        assert [tuple(t.shape) for t in held] == [tuple(t.shape[1:]) for t in cache]
+        for name, t in zip(st.state_names, held):
+            assert torch.equal(st.of(st.request_ids[0], "after", rank=1)[name], t)
     finally:
         llm.shutdown()
 

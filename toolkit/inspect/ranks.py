@@ -247,7 +247,7 @@ def assemble(parts: list[Captured], shards: list[dict[str, tuple[StateShard, ...
 class WorkerInspector:
     """Ranks 1..N-1 of an engine that started its workers: the runner's observer when rank 0
     inspects (`inspecting`), taking part in each step's collectives (`RankSync`), and the answers
-    to rank 0's questions (`memory`). `checks` must be rank 0's."""
+    to rank 0's questions (`memory`, `state_at`: `executor.ask(name, ...)`). `checks` must be rank 0's."""
 
     def __init__(self, runner, tp: TPGroup, inspecting: bool, checks: bool) -> None:
         self.runner, self.checks = runner, checks
@@ -270,6 +270,10 @@ class WorkerInspector:
 
     def after_logits(self, runner, state) -> None:
         pass
+
+    def state_at(self, layer: str, slot: int) -> list[torch.Tensor]:
+        """This rank's state tensors of recurrent layer `layer` at state slot `slot` now (host copies)."""
+        return [t[slot].detach().cpu().clone() for t in self.runner.kv_caches[layer]]
 
     def memory(self, mark: str | None = None) -> dict[str, int]:
         """Bytes by category on this rank now (`mark`: also keep them under that name)."""
