@@ -96,6 +96,7 @@ class LLM:
                                        "decoding is not built yet (its cold-replay checks run the model on rank 0 "
                                        "alone); use inspect='metadata' there")
         self.checks = (inspect != "off") if checks is None else bool(checks)
+        recording = inspect != "off" or self.checks        # a Recorder; on workers, their inspectors observe
         self._executor: TPExecutor | None = None
         # rank 0's shard; a configuration that cannot shard raises here, before any worker starts
         loaded = load_model(model, dtype=dt, device=dev, seed=seed,
@@ -122,8 +123,7 @@ class LLM:
         if self.tp is None:       # start ranks 1..N-1 (they load and shard their own copy)
             planted = faults.active()
             self._executor = TPExecutor(tensor_parallel_size, model, self.cfg, self.speculative_config,
-                                        worker_hooks=WorkerInspectorFactory(inspect != "off" or self.checks,
-                                                                            self.checks),
+                                        worker_hooks=WorkerInspectorFactory(recording, self.checks),
                                         worker_context=functools.partial(faults.inject, *planted) if planted else None)
             self.tp = self._executor.group
         try:
@@ -155,7 +155,7 @@ class LLM:
         self.inspect = inspect
         self._recorder = (Recorder(inspect, self.checks, self.model_runner, self.scheduler, self.trace,
                                    self.backend, inspect_layers, inspect_requests)
-                          if inspect != "off" or self.checks else None)
+                          if recording else None)
         self._memory = MemoryMarks(self.model_runner, self.trace, dev)
         self._memory.mark("load")
 

@@ -11,6 +11,7 @@ come off the disk. A tensor whose every entry is kept is read whole (`get_tensor
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from functools import reduce
@@ -34,7 +35,7 @@ _DTYPES = {
 Index = tuple[torch.Tensor | None, ...]      # per dim: indices to keep (all >= 0), None for all
 
 
-class LazyTensor:
+class LazyTensor(ABC):
     """A checkpoint tensor not read yet: its shape and dtype, `take` to read entries of it."""
     shape: torch.Size
     dtype: torch.dtype
@@ -45,9 +46,9 @@ class LazyTensor:
     def is_floating_point(self) -> bool:
         return self.dtype.is_floating_point
 
+    @abstractmethod
     def take(self, index: Index) -> torch.Tensor:
         """The entries `index` (per dim), read."""
-        raise NotImplementedError
 
     @classmethod
     def __torch_function__(cls, func: Callable, types: Any, args: Sequence = (), kwargs: dict | None = None) -> Any:
