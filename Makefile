@@ -1,4 +1,5 @@
-# `make demo`: the main job on the shipped demo-hybrid model (no download). `make test`: the whole test suite.
+# `make demo`: the main job on the shipped demo-hybrid model (no download). `make test`: the whole test suite
+# (`make test-fast`: its 3-minute tier for iteration).
 # Both create .venv if it is missing (pip takes a CPU torch wheel on disk when there is one: see README, Install).
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,16 +10,23 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
-.PHONY: demo test lint bench browser-setup notebooks
+.PHONY: demo test test-fast lint bench browser-setup notebooks
 demo: $(VENV)/.installed
 	$(PY) -m toolkit demo
 
 # `bin/pytest`, not `python -m pytest`: -m would put the repo root (and its kernels/ folder) on sys.path.
 # browser-setup: chromium (apt) and the widget JS (npm, into .browser/) for tests/test_browser.py, if missing.
 # -n: pytest-xdist, one worker per core (at most 4); loadgroup keeps the Triton recordings and their
-# compile test in one worker
+# compile test in one worker; --durations: the 15 slowest tests, printed at the end of every run
+PYTEST := TRITON_INTERPRET=1 $(VENV)/bin/pytest -n auto --maxprocesses 4 --dist loadgroup --durations=15
 test: $(VENV)/.installed lint browser-setup
-	TRITON_INTERPRET=1 $(VENV)/bin/pytest -n auto --maxprocesses 4 --dist loadgroup tests
+	$(PYTEST) tests
+
+# the iteration tier (under 3 minutes on 2 cores): the core's unit tests, the per-family parity files,
+# one model per mixer family in the model-parametrized suites; no notebooks, browser, Triton engines,
+# tensor-parallel ranks, subprocess CLIs or property programs (the `slow` marker: tests/conftest.py)
+test-fast: $(VENV)/.installed
+	$(PYTEST) -m "not slow" tests
 
 # ruff (the rule set in pyproject.toml) and the import floors (import-linter contracts in pyproject.toml;
 # the repository root on PYTHONPATH lets lint-imports read kernels/ as a package of its own)

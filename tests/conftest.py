@@ -1,9 +1,16 @@
 """Test setup: the Triton interpreter without a GPU, offline HF, one CPU thread, a seeded torch per
 test, assert rewriting in the helper modules, and the shared fixtures of the runner-level parity
 checks (`hf_folders`, `model_pair`, `hf_model`)."""
+import gc
 import os
 
-import torch
+# One thread per process, set before torch is imported: torch reads these when it starts, and every
+# process the tests spawn (tensor-parallel ranks, notebook kernels, the CLI, the compile workers)
+# inherits them, so two xdist workers and their children never oversubscribe CI's two cores.
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import torch  # noqa: E402  (after the thread variables)
 
 # Triton reads TRITON_INTERPRET when a kernel is decorated, so set it before anything imports one.
 # Without a GPU the kernels run under the interpreter; on a GPU they compile.
@@ -22,6 +29,14 @@ pytest.register_assert_rewrite("model_helpers", "harness", "kernel_workloads")
 torch.set_num_threads(1)
 
 from harness import load_hf, save_model_pair  # noqa: E402  (after register_assert_rewrite)
+
+
+def pytest_collection_finish(session):
+    """Move everything alive after collection (torch, transformers, the toolkit, the test modules and
+    items: about 300k objects) out of the garbage collector's sight (gc.freeze). Each
+    `LLM.shutdown()` makes a full collection, which scanned them all: about 0.2 s an engine in this
+    process, more than a tiny engine's whole life. What the tests create is still collected."""
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)
@@ -54,6 +69,38 @@ def model_pair(request, hf_folders):
 def hf_model(model_pair):
     """The HF model on model_pair's folder (fp32, eval) whose `generate` ignores EOS (harness.load_hf)."""
     return load_hf(model_pair[1])
+
+
+# ---- the fast tier (`make test-fast`: -m "not slow") ----------------------------------------------
+# Modules that spawn processes or run the Triton interpreter on whole engines: the notebooks, the
+# browser, the CLI and wheel installs, tensor-parallel ranks, GPU compiles, the property programs.
+SLOW_MODULES = {
+    "test_backend_triton", "test_browser", "test_compile_for_gpus", "test_demo_models", "test_doctor",
+    "test_engine_soak", "test_gpu_check_script", "test_install_cli", "test_notebooks", "test_properties",
+    "test_schedule_independence", "test_tensor_parallel", "test_tensor_parallel_inspect", "test_trace",
+}
+# Tests parametrized over models keep two models in the fast tier: attention (tiny-llama) and a
+# recurrent state (tiny-mamba2); every family's own parity file (test_parity_<family>.py: Mamba1,
+# short conv, Gated DeltaNet and the hybrids too) runs whole. Tests marked `slow` by hand run Triton
+# engines under the interpreter.
+FAST_PRESETS = {"tiny-llama", "tiny-mamba2"}
+
+
+def _is_slow(item) -> bool:
+    if item.module.__name__.rpartition(".")[2] in SLOW_MODULES or item.get_closest_marker("slow"):
+        return True
+    if item.module.__name__.rpartition(".")[2].startswith("test_parity_"):
+        return False
+    from toolkit.models import PRESETS
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return any(isinstance(v, str) and (v in PRESETS or v.startswith("demo-")) and v not in FAST_PRESETS
+               for v in params.values())
+
+
+def pytest_itemcollected(item):
+    """Mark the slow tier as each test is collected (before `-m` deselects in modifyitems)."""
+    if isinstance(item, pytest.Function) and _is_slow(item):
+        item.add_marker(pytest.mark.slow)
 
 
 # ---- pytest-xdist groups (`make test`: --dist loadgroup) ------------------------------------------

@@ -146,8 +146,8 @@ def test_graphs_equal_eager_on_gpu(model):
     assert any(r.graph == "graph" for r in graphs[1])
 
 
-def _collect(llm: LLM, params: SamplingParams = GREEDY):
-    outs = llm.generate([{"prompt_token_ids": list(range(3, 3 + n))} for n in PROMPT_LENS], params)
+def _collect(llm: LLM, params: SamplingParams = GREEDY, prompt_lens: list[int] = PROMPT_LENS):
+    outs = llm.generate([{"prompt_token_ids": list(range(3, 3 + n))} for n in prompt_lens], params)
     return [o.outputs[0].token_ids for o in outs], list(llm.trace)
 
 
@@ -215,11 +215,16 @@ class ClosureGraphs(CudaGraphManager):
 
 
 # Under the interpreter each forward of the replay test costs seconds (tiny-zamba2: a decode step about
-# 5 s): 3 tokens each, the first from the (eager) prefill, then two decode steps of the 5 requests, both
-# replays of the size-8 closure, the second reading the states the first one wrote.
+# 5 s), so the engine is the smallest that has padding and more than one capture size: at most 4 rows
+# (sizes 1, 2, 4: warmup checks three closures) and 3 requests, 3 tokens each, the first from the
+# (eager) prefill, then two decode steps of the 3 rows, both replays of the size-4 closure (one padded
+# row), the second reading the states the first one wrote.
 REPLAY_GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+REPLAY_PROMPT_LENS = [5, 9, 3]
+REPLAY_ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
 
 
+@pytest.mark.slow          # Triton engines under the interpreter
 @pytest.mark.parametrize("model", ["tiny-bamba", "tiny-jamba", "tiny-mamba", "tiny-lfm2", "tiny-qwen3-next",
                                    "tiny-falcon-h1", "tiny-zamba2"])
 def test_replaying_the_warmup_forward_equals_eager(model, monkeypatch):
@@ -229,17 +234,16 @@ def test_replaying_the_warmup_forward_equals_eager(model, monkeypatch):
     import toolkit.runner.model_runner as model_runner
     monkeypatch.setattr(toolkit.llm, "resolve_cudagraph_mode", lambda *a: "full_decode")
     monkeypatch.setattr(model_runner, "CudaGraphManager", ClosureGraphs)
-    small = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64)
-    with LLM(model, **F32, backend="triton", **small) as llm:
+    with LLM(model, **F32, backend="triton", **REPLAY_ENGINE) as llm:
         llm.warmup(progress=False)
-        assert llm.cudagraph_report.sizes == [1, 2, 4, 8]
-        replayed = _collect(llm, REPLAY_GREEDY)
+        assert llm.cudagraph_report.sizes == [1, 2, 4]
+        replayed = _collect(llm, REPLAY_GREEDY, REPLAY_PROMPT_LENS)
     monkeypatch.undo()
-    with LLM(model, **F32, backend="triton", **small, enforce_eager=True) as llm:
-        eager = _collect(llm, REPLAY_GREEDY)
-    assert replayed[0] == eager[0] and all(len(t) == 3 for t in eager[0])
+    with LLM(model, **F32, backend="triton", **REPLAY_ENGINE, enforce_eager=True) as llm:
+        eager = _collect(llm, REPLAY_GREEDY, REPLAY_PROMPT_LENS)
+    assert replayed[0] == eager[0] and len(eager[0]) == 3 and all(len(t) == 3 for t in eager[0])
     steps = [r for r in replayed[1] if r.stage == "generate"]
-    assert sum(r.graph == "graph" and r.padded_size == 8 for r in steps) == 2       # two replays in a row
+    assert sum(r.graph == "graph" and r.padded_size == 4 and len(r.scheduled) == 3 for r in steps) == 2  # in a row
     for a, b in zip(steps, [r for r in eager[1] if r.stage == "generate"]):
         assert a.request_ids == b.request_ids
         assert (a.logits - b.logits).abs().max().item() <= 1e-5

@@ -20,6 +20,10 @@ F32 = dict(device="cpu", dtype="float32")
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 SMALL = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64)
 PROMPTS = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (2, 5, 3)]
+# The capture checks below are the runner's, whatever the layers: they run on the preset whose Triton
+# forward is cheapest under the interpreter (a Mamba1 stack; tiny-bamba's Mamba2 + attention costs
+# twice as much per forward). tests/test_cudagraph.py replays every layer family.
+GRAPH_PRESET = "tiny-mamba"
 
 
 class ClosureGraphs(CudaGraphManager):
@@ -44,8 +48,9 @@ def tokens(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
+@pytest.mark.slow          # Triton engines under the interpreter
 def test_graphs_are_checked_at_capture_and_pass(emulated_graphs):
-    with LLM("tiny-bamba", **F32, backend="triton", **SMALL) as llm:
+    with LLM(GRAPH_PRESET, **F32, backend="triton", **SMALL) as llm:
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)         # a failed check would warn
             llm.warmup(progress=False)
@@ -59,6 +64,7 @@ def test_graphs_are_checked_at_capture_and_pass(emulated_graphs):
         assert any(r.graph == "graph" for r in llm.trace.user_steps())
 
 
+@pytest.mark.slow          # Triton engines under the interpreter
 def test_a_graph_reading_a_non_persistent_input_falls_back_to_eager(emulated_graphs, monkeypatch):
     """Planted: the captured forward reads a copy of the input ids taken at capture, not the
     persistent buffer the step rewrites. The check replays it on other token ids, sees the
@@ -70,7 +76,7 @@ def test_a_graph_reading_a_non_persistent_input_falls_back_to_eager(emulated_gra
         frozen = batch.input_ids.clone()
         return batch, tables, md, lambda: self.model(frozen, batch.positions, md.by_layer)
     monkeypatch.setattr(model_runner.ModelRunner, "_prepare_dummy", stale_ids)
-    with LLM("tiny-bamba", **F32, backend="triton", **SMALL) as llm:
+    with LLM(GRAPH_PRESET, **F32, backend="triton", **SMALL) as llm:
         with pytest.warns(RuntimeWarning, match=r"CUDA graph check: 4 of 4 decode graph sizes .* size 8: row 0"):
             llm.warmup(progress=False)
         report = llm.cudagraph_report
@@ -82,10 +88,11 @@ def test_a_graph_reading_a_non_persistent_input_falls_back_to_eager(emulated_gra
         steps = list(llm.trace.user_steps())
         assert all(r.graph != "graph" for r in steps) and any(r.graph == "padded eager" for r in steps)
     monkeypatch.undo()
-    with LLM("tiny-bamba", **F32, backend="triton", **SMALL, enforce_eager=True) as llm:
+    with LLM(GRAPH_PRESET, **F32, backend="triton", **SMALL, enforce_eager=True) as llm:
         assert tokens(llm) == graphs_dropped
 
 
+@pytest.mark.slow          # Triton engines under the interpreter
 def test_a_capture_that_raises_releases_what_it_captured(emulated_graphs, monkeypatch):
     calls = []
     original = model_runner.ModelRunner._prepare_dummy
@@ -97,7 +104,7 @@ def test_a_capture_that_raises_releases_what_it_captured(emulated_graphs, monkey
                 raise RuntimeError("planted: capture failed")
         return original(self, num_reqs, num_tokens, for_capture, vary_tokens)
     monkeypatch.setattr(model_runner.ModelRunner, "_prepare_dummy", fails_on_the_third_size)
-    with LLM("tiny-bamba", **F32, backend="triton", **SMALL) as llm:
+    with LLM(GRAPH_PRESET, **F32, backend="triton", **SMALL) as llm:
         with pytest.raises(RuntimeError, match="planted"):
             llm.warmup(progress=False)
         manager = llm.model_runner.cudagraph_manager
@@ -105,7 +112,7 @@ def test_a_capture_that_raises_releases_what_it_captured(emulated_graphs, monkey
         monkeypatch.setattr(model_runner.ModelRunner, "_prepare_dummy", original)
         served = tokens(llm)                                      # it serves, eagerly
         assert all(r.graph != "graph" for r in llm.trace.user_steps())
-    with LLM("tiny-bamba", **F32, backend="triton", **SMALL, enforce_eager=True) as llm:
+    with LLM(GRAPH_PRESET, **F32, backend="triton", **SMALL, enforce_eager=True) as llm:
         assert tokens(llm) == served
 
 
@@ -210,5 +217,6 @@ def test_a_decode_step_copies_its_host_data_in_two_transfers(preset):
         assert transfers in ({}, {"to_device": 1}), (mode, transfers)
 
 
+@pytest.mark.slow          # Triton engines under the interpreter
 def test_a_decode_step_on_the_triton_backend_makes_two_transfers():
     assert decode_step_transfers("tiny-bamba", "triton", "padded_eager") == {"copy_pinned": 2}

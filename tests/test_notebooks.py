@@ -1,6 +1,7 @@
 """The tutorial notebooks (`notebooks/*.ipynb`) run top to bottom under nbval, with `make test`.
 
-nbval runs in a subprocess of its own: `pytest --nbval-lax notebooks/`. Why not collect the
+nbval runs in a subprocess of its own, one per notebook (`pytest --nbval-lax notebooks/NAME.ipynb`),
+so that pytest-xdist runs the notebooks side by side. Why not collect the
 notebooks in this pytest run: nbval's options are global (`--nbval-lax` would also collect
 `tests/notebooks/`, which the browser tests drive), and `make test` runs `pytest tests` only. A
 subprocess keeps the notebook run's options, sanitize file and environment apart from the unit
@@ -31,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
 SANITIZE = NOTEBOOKS / "sanitize.cfg"
 CELL_TIMEOUT_S = 300          # one cell; a notebook takes ~15 s here, but CI's 2 cores may be busy
-RUN_TIMEOUT_S = 1800          # the whole nbval run
+RUN_TIMEOUT_S = 900           # one notebook's nbval run
 MIN_CELLS = 40                # 02, 03 and 05 alone have more code cells than this
 
 
@@ -80,26 +81,36 @@ def _pytest_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "pytest"]
 
 
-def test_notebooks_run_under_nbval(tmp_path):
+def executed_cells(path: Path) -> int:
+    """The code cells nbval runs in `path` (all but those marked # NBVAL_SKIP)."""
+    return sum(1 for c in code_cells(path) if "NBVAL_SKIP" not in source(c))
+
+
+def test_the_notebooks_have_enough_cells_to_run():
+    assert sum(map(executed_cells, notebook_paths())) >= MIN_CELLS
+
+
+@pytest.mark.parametrize("path", notebook_paths(), ids=lambda p: p.name)
+def test_notebook_runs_under_nbval(path, tmp_path):
+    """One notebook per test (each its own nbval run and kernel), so that pytest-xdist spreads the
+    notebooks over the workers instead of running all of them in one test at the end."""
     pytest.importorskip("nbval", reason="nbval is a dev dependency: pip install -e '.[dev]'")
     pytest.importorskip("ipykernel", reason="ipykernel is a dev dependency: pip install -e '.[dev]'")
-    paths = notebook_paths()
-    assert paths, "no notebooks in notebooks/"
-    expected = sum(1 for p in paths for c in code_cells(p) if "NBVAL_SKIP" not in source(c))
-    assert expected >= MIN_CELLS, f"only {expected} code cells in notebooks/"
+    expected = executed_cells(path)
+    assert expected > 0, f"{path.name} has no code cell to run"
     report = tmp_path / "nbval.xml"
     env = dict(os.environ, TRITON_INTERPRET="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                PYDEVD_DISABLE_FILE_VALIDATION="1", JUPYTER_PLATFORM_DIRS="1")
     cmd = _pytest_command() + [
         "--nbval-lax", "--nbval-current-env", f"--nbval-sanitize-with={SANITIZE}",
         f"--nbval-cell-timeout={CELL_TIMEOUT_S}", "-p", "no:cacheprovider", "-q",
-        f"--junitxml={report}", "--rootdir", str(REPO), *map(str, paths)]
+        f"--junitxml={report}", "--rootdir", str(REPO), str(path)]
     run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     tail = (run.stdout + run.stderr)[-6000:]
-    assert run.returncode == 0, f"nbval failed (exit {run.returncode}):\n{tail}"
+    assert run.returncode == 0, f"nbval failed on {path.name} (exit {run.returncode}):\n{tail}"
     suite = ET.parse(report).getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     ran = int(suite.get("tests")) - int(suite.get("skipped", 0))
     bad = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
     assert bad == 0, tail
-    assert ran == expected, f"nbval ran {ran} cells, the notebooks have {expected}:\n{tail}"
+    assert ran == expected, f"nbval ran {ran} cells of {path.name}, it has {expected}:\n{tail}"

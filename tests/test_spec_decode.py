@@ -227,6 +227,7 @@ def test_speculative_config_rules():
         speculative_config={"method": "ngram", "num_speculative_tokens": 5}).shutdown()
 
 
+@pytest.mark.slow          # Triton engines under the interpreter
 @pytest.mark.parametrize("preset", ["tiny-bamba", "tiny-qwen3-next"])
 def test_triton_kernels_verify_like_torch(preset):
     """backend="triton" (under TRITON_INTERPRET=1 on the CPU): the verify rows' per-position loop runs
@@ -409,6 +410,7 @@ def test_a_draft_equal_to_the_target_is_always_accepted_on_greedy_rows():
     llm.shutdown()
 
 
+@pytest.mark.slow          # Triton engines under the interpreter
 @pytest.mark.parametrize("caching", [False, True], ids=["no-caching", "prefix-caching"])
 def test_replaying_the_warmup_verify_forward_equals_eager(monkeypatch, caching):
     """The decode-graph path of verify batches, emulated on the CPU as tests/test_cudagraph.py does

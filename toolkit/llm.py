@@ -449,10 +449,10 @@ class LLM:
         if self.draft is not None:
             self.draft.shutdown()
         runner = self.model_runner
-        runner.shutdown()
+        runner.shutdown(collect_garbage=False)
         if self._executor is not None:
             self._executor.shutdown()
-        collect()
+        collect()                         # one full garbage collection (and CUDA's cache emptied)
         self._memory.mark("shutdown")
         if self.checks:
             checks.raise_if_any(checks.check_shutdown(runner))

@@ -141,9 +141,9 @@ def _plant_graph_manager_kept(stack: contextlib.ExitStack) -> None:
         original_init(self, model, cfg, *args, **kwargs)
         self.cudagraph_manager = CapturedGraphsStandIn(self)
 
-    def shutdown_keeping_graphs(self):
+    def shutdown_keeping_graphs(self, collect_garbage: bool = True):
         manager = self.cudagraph_manager            # the pre-#52374 order: caches first, and
-        original_shutdown(self)                      # the graph manager is never dropped
+        original_shutdown(self, collect_garbage)     # the graph manager is never dropped
         self.release_log = [e for e in self.release_log if e != "cudagraph_manager"]
         self.cudagraph_manager = manager
     _patch(stack, ModelRunner, "__init__", init_with_graphs)

@@ -88,8 +88,10 @@ def _worker_main(rank: int, world: int, store: str, timeout_s: float, model: str
 def _serve(rank: int, world: int, store: str, timeout_s: float, model: str, cfg: RunnerConfig,
            spec: SpeculativeConfig | None, conn, hooks: WorkerHooks | None) -> ModelRunner:
     """The worker's life inside its context; returns its runner (shut down by the caller)."""
-    if cfg.device.type == "cpu":          # the ranks share the machine's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if cfg.device.type == "cpu":          # the ranks share the machine's cores (OMP_NUM_THREADS caps it)
+        share = max(1, (os.cpu_count() or 1) // world)
+        cap = os.environ.get("OMP_NUM_THREADS", "")
+        torch.set_num_threads(min(share, int(cap)) if cap.isdigit() and int(cap) > 0 else share)
     else:                                 # NCCL's object collectives use the current device: this rank's
         torch.cuda.set_device(cfg.device)
     dist.init_process_group(_backend(cfg.device), init_method=f"file://{store}", rank=rank, world_size=world,

@@ -470,9 +470,11 @@ class ModelRunner:
                                                                       attn_metadata.by_layer, **extra)
 
     # ---- shutdown ---------------------------------------------------------------------------
-    def shutdown(self) -> None:
+    def shutdown(self, collect_garbage: bool = True) -> None:
         """Release in vLLM's order (post #52374): graphs first, then caches, model state, model,
-        persistent buffers. `release_log` records the order (the inspection layer checks it)."""
+        persistent buffers. `release_log` records the order (the inspection layer checks it).
+        collect_garbage=False leaves the garbage collection (a full pass: about 0.2 s in a process
+        that has imported torch and transformers) to the caller, `LLM.shutdown`, which makes one."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.release_log: list[str] = []
@@ -499,6 +501,7 @@ class ModelRunner:
         release("model", "model")
         release("persistent_buffers", "input_buffers", "block_tables", "staging", "req_states", "sampler")
         self.observer = None
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        if collect_garbage:
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
