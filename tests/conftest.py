@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import pytest
+import pytest  # noqa: E402
 
 # model_helpers, harness and kernel_workloads hold test checks (ModelParitySuite, check_*_matches_hf,
 # the recorded engine runs): rewrite their asserts as pytest does a test's
