@@ -23,7 +23,7 @@ test: $(VENV)/.installed lint browser-setup
 	$(PYTEST) tests
 
 # the iteration tier (under 3 minutes on 2 cores): the core's unit tests, the per-family parity files,
-# one model per mixer family in the model-parametrized suites; no notebooks, browser, Triton engines,
+# the model-parametrized suites on tiny-llama and tiny-mamba2 only; no notebooks, browser, Triton engines,
 # tensor-parallel ranks, subprocess CLIs or property programs (the `slow` marker: tests/conftest.py)
 test-fast: $(VENV)/.installed
 	$(PYTEST) -m "not slow" tests

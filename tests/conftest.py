@@ -28,6 +28,8 @@ pytest.register_assert_rewrite("model_helpers", "harness", "kernel_workloads")
 # tiny models: one thread avoids oversubscription on CI's 2 cores (measured faster)
 torch.set_num_threads(1)
 
+from toolkit.models import PRESETS  # noqa: E402
+
 from harness import load_hf, save_model_pair  # noqa: E402  (after register_assert_rewrite)
 
 
@@ -87,11 +89,11 @@ FAST_PRESETS = {"tiny-llama", "tiny-mamba2"}
 
 
 def _is_slow(item) -> bool:
-    if item.module.__name__.rpartition(".")[2] in SLOW_MODULES or item.get_closest_marker("slow"):
+    module = item.module.__name__.rpartition(".")[2]
+    if module in SLOW_MODULES or item.get_closest_marker("slow"):
         return True
-    if item.module.__name__.rpartition(".")[2].startswith("test_parity_"):
+    if module.startswith("test_parity_"):
         return False
-    from toolkit.models import PRESETS
     params = getattr(getattr(item, "callspec", None), "params", {})
     return any(isinstance(v, str) and (v in PRESETS or v.startswith("demo-")) and v not in FAST_PRESETS
                for v in params.values())
