@@ -12,19 +12,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .launcher_checks import rows_view
+from .launcher_checks import rows_per_program, rows_view, tile_warps
 
-_BLOCK = 1024
+_BLOCK = 1024          # the widest channel block of a program
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, dim, stride_g, stride_u, ROUND_ACT: tl.constexpr,
-                         ROUND_PROD: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (row, block of channels). ROUND_ACT: P is 16-bit (= gate's dtype), round silu there;
-    ROUND_PROD: also round the product to P before the cast to the output dtype."""
-    row = tl.program_id(0).to(tl.int64)
-    d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = d < dim
+def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, n_rows, dim, stride_g, stride_u, ROUND_ACT: tl.constexpr,
+                         ROUND_PROD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (block of BLOCK_M rows, block of channels). ROUND_ACT: P is 16-bit (= gate's dtype),
+    round silu there; ROUND_PROD: also round the product to P before the cast to the output dtype."""
+    row = (tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]
+    d = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
+    mask = (row < n_rows) & (d < dim)
     g = tl.load(gate_ptr + row * stride_g + d, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + row * stride_u + d, mask=mask, other=0.0).to(tl.float32)
     act = g * tl.sigmoid(g)
@@ -51,7 +51,10 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | 
     rows, dim = g.shape
     if rows and dim:
         rounds = promoted != torch.float32
-        _silu_and_mul_kernel[(rows, triton.cdiv(dim, _BLOCK))](
-            g, u, out, dim, g.stride(0), u.stride(0), ROUND_ACT=rounds, ROUND_PROD=rounds and out.dtype != promoted,
-            BLOCK=_BLOCK)
+        block = min(_BLOCK, triton.next_power_of_2(dim))
+        block_m = rows_per_program(block)
+        _silu_and_mul_kernel[(triton.cdiv(rows, block_m), triton.cdiv(dim, block))](
+            g, u, out, rows, dim, g.stride(0), u.stride(0), ROUND_ACT=rounds,
+            ROUND_PROD=rounds and out.dtype != promoted, BLOCK_M=block_m, BLOCK=block,
+            num_warps=tile_warps(block_m * block))
     return out

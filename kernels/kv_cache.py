@@ -11,27 +11,29 @@ import torch
 import triton
 import triton.language as tl
 
+from .launcher_checks import rows_per_program, tile_warps
+
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr,
+def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, num_tokens, heads, head_dim,
                      stride_kn, stride_kh, stride_vn, stride_vh,
                      stride_cb, stride_ckv, stride_cs, stride_ch,
-                     block_size, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program per token: copy its K and V rows (all heads) into the cache slot."""
-    n = tl.program_id(0)
-    slot = tl.load(slot_ptr + n).to(tl.int64)
-    if slot < 0:
-        return
-    blk = slot // block_size
-    off = slot % block_size
-    d = tl.arange(0, BLOCK_D)
-    mask = d < HEAD_DIM
-    for h in tl.static_range(HEADS):
-        k = tl.load(k_ptr + n * stride_kn + h * stride_kh + d, mask=mask)
-        v = tl.load(v_ptr + n * stride_vn + h * stride_vh + d, mask=mask)
-        base = cache_ptr + blk * stride_cb + off * stride_cs + h * stride_ch + d
-        tl.store(base, k.to(cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(base + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+                     block_size, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program: BLOCK_M tokens, each row of the tile one token's K (and V) over all heads (column
+    c = head * BLOCK_D + channel), copied into the token's cache slot. Padded tokens write nothing."""
+    n = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(slot_ptr + n, mask=n < num_tokens, other=-1).to(tl.int64)
+    ok = slot >= 0
+    slot = tl.where(ok, slot, 0)
+    c = tl.arange(0, BLOCK_H * BLOCK_D)
+    h, d = c // BLOCK_D, c % BLOCK_D
+    mask = ok[:, None] & ((h < heads) & (d < head_dim))[None, :]
+    k = tl.load(k_ptr + n[:, None] * stride_kn + (h * stride_kh + d)[None, :], mask=mask)
+    v = tl.load(v_ptr + n[:, None] * stride_vn + (h * stride_vh + d)[None, :], mask=mask)
+    base = (cache_ptr + ((slot // block_size) * stride_cb + (slot % block_size) * stride_cs)[:, None]
+            + (h * stride_ch + d)[None, :])
+    tl.store(base, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(base + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -54,8 +56,11 @@ def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError(f"slot_mapping must be int32/int64 [N], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
     if n == 0:
         return
-    _write_kv_kernel[(n,)](
-        k, v, kv_cache, slot_mapping,
+    block_h, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(head_dim)
+    block_m = rows_per_program(block_h * block_d)
+    _write_kv_kernel[(triton.cdiv(n, block_m),)](
+        k, v, kv_cache, slot_mapping, n, heads, head_dim,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        block_size, HEADS=heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim))
+        block_size, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_D=block_d,
+        num_warps=tile_warps(block_m * block_h * block_d))

@@ -1,6 +1,6 @@
 """Argument checks the kernel launchers share: each raises ValueError naming the argument, what it
 must be and what it is. They read shapes, dtypes and strides only, never tensor data (that would
-synchronise host and device)."""
+synchronise host and device). Also the row tiling of the row-wise kernels (`rows_per_program`, `tile_warps`)."""
 from __future__ import annotations
 
 import torch
@@ -63,3 +63,23 @@ def rows_view(name: str, t: torch.Tensor) -> torch.Tensor:
     except RuntimeError:
         raise ValueError(f"{name} {tuple(t.shape)} with strides {t.stride()}: its leading dimensions do not "
                          "flatten to rows without a copy") from None
+
+
+# Elements per program of the row-wise kernels (norms, activation, rotary, dt, KV write): a program
+# takes as many rows as fit, so narrow rows (a tiny model's 16- to 128-wide heads and norms, a decode
+# batch) are not one program each. On a GPU a 2048-element tile is 16 per thread at 4 warps; under the
+# Triton interpreter, where every program costs a Python call per op, it divides the programs run.
+ROW_TILE_ELEMENTS = 2048
+
+
+def rows_per_program(block_width: int) -> int:
+    """BLOCK_M of a row-wise kernel whose row tile is `block_width` wide (a power of 2): a power of 2,
+    at least 1. It depends on the width only, never on the row count, so a kernel has one
+    specialization per width (what a CUDA graph and the compile check see)."""
+    return max(1, ROW_TILE_ELEMENTS // block_width)
+
+
+def tile_warps(tile_elements: int) -> int:
+    """num_warps of a row-wise kernel for a tile of this many elements: one warp per 256 (8 elements
+    a thread), 1 to 16."""
+    return min(16, max(1, tile_elements // 256))

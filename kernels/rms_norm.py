@@ -20,40 +20,43 @@ import torch
 import triton
 import triton.language as tl
 
-from .launcher_checks import rows_view
+from .launcher_checks import rows_per_program, rows_view, tile_warps
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, dim, stride_x, stride_o, eps, BLOCK_D: tl.constexpr):
-    """One program per row."""
-    row = tl.program_id(0).to(tl.int64)
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, dim, stride_x, stride_o, eps,
+                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program: BLOCK_M rows (launcher_checks.rows_per_program), each normalised on its own."""
+    row = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
-    mask = d < dim
-    x = tl.load(x_ptr + row * stride_x + d, mask=mask, other=0.0).to(tl.float32)
-    normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
+    mask = (row < n_rows)[:, None] & (d < dim)[None, :]
+    x = tl.load(x_ptr + row[:, None] * stride_x + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    normed = x * tl.rsqrt(tl.sum(x * x, axis=1) / dim + eps)[:, None]
     normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)           # the reference rounds here
-    w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + d, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    w = tl.load(w_ptr + d, mask=d < dim, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row[:, None] * stride_o + d[None, :], (w[None, :] * normed).to(out_ptr.dtype.element_ty),
+             mask=mask)
 
 
 @triton.jit
-def _rms_norm_gated_kernel(x_ptr, z_ptr, w_ptr, out_ptr, group_size, stride_x, stride_z, stride_o, eps,
+def _rms_norm_gated_kernel(x_ptr, z_ptr, w_ptr, out_ptr, n_rows, group_size, stride_x, stride_z, stride_o, eps,
                            HAS_GATE: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, CAST_NORMED: tl.constexpr,
-                           ROUND_PROD: tl.constexpr, BLOCK_G: tl.constexpr):
-    """Program (row, group). ROUND_PROD: the reference's weight product is in x's (16-bit) dtype,
-    so it is rounded there; otherwise that product is fp32."""
-    row = tl.program_id(0).to(tl.int64)
-    d = tl.program_id(1) * group_size + tl.arange(0, BLOCK_G)
-    mask = tl.arange(0, BLOCK_G) < group_size
-    x = tl.load(x_ptr + row * stride_x + d, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
+                           ROUND_PROD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Program (block of BLOCK_M rows, group). ROUND_PROD: the reference's weight product is in x's
+    (16-bit) dtype, so it is rounded there; otherwise that product is fp32."""
+    row = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    j = tl.arange(0, BLOCK_G)
+    d = tl.program_id(1) * group_size + j
+    mask = (row < n_rows)[:, None] & (j < group_size)[None, :]
+    x = tl.load(x_ptr + row[:, None] * stride_x + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + d, mask=j < group_size, other=0.0).to(tl.float32)[None, :]
     if HAS_GATE:
-        z = tl.load(z_ptr + row * stride_z + d, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + row[:, None] * stride_z + d[None, :], mask=mask, other=0.0).to(tl.float32)
         silu_z = z * tl.sigmoid(z)
     if NORM_BEFORE_GATE:
-        normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / group_size + eps)
+        normed = x * tl.rsqrt(tl.sum(x * x, axis=1) / group_size + eps)[:, None]
         if CAST_NORMED:
             normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)
         r = w * normed
@@ -64,11 +67,11 @@ def _rms_norm_gated_kernel(x_ptr, z_ptr, w_ptr, out_ptr, group_size, stride_x, s
     else:
         if HAS_GATE:
             x = x * silu_z
-        normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / group_size + eps)
+        normed = x * tl.rsqrt(tl.sum(x * x, axis=1) / group_size + eps)[:, None]
         r = w * normed.to(x_ptr.dtype.element_ty).to(tl.float32)
         if ROUND_PROD:
             r = r.to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + d, r.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row[:, None] * stride_o + d[None, :], r.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(name: str, t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -96,8 +99,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     if rows.shape[0]:
         block = triton.next_power_of_2(dim)
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, dim, rows.stride(0), dim, float(eps),
-                                           BLOCK_D=block, num_warps=min(16, max(1, block // 256)))
+        block_m = rows_per_program(block)
+        _rms_norm_kernel[(triton.cdiv(rows.shape[0], block_m),)](
+            rows, weight, out, rows.shape[0], dim, rows.stride(0), dim, float(eps),
+            BLOCK_M=block_m, BLOCK_D=block, num_warps=tile_warps(block_m * block))
     return out
 
 
@@ -126,9 +131,10 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Ten
         raise ValueError(f"out_dtype must be float32, float16 or bfloat16, got {out.dtype}")
     if rows.shape[0]:
         block = triton.next_power_of_2(group_size)
+        block_m = rows_per_program(block)
         z = gate_rows if gate is not None else rows
-        _rms_norm_gated_kernel[(rows.shape[0], dim // group_size)](
-            rows, z, weight, out, group_size, rows.stride(0), z.stride(0), dim, float(eps),
+        _rms_norm_gated_kernel[(triton.cdiv(rows.shape[0], block_m), dim // group_size)](
+            rows, z, weight, out, rows.shape[0], group_size, rows.stride(0), z.stride(0), dim, float(eps),
             HAS_GATE=gate is not None, NORM_BEFORE_GATE=norm_before_gate, CAST_NORMED=cast_normed,
-            ROUND_PROD=prod != torch.float32, BLOCK_G=block, num_warps=min(16, max(1, block // 256)))
+            ROUND_PROD=prod != torch.float32, BLOCK_M=block_m, BLOCK_G=block, num_warps=tile_warps(block_m * block))
     return out

@@ -16,14 +16,17 @@ import torch
 import triton
 import triton.language as tl
 
+from .launcher_checks import rows_per_program, tile_warps
+
 
 @triton.jit
-def _rotary_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, inv_ptr, q_heads, k_heads, head_dim,
+def _rotary_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, inv_ptr, num_tokens, q_heads, k_heads, head_dim,
                    stride_qt, stride_qh, stride_kt, stride_kh, scaling,
-                   HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program (token, head of q then of k)."""
-    t = tl.program_id(0).to(tl.int64)
+                   HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (block of BLOCK_M tokens, head of q then of k)."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     h = tl.program_id(1)
+    t_ok = t < num_tokens
     dt = q_ptr.dtype.element_ty
     if h < q_heads:
         src = q_ptr + t * stride_qt + h * stride_qh
@@ -31,19 +34,23 @@ def _rotary_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, inv_ptr, q_heads, k_he
     else:
         src = k_ptr + t * stride_kt + (h - q_heads) * stride_kh
         dst = ko_ptr + (t * k_heads + h - q_heads) * head_dim
-    d = tl.arange(0, BLOCK_D)                                     # pass-through channels
-    tl.store(dst + d, tl.load(src + d, mask=d < head_dim), mask=(d >= 2 * HALF) & (d < head_dim))
+    src, dst = src[:, None], dst[:, None]                         # [BLOCK_M, 1] row starts
+    d = tl.arange(0, BLOCK_D)[None, :]                            # pass-through channels
+    tl.store(dst + d, tl.load(src + d, mask=t_ok[:, None] & (d < head_dim)),
+             mask=t_ok[:, None] & (d >= 2 * HALF) & (d < head_dim))
     j = tl.arange(0, BLOCK_HALF)
-    mj = j < HALF
-    f = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_ptr + j, mask=mj, other=0.0)
+    m = t_ok[:, None] & (j < HALF)[None, :]
+    j = j[None, :]
+    pos = tl.load(pos_ptr + t, mask=t_ok, other=0).to(tl.float32)
+    f = pos[:, None] * tl.load(inv_ptr + j, mask=j < HALF, other=0.0)
     c = (tl.cos(f) * scaling).to(dt).to(tl.float32)
     s = (tl.sin(f) * scaling).to(dt).to(tl.float32)
-    x1 = tl.load(src + j, mask=mj, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF + j, mask=mj, other=0.0).to(tl.float32)
+    x1 = tl.load(src + j, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + j, mask=m, other=0.0).to(tl.float32)
     o1 = ((x1 * c).to(dt).to(tl.float32) + (-x2 * s).to(dt).to(tl.float32)).to(dt)
     o2 = ((x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)).to(dt)
-    tl.store(dst + j, o1, mask=mj)
-    tl.store(dst + HALF + j, o2, mask=mj)
+    tl.store(dst + j, o1, mask=m)
+    tl.store(dst + HALF + j, o2, mask=m)
 
 
 def _check(name: str, x: torch.Tensor, positions: torch.Tensor, rotary_dim: int) -> None:
@@ -81,8 +88,11 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if t and q_heads + k_heads:
         half = rotary_dim // 2
-        _rotary_kernel[(t, q_heads + k_heads)](
-            q, k, q_out, k_out, positions, inv_freq, q_heads, k_heads, head_dim,
+        block_d = triton.next_power_of_2(head_dim)
+        block_m = rows_per_program(block_d)
+        _rotary_kernel[(triton.cdiv(t, block_m), q_heads + k_heads)](
+            q, k, q_out, k_out, positions, inv_freq, t, q_heads, k_heads, head_dim,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), float(scaling),
-            HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(head_dim))
+            HALF=half, BLOCK_M=block_m, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=block_d,
+            num_warps=tile_warps(block_m * block_d))
     return q_out, k_out

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launcher_checks import rows_per_program, tile_warps
+
 
 @triton.jit
 def _prepared_dt(v, lo, hi, HAS_CLAMP: tl.constexpr):
@@ -123,14 +125,14 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
 
 
 @triton.jit
-def _dt_kernel(dt_ptr, bias_ptr, out_ptr, heads, stride_t, lo, hi, HAS_CLAMP: tl.constexpr,
-               BLOCK_H: tl.constexpr):
-    """One program per token."""
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.arange(0, BLOCK_H)
-    mask = h < heads
+def _dt_kernel(dt_ptr, bias_ptr, out_ptr, num_tokens, heads, stride_t, lo, hi, HAS_CLAMP: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program: BLOCK_M tokens."""
+    t = (tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]
+    h = tl.arange(0, BLOCK_H)[None, :]
+    mask = (t < num_tokens) & (h < heads)
     v = (tl.load(dt_ptr + t * stride_t + h, mask=mask, other=0.0).to(tl.float32)
-         + tl.load(bias_ptr + h, mask=mask, other=0.0).to(tl.float32))
+         + tl.load(bias_ptr + h, mask=h < heads, other=0.0).to(tl.float32))
     dt = _prepared_dt(v, lo, hi, HAS_CLAMP)
     tl.store(out_ptr + t * heads + h, dt, mask=mask)
 
@@ -148,6 +150,9 @@ def mamba2_dt(dt_raw: torch.Tensor, dt_bias: torch.Tensor, dt_limit=None) -> tor
     lo, hi, clamp = _dt_bounds(dt_limit)
     out = torch.empty(t, heads, dtype=torch.float32, device=dt_raw.device)
     if t:
-        _dt_kernel[(t,)](dt_raw, dt_bias, out, heads, dt_raw.stride(0), lo, hi,
-                         HAS_CLAMP=clamp, BLOCK_H=triton.next_power_of_2(heads))
+        block_h = triton.next_power_of_2(heads)
+        block_m = rows_per_program(block_h)
+        _dt_kernel[(triton.cdiv(t, block_m),)](dt_raw, dt_bias, out, t, heads, dt_raw.stride(0), lo, hi,
+                                               HAS_CLAMP=clamp, BLOCK_M=block_m, BLOCK_H=block_h,
+                                               num_warps=tile_warps(block_m * block_h))
     return out

@@ -11,6 +11,7 @@ from harness import KERNEL_DEVICE as DEV  # the test device: CPU (interpreter) o
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
 from toolkit.kernels import activation as ka
 from toolkit.kernels import activation_ref
+from toolkit.kernels.launcher_checks import rows_per_program
 
 # the project's per-dtype tolerances (one to two ulps of the output dtype: silu rounds once, the product again)
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
@@ -58,6 +59,18 @@ def test_silu_and_mul_leading_dims_and_empty():
     gate, up = torch.randn(2, 3, 8, generator=g).to(DEV), torch.randn(2, 3, 8, generator=g).to(DEV)
     torch.testing.assert_close(ka.silu_and_mul(gate, up), activation_ref.silu_and_mul(gate, up), atol=1e-6, rtol=1e-6)
     assert ka.silu_and_mul(torch.zeros(0, 8, device=DEV), torch.zeros(0, 8, device=DEV)).shape == (0, 8)
+
+
+
+def test_silu_and_mul_tiles_rows_across_programs():
+    """Narrow rows go BLOCK_M to a program (launcher_checks.rows_per_program): more rows than two
+    programs take, the last tile part masked."""
+    g = torch.Generator().manual_seed(4)
+    dim = 40                                                  # a 64-wide tile, 24 channels masked
+    rows = 2 * rows_per_program(64) + 3
+    proj = (3 * torch.randn(rows, 2 * dim, generator=g)).to(DEV)
+    gate, up = proj[:, :dim], proj[:, dim:]
+    torch.testing.assert_close(ka.silu_and_mul(gate, up), activation_ref.silu_and_mul(gate, up), **TOL[torch.float32])
 
 
 def test_silu_and_mul_launcher_names_what_is_wrong():

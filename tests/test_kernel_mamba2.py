@@ -22,6 +22,7 @@ from toolkit.kernels import (
     ssd_scan_ref,
 )
 from toolkit.kernels import ssd_scan as ssd
+from toolkit.kernels.launcher_checks import rows_per_program
 from toolkit.kernels.ssd_scan_ref import ssm_scan_sequential_ref
 from toolkit.kernels.state_slots_ref import Checkpoints, initial_states_at
 
@@ -116,6 +117,19 @@ def test_mamba2_dt_equals_reference(dtype, limit):
     ours, ref = ssu.mamba2_dt(dt_raw, bias, limit), selective_state_update_ref.mamba2_dt(dt_raw, bias, limit)
     assert ours.dtype == ref.dtype == torch.float32
     torch.testing.assert_close(ours, ref, atol=0, rtol=2e-6)  # relative: softplus(-40) is 4e-18
+
+
+
+def test_mamba2_dt_tiles_tokens_across_programs():
+    """Tokens go BLOCK_M to a program (launcher_checks.rows_per_program): more tokens than two
+    programs take, the last tile part masked."""
+    g = torch.Generator().manual_seed(6)
+    heads = 3
+    t = 2 * rows_per_program(4) + 7
+    dt_raw = (8 * torch.randn(t, heads + 2, generator=g)).to(DEV)[:, 1:1 + heads]
+    bias = torch.randn(heads, generator=g).to(DEV)
+    torch.testing.assert_close(ssu.mamba2_dt(dt_raw, bias, (1e-3, 0.5)),
+                               selective_state_update_ref.mamba2_dt(dt_raw, bias, (1e-3, 0.5)), atol=0, rtol=2e-6)
 
 
 

@@ -21,6 +21,7 @@ from toolkit.kernels import (
 )
 from toolkit.kernels import paged_attention as pa
 from toolkit.kernels.kv_cache_ref import write_kv_cache
+from toolkit.kernels.launcher_checks import rows_per_program
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # both sides compute in fp32 and round once to the output dtype: about one ulp of it
@@ -44,6 +45,23 @@ def test_kv_cache_write_equals_reference(dtype):
     kv_cache_ref.write_kv_cache(ref, k, v, slots)
     assert torch.equal(ours, ref)
     assert ours.abs().sum() > 0
+
+
+
+def test_kv_cache_write_tiles_tokens_across_programs():
+    """Tokens go BLOCK_M to a program (launcher_checks.rows_per_program): more tokens than two
+    programs take, padded ones among them and the last tile part masked, each in its own slot."""
+    g = torch.Generator().manual_seed(1)
+    heads, d, bs = 3, 16, 4                      # 3 heads: the tile's head columns are masked too
+    n = 2 * rows_per_program(4 * d) + 5
+    k, v = torch.randn(n, heads, d, generator=g).to(DEV), torch.randn(n, heads, d, generator=g).to(DEV)
+    slots = torch.randperm(n + 8, generator=g)[:n]
+    slots[::7] = -1
+    ours = torch.zeros((n + 8) // bs + 1, 2, bs, heads, d, device=DEV)
+    ref = ours.clone()
+    kv_cache.write_kv_cache(ours, k, v, slots.to(DEV))
+    kv_cache_ref.write_kv_cache(ref, k, v, slots.to(DEV))
+    assert torch.equal(ours, ref)
 
 
 def test_kv_cache_launcher_names_what_is_wrong():

@@ -11,6 +11,7 @@ from harness import KERNEL_DEVICE as DEV  # the test device: CPU (interpreter) o
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
 from toolkit.kernels import rms_norm as kn
 from toolkit.kernels import rms_norm_ref
+from toolkit.kernels.launcher_checks import rows_per_program
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # both sides compute in fp32 and round at the same places: allow about one ulp of the output dtype
@@ -41,6 +42,26 @@ def test_rms_norm_per_head_rows_and_empty_batch():
     w = _weight(g, 24, torch.float32)
     torch.testing.assert_close(kn.rms_norm(x, w, 1e-5), rms_norm_ref.rms_norm(x, w, 1e-5), atol=1e-5, rtol=1e-5)
     assert kn.rms_norm(torch.zeros(0, 24, device=DEV), w, 1e-5).shape == (0, 24)
+
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_rms_norms_tile_rows_across_programs(gated):
+    """Narrow rows go BLOCK_M to a program (launcher_checks.rows_per_program): more rows than two
+    programs take, the last tile part masked, equal the reference row by row (a row-index or mask
+    slip in the tiling moves or drops rows)."""
+    g = torch.Generator().manual_seed(4)
+    dim = 16
+    rows = 2 * rows_per_program(dim) + 5
+    x = (2 * torch.randn(rows, dim + 4, generator=g)).to(DEV)[:, 2:2 + dim]      # a row stride past D
+    w = _weight(g, dim, torch.float32)
+    if gated:
+        gate = torch.randn(rows, dim, generator=g).to(DEV)
+        args = (x, gate, w, dim // 2, 1e-5, False, False)
+        ours, ref = kn.rms_norm_gated(*args), rms_norm_ref.rms_norm_gated_op(*args)
+    else:
+        ours, ref = kn.rms_norm(x, w, 1e-5), rms_norm_ref.rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

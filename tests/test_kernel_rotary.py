@@ -12,6 +12,7 @@ from harness import KERNEL_DEVICE as DEV  # the test device: CPU (interpreter) o
 pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; the torch path runs there")
 from toolkit.kernels import rotary as kr
 from toolkit.kernels import rotary_ref
+from toolkit.kernels.launcher_checks import rows_per_program
 from toolkit.layers.rotary import default_inv_freq
 
 # the kernel rounds where the reference's dtype ops do; cos/sin may differ by an fp32 ulp before rounding
@@ -45,6 +46,21 @@ def test_rotary_position_zero_is_the_identity_and_empty_batch():
     assert torch.equal(oq, q) and torch.equal(ok, k)
     eq, ek = kr.apply_rotary(torch.zeros(0, dtype=torch.int64, device=DEV), q[:0], k[:0], inv, 1.0, 8)
     assert eq.shape == (0, 2, 8) and ek.shape == (0, 1, 8)
+
+
+
+def test_rotary_tiles_tokens_across_programs():
+    """Tokens go BLOCK_M to a program (launcher_checks.rows_per_program): more tokens than two
+    programs take, the last tile part masked, each rotated at its own position."""
+    g = torch.Generator().manual_seed(3)
+    head_dim, rotary_dim = 16, 12
+    t = 2 * rows_per_program(head_dim) + 3
+    q, k = torch.randn(t, 3, head_dim, generator=g).to(DEV), torch.randn(t, 1, head_dim, generator=g).to(DEV)
+    positions = torch.randperm(4 * t, generator=g)[:t].to(DEV)
+    inv = default_inv_freq(rotary_dim, 10000.0).to(DEV)
+    for o, r in zip(kr.apply_rotary(positions, q, k, inv, 1.0, rotary_dim),
+                    rotary_ref.apply_rotary(positions, q, k, inv, 1.0, rotary_dim)):
+        torch.testing.assert_close(o, r, **TOL[torch.float32])
 
 
 def test_rotary_launcher_names_what_is_wrong():
