@@ -42,37 +42,43 @@ def _dt_bounds(dt_limit) -> tuple[float, float, bool]:
 
 @triton.jit
 def _ssu_kernel(state_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, idx_ptr, y_ptr, dt_bias_ptr,
-                heads_per_group, head_dim, d_state,
+                heads, heads_per_group, head_dim, d_state,
                 s_slot, s_head, s_p, x_b, x_h, dt_b, bc_b, bc_g, y_b, y_h, dt_lo, dt_hi,
                 HAS_D: tl.constexpr, DT_BIAS: tl.constexpr, DT_CLAMP: tl.constexpr,
-                BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Program (row, head, block of P): one [BLOCK_P, N] tile of the state."""
+                BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (row, block of BLOCK_H heads, block of P): a [BLOCK_H, BLOCK_P, N] tile of the state
+    (BLOCK_H > 1 only where a head's [BLOCK_P, N] tile is small: launcher_checks.rows_per_program)."""
     row = tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
-    mp, mn = p < head_dim, n < d_state
+    mh, mp, mn = h < heads, p < head_dim, n < d_state
+    m_hp = mh[:, None] & mp[None, :]
+    hp = h[:, None] * y_h + p[None, :]                       # y's [BLOCK_H, BLOCK_P] offsets
     slot = tl.load(idx_ptr + row).to(tl.int64)
     if slot < 0:
-        tl.store(y_ptr + row * y_b + h * y_h + p, tl.zeros([BLOCK_P], dtype=tl.float32), mask=mp)
+        tl.store(y_ptr + row * y_b + hp, tl.zeros([BLOCK_H, BLOCK_P], dtype=tl.float32), mask=m_hp)
         return
     g = h // heads_per_group
-    x = tl.load(x_ptr + row * x_b + h * x_h + p, mask=mp, other=0.0).to(tl.float32)
-    dt = tl.load(dt_ptr + row * dt_b + h).to(tl.float32)
+    x = tl.load(x_ptr + row * x_b + h[:, None] * x_h + p[None, :], mask=m_hp, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + row * dt_b + h, mask=mh, other=0.0).to(tl.float32)
     if DT_BIAS:                                              # raw dt: prepare it here (mamba2_dt)
-        dt = _prepared_dt(dt + tl.load(dt_bias_ptr + h).to(tl.float32), dt_lo, dt_hi, DT_CLAMP)
-    dA = tl.exp(dt * tl.load(a_ptr + h).to(tl.float32))
-    Bv = tl.load(b_ptr + row * bc_b + g * bc_g + n, mask=mn, other=0.0).to(tl.float32)
-    Cv = tl.load(c_ptr + row * bc_b + g * bc_g + n, mask=mn, other=0.0).to(tl.float32)
-    tile = state_ptr + slot * s_slot + h * s_head + p[:, None] * s_p + n[None, :]
-    m2 = mp[:, None] & mn[None, :]
-    s = tl.load(tile, mask=m2, other=0.0).to(tl.float32)
-    s = s * dA + (dt * x)[:, None] * Bv[None, :]
-    tl.store(tile, s.to(state_ptr.dtype.element_ty), mask=m2)
-    y = tl.sum(s * Cv[None, :], axis=1)
+        dt = _prepared_dt(dt + tl.load(dt_bias_ptr + h, mask=mh, other=0.0).to(tl.float32), dt_lo, dt_hi,
+                          DT_CLAMP)
+    dA = tl.exp(dt * tl.load(a_ptr + h, mask=mh, other=0.0).to(tl.float32))
+    m_hn = mh[:, None] & mn[None, :]
+    gn = row * bc_b + g[:, None] * bc_g + n[None, :]
+    Bv = tl.load(b_ptr + gn, mask=m_hn, other=0.0).to(tl.float32)
+    Cv = tl.load(c_ptr + gn, mask=m_hn, other=0.0).to(tl.float32)
+    tile = state_ptr + slot * s_slot + h[:, None, None] * s_head + p[None, :, None] * s_p + n[None, None, :]
+    m3 = m_hp[:, :, None] & mn[None, None, :]
+    s = tl.load(tile, mask=m3, other=0.0).to(tl.float32)
+    s = s * dA[:, None, None] + (dt[:, None] * x)[:, :, None] * Bv[:, None, :]
+    tl.store(tile, s.to(state_ptr.dtype.element_ty), mask=m3)
+    y = tl.sum(s * Cv[:, None, :], axis=2)
     if HAS_D:
-        y += tl.load(d_ptr + h).to(tl.float32) * x
-    tl.store(y_ptr + row * y_b + h * y_h + p, y, mask=mp)
+        y += tl.load(d_ptr + h, mask=mh, other=0.0).to(tl.float32)[:, None] * x
+    tl.store(y_ptr + row * y_b + hp, y, mask=m_hp)
 
 
 def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
@@ -113,14 +119,15 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
     y = torch.empty(b, heads, head_dim, dtype=torch.float32, device=x.device)
     if b == 0:
         return y
-    block_p = min(triton.next_power_of_2(head_dim), 32)
-    _ssu_kernel[(b, heads, triton.cdiv(head_dim, block_p))](
+    block_p, block_n = min(triton.next_power_of_2(head_dim), 32), triton.next_power_of_2(d_state)
+    block_h = min(triton.next_power_of_2(heads), rows_per_program(block_p * block_n))
+    _ssu_kernel[(b, triton.cdiv(heads, block_h), triton.cdiv(head_dim, block_p))](
         state, x, dt, A, B, C, D if D is not None else A, state_indices, y,
-        dt_bias if dt_bias is not None else A, heads // groups, head_dim, d_state,
+        dt_bias if dt_bias is not None else A, heads, heads // groups, head_dim, d_state,
         state.stride(0), state.stride(1), state.stride(2), x.stride(0), x.stride(1), dt.stride(0),
         B.stride(0), B.stride(1), y.stride(0), y.stride(1), lo, hi,
         HAS_D=D is not None, DT_BIAS=dt_bias is not None, DT_CLAMP=dt_bias is not None and clamp,
-        BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(d_state))
+        BLOCK_H=block_h, BLOCK_P=block_p, BLOCK_N=block_n)
     return y
 
 

@@ -148,12 +148,12 @@ def test_a_spec_records_what_a_gpu_launch_specializes_on(tmp_path):
         rms_norm(torch.randn(2, 17, dtype=torch.bfloat16), torch.ones(17, dtype=torch.bfloat16), 1e-6)
     assert specs.labels == {"norms"} and specs.launches["toolkit.kernels.rms_norm:_rms_norm_kernel"] == 4
     assert sorted(s.signature for s in specs.specs.values()) == [
-        "x_ptr=*bf16/16 w_ptr=*bf16/16 out_ptr=*bf16/16 dim=i32 stride_x=i32 stride_o=i32 eps=fp32 BLOCK_D=32 "
-        "num_warps=1",
-        "x_ptr=*fp32 w_ptr=*fp32/16 out_ptr=*fp32/16 dim=i32/16 stride_x=i32/16 stride_o=i32/16 eps=fp32 "
-        "BLOCK_D=32 num_warps=1",
-        "x_ptr=*fp32/16 w_ptr=*fp32/16 out_ptr=*fp32/16 dim=i32/16 stride_x=i32/16 stride_o=i32/16 eps=fp32 "
-        "BLOCK_D=32 num_warps=1"]
+        "x_ptr=*bf16/16 w_ptr=*bf16/16 out_ptr=*bf16/16 n_rows=i32 dim=i32 stride_x=i32 stride_o=i32 eps=fp32 "
+        "BLOCK_M=64 BLOCK_D=32 num_warps=8",
+        "x_ptr=*fp32 w_ptr=*fp32/16 out_ptr=*fp32/16 n_rows=1 dim=i32/16 stride_x=i32/16 stride_o=i32/16 eps=fp32 "
+        "BLOCK_M=64 BLOCK_D=32 num_warps=8",
+        "x_ptr=*fp32/16 w_ptr=*fp32/16 out_ptr=*fp32/16 n_rows=1 dim=i32/16 stride_x=i32/16 stride_o=i32/16 "
+        "eps=fp32 BLOCK_M=64 BLOCK_D=32 num_warps=8"]
     specs.save(tmp_path / "specs.json")
     again = ks.KernelSpecs.load(tmp_path / "specs.json")
     assert again.specs == specs.specs and again.labels == specs.labels

@@ -52,6 +52,28 @@ def test_selective_state_update_equals_reference(dtype, groups, with_d):
 
 
 
+def test_selective_state_update_tiles_heads_across_programs():
+    """Heads go BLOCK_H to a program where a head's tile is small (launcher_checks.rows_per_program):
+    6 heads in 3 groups, [32, 16] tiles, so 4 heads a program and the second program's last two
+    masked; each head keeps its own state, dt, A, D and group's B and C."""
+    g = torch.Generator().manual_seed(7)
+    slots, heads, head_dim, d_state, groups, b = 4, 6, 32, 16, 3, 3
+    assert rows_per_program(head_dim * d_state) == 4
+    state = torch.randn(slots, heads, head_dim, d_state, generator=g).to(DEV)
+    x = torch.randn(b, heads, head_dim, generator=g).to(DEV)
+    B, C = torch.randn(b, groups, d_state, generator=g).to(DEV), torch.randn(b, groups, d_state, generator=g).to(DEV)
+    dt_raw, dt_bias = torch.randn(b, heads, generator=g).to(DEV), torch.randn(heads, generator=g).to(DEV)
+    A, D = (-torch.rand(heads, generator=g) - 0.5).to(DEV), torch.randn(heads, generator=g).to(DEV)
+    idx = torch.tensor([3, -1, 0], device=DEV)
+    ours_state, ref_state = state.clone(), state.clone()
+    y = ssu.selective_state_update(ours_state, x, dt_raw, A, B, C, D, idx, dt_bias, (0.01, 2.0))
+    y_ref = selective_state_update_ref.mamba2_update_at_slots(ref_state, x, dt_raw, A, B, C, D, idx, dt_bias,
+                                                              (0.01, 2.0))
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_state, ref_state, atol=1e-6, rtol=1e-6)
+    assert torch.equal(ours_state[[1, 2]], state[[1, 2]]) and (y[1] == 0).all()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dt_limit", [None, (0.0, float("inf")), (0.05, 0.8)])
 def test_selective_state_update_prepares_raw_dt_like_mamba2_dt(dtype, dt_limit):
