@@ -17,7 +17,7 @@ from .launcher_checks import rows_per_program, rows_view, tile_warps
 _BLOCK = 1024          # the widest channel block of a program
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])      # one compile for every row count
 def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, n_rows, dim, stride_g, stride_u, ROUND_ACT: tl.constexpr,
                          ROUND_PROD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
     """Program (block of BLOCK_M rows, block of channels). ROUND_ACT: P is 16-bit (= gate's dtype),

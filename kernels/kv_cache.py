@@ -14,7 +14,7 @@ import triton.language as tl
 from .launcher_checks import rows_per_program, tile_warps
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])      # one compile for every row count
 def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, num_tokens, heads, head_dim,
                      stride_kn, stride_kh, stride_vn, stride_vh,
                      stride_cb, stride_ckv, stride_cs, stride_ch,

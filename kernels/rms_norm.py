@@ -25,7 +25,7 @@ from .launcher_checks import rows_per_program, rows_view, tile_warps
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])      # one compile for every row count
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, dim, stride_x, stride_o, eps,
                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program: BLOCK_M rows (launcher_checks.rows_per_program), each normalised on its own."""
@@ -40,7 +40,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, dim, stride_x, stride_o, eps
              mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])      # one compile for every row count
 def _rms_norm_gated_kernel(x_ptr, z_ptr, w_ptr, out_ptr, n_rows, group_size, stride_x, stride_z, stride_o, eps,
                            HAS_GATE: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, CAST_NORMED: tl.constexpr,
                            ROUND_PROD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr):

@@ -19,7 +19,7 @@ import triton.language as tl
 from .launcher_checks import rows_per_program, tile_warps
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])      # one compile for every row count
 def _rotary_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, inv_ptr, num_tokens, q_heads, k_heads, head_dim,
                    stride_qt, stride_qh, stride_kt, stride_kh, scaling,
                    HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):

@@ -131,7 +131,7 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
     return y
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])      # one compile for every row count
 def _dt_kernel(dt_ptr, bias_ptr, out_ptr, num_tokens, heads, stride_t, lo, hi, HAS_CLAMP: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
     """Program: BLOCK_M tokens."""

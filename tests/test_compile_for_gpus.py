@@ -137,22 +137,24 @@ def test_shared_memory_above_a_block_and_too_many_registers_are_problems():
 
 def test_a_spec_records_what_a_gpu_launch_specializes_on(tmp_path):
     """Dtypes, 16-byte alignment of the pointer *on a GPU* (the view's byte offset), ints that are 1
-    or divisible by 16, constexprs and num_warps, as Triton keys its compile cache."""
+    or divisible by 16 (but not those the kernel's do_not_specialize names: the row count), constexprs
+    and num_warps, as Triton keys its compile cache."""
     from toolkit.kernels.rms_norm import rms_norm
     specs = ks.KernelSpecs()
     x = torch.randn(1, 48)
     with specs.recording("norms"):
         rms_norm(x[:, 4:36], torch.ones(32), 1e-6)       # 16 bytes in: aligned, dim 32
         rms_norm(x[:, 4:36], torch.ones(32), 1e-5)       # the same specialization
+        rms_norm(torch.randn(16, 48)[:, 4:36], torch.ones(32), 1e-6)    # and 16 rows (n_rows unspecialized)
         rms_norm(x[:, 1:33], torch.ones(32), 1e-6)       # 4 bytes in: not aligned
         rms_norm(torch.randn(2, 17, dtype=torch.bfloat16), torch.ones(17, dtype=torch.bfloat16), 1e-6)
-    assert specs.labels == {"norms"} and specs.launches["toolkit.kernels.rms_norm:_rms_norm_kernel"] == 4
+    assert specs.labels == {"norms"} and specs.launches["toolkit.kernels.rms_norm:_rms_norm_kernel"] == 5
     assert sorted(s.signature for s in specs.specs.values()) == [
         "x_ptr=*bf16/16 w_ptr=*bf16/16 out_ptr=*bf16/16 n_rows=i32 dim=i32 stride_x=i32 stride_o=i32 eps=fp32 "
         "BLOCK_M=64 BLOCK_D=32 num_warps=8",
-        "x_ptr=*fp32 w_ptr=*fp32/16 out_ptr=*fp32/16 n_rows=1 dim=i32/16 stride_x=i32/16 stride_o=i32/16 eps=fp32 "
+        "x_ptr=*fp32 w_ptr=*fp32/16 out_ptr=*fp32/16 n_rows=i32 dim=i32/16 stride_x=i32/16 stride_o=i32/16 eps=fp32 "
         "BLOCK_M=64 BLOCK_D=32 num_warps=8",
-        "x_ptr=*fp32/16 w_ptr=*fp32/16 out_ptr=*fp32/16 n_rows=1 dim=i32/16 stride_x=i32/16 stride_o=i32/16 "
+        "x_ptr=*fp32/16 w_ptr=*fp32/16 out_ptr=*fp32/16 n_rows=i32 dim=i32/16 stride_x=i32/16 stride_o=i32/16 "
         "eps=fp32 BLOCK_M=64 BLOCK_D=32 num_warps=8"]
     specs.save(tmp_path / "specs.json")
     again = ks.KernelSpecs.load(tmp_path / "specs.json")

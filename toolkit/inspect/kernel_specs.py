@@ -173,7 +173,7 @@ class KernelSpecs:
 
             def run(self, *args, grid, warmup, _original=original, **kwargs):
                 if not warmup:
-                    recorder.record(self.fn, args, kwargs)
+                    recorder.record(self.fn, args, kwargs, _unspecialized(self))
                 return _original(self, *args, grid=grid, warmup=warmup, **kwargs)
 
             patched.append((cls, original))
@@ -186,23 +186,25 @@ class KernelSpecs:
         if label is not None:
             self.labels.add(label)
 
-    def record(self, fn, args: tuple, kwargs: dict) -> KernelSpec:
-        """Record the launch of kernel function `fn` (the Python function under @triton.jit)."""
+    def record(self, fn, args: tuple, kwargs: dict, do_not_specialize: tuple = ()) -> KernelSpec:
+        """Record the launch of kernel function `fn` (the Python function under @triton.jit, whose
+        decorator's do_not_specialize this is)."""
         kernel = f"{fn.__module__}:{fn.__qualname__}"
         self.launches[kernel] += 1
         args_j = tuple(_describe(a) for a in args)
         kwargs_j = tuple(sorted((k, _describe(v)) for k, v in kwargs.items()))
-        jit, binder = self._jit(kernel, fn)
+        jit, binder = self._jit(kernel, fn, do_not_specialize)
         _, specialization, options = binder(*map(_stand_in, args_j), **{k: _stand_in(v) for k, v in kwargs_j})
         key = json.dumps([kernel, specialization, sorted(options.items())], default=str)
         if key not in self.specs:
             self.specs[key] = KernelSpec(kernel, args_j, kwargs_j, key, _signature(jit, specialization, options))
         return self.specs[key]
 
-    def _jit(self, kernel: str, fn) -> tuple:
+    def _jit(self, kernel: str, fn, do_not_specialize: tuple = ()) -> tuple:
         if kernel not in self._jits:
             from triton.runtime.jit import JITFunction
-            jit = JITFunction(fn)             # parameters and binder only: never launched or compiled here
+            # parameters and binder only: never launched or compiled here
+            jit = JITFunction(fn, do_not_specialize=list(do_not_specialize))
             self._jits[kernel] = (jit, _binder(jit, _cuda_backend()))
         return self._jits[kernel]
 
@@ -217,6 +219,14 @@ class KernelSpecs:
         out.specs = {s["key"]: KernelSpec.from_json(s) for s in d["specs"]}
         out.launches, out.labels = Counter(d["launches"]), set(d["labels"])
         return out
+
+
+def _unspecialized(kernel) -> tuple:
+    """The do_not_specialize of a JITFunction or an InterpretedFunction, as its decorator gave it."""
+    names = getattr(kernel, "kwargs", {}).get("do_not_specialize") if hasattr(kernel, "kwargs") else None
+    if names is None:
+        names = getattr(kernel, "do_not_specialize", None)
+    return tuple(names or ())
 
 
 def _signature(jit, specialization, options) -> str:
