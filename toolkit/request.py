@@ -111,8 +111,11 @@ class Request:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     stop_reason: int | str | None = None      # the stop id or stop string that finished it (vLLM)
-    output_text: str | None = None            # the text cut at a stop string (else decoded at the end)
-    stop_checked_chars: int = 0               # characters of the output text already searched
+    # with stop strings: the output text decoded so far, incrementally (`check_stop_strings`), cut at
+    # a stop string on a hit; else None (decoded whole at the end). detok_offsets: (prefix, read)
+    # indices into output_token_ids: the text of [prefix, read) is decoded, [read, ...) not yet
+    output_text: str | None = None
+    detok_offsets: tuple[int, int] = (0, 0)
     # n > 1: the parent prefills all but the last prompt token, then forks into n children
     # (`children`), which copy its KV blocks and state slot and each compute that last token
     index: int = 0                            # a child's index among the n (CompletionOutput.index)
@@ -184,37 +187,44 @@ def stop_strings_hit(text: str, new_chars: int, stop: list[str], include_in_outp
     return None
 
 
+def decode_new_text(req: Request, decode: Callable[[list[int]], str], upto: int) -> str:
+    """The text that output tokens [read, upto) add to `req.output_text` (vLLM's incremental
+    detokenization): decode the window from the prefix offset with and without them and keep the
+    difference, so each token costs the window, not the whole output. A window whose text ends in
+    U+FFFD (a multi-byte character not complete yet) waits for the next token."""
+    prefix, read = req.detok_offsets
+    if upto <= read:
+        return ""
+    ids = req.output_token_ids
+    before = decode(ids[prefix:read]) if read > prefix else ""
+    after = decode(ids[prefix:upto])
+    if len(after) <= len(before) or after.endswith("\ufffd"):
+        return ""
+    req.detok_offsets = (read, upto)
+    return after[len(before):]
+
+
 def check_stop_strings(req: Request, decode: Callable[[list[int]], str], drop_last: bool) -> str | None:
     """After a token was appended: whether the request's output text now contains one of its stop
     strings, ending in text that the tokens since the last check added (so a stop string spread
-    over several tokens is found once its last character arrives). On a hit, `req.output_text`
+    over several tokens is found once its last character arrives). The text grows incrementally
+    (`decode_new_text`): O(new text) per token, never the whole output. On a hit, `req.output_text`
     is the text cut as vLLM cuts it and the stop string is returned. `drop_last`: the last token is
     a stop token whose text is left out. Text made by the first `min_tokens` tokens is not
     searched (vLLM)."""
     params = req.sampling_params
-    ids = req.output_token_ids[:-1] if drop_last else req.output_token_ids
-    text = decode(ids)
-    # characters that may have changed (a multi-byte character completed) count as new
-    checked = min(req.stop_checked_chars, _common_prefix(req.output_text or "", text))
+    new = decode_new_text(req, decode, len(req.output_token_ids) - drop_last)
+    text = (req.output_text or "") + new
     req.output_text = text
-    req.stop_checked_chars = len(text)
     if len(req.output_token_ids) <= params.min_tokens:
         return None
-    hit = stop_strings_hit(text, len(text) - checked, params.stop, params.include_stop_str_in_output)
+    hit = stop_strings_hit(text, len(new), params.stop, params.include_stop_str_in_output)
     if hit is None:
         return None
     stop_str, cut = hit
     if cut != -1:
         req.output_text = text[:cut]
     return stop_str
-
-
-def _common_prefix(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 @dataclass
