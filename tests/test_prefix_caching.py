@@ -48,6 +48,21 @@ def hit_of(s: Scheduler, rid: str, tokens) -> int:
     return req.num_cached_tokens
 
 
+def test_each_step_registers_only_the_blocks_it_completed(monkeypatch):
+    """A long decode registers each full attention block once, when it completes (vLLM's
+    cache_full_blocks): register calls grow with the blocks, not with steps x blocks, so the host
+    work of a step does not grow with the context. The blocks are hit afterwards all the same."""
+    calls = []
+    original = BlockPool.register
+    monkeypatch.setattr(BlockPool, "register", lambda self, i, h, index: (calls.append(index),
+                                                                           original(self, i, h, index)))
+    s = scheduler([ATTN])
+    s.add_request(request("a", range(10, 19), max_tokens=40))          # 9 prompt tokens, 48 computed
+    run_to_end(s)
+    assert sorted(calls) == list(range(48 // BS))                    # blocks 0..11, once each
+    assert hit_of(s, "b", list(range(10, 19)) + [7] * 39) == 44       # the full blocks within N - 1
+
+
 # ---- the pool -------------------------------------------------------------------------------------
 def test_pool_counts_holders_and_evicts_the_least_recently_freed_cached_id_last_of_all():
     pool = BlockPool(6, "kv")

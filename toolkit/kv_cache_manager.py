@@ -293,6 +293,9 @@ class KVCacheManager:
         self.known_hashes: OrderedDict[BlockHash, None] = OrderedDict()
         self._hashed_upto: dict[str, int] = {}      # per request: blocks registered so far
         self._pages_registered_upto: dict[str, int] = {}   # per request: Mamba columns registered so far
+        # per (request, attention group): blocks registered so far (a step registers only the blocks it
+        # completed, as vLLM's cache_full_blocks: host work per step never grows with the context)
+        self._blocks_registered_upto: dict[tuple[str, int], int] = {}
         self._running_column: dict[str, int] = {}   # per request: its aligned rows' running column at
                                                     # the last allocation
         self._num_drafts: dict[str, int] = {}       # ... and the drafts its row verified then
@@ -428,6 +431,8 @@ class KVCacheManager:
         self._running_column.pop(req_id, None)
         self._num_drafts.pop(req_id, None)
         self._pages_registered_upto.pop(req_id, None)
+        for g in range(len(self.groups)):
+            self._blocks_registered_upto.pop((req_id, g), None)
         held = self._ids.pop(req_id, None)
         if held is None:
             return
@@ -504,8 +509,10 @@ class KVCacheManager:
         for g, (group, ids) in enumerate(zip(self.groups, held)):
             full = min(num_computed // group.block_size, len(hashes))
             if group.kind == "attention":
-                for i in range(full):
+                done = self._blocks_registered_upto.get((req_id, g), 0)
+                for i in range(done, full):
                     self.kv_pool.register(ids[i], hashes[i], i)
+                self._blocks_registered_upto[req_id, g] = max(done, full)
             elif self.aligned(g):
                 # the pages of the blocks finished since the last call: the running page when the step
                 # ended on its block's last token, and ("all") the pages of the boundaries inside the chunk
