@@ -33,6 +33,7 @@ from toolkit.inspect import check_logprobs_close
 from toolkit.models import DEMO_MODELS, model_folder, save_hf_folder
 from toolkit.models import PRESETS as PRESET_CONFIGS
 from toolkit.runner.model_states import MambaHybridModelState
+from toolkit.runner.spec_decode import Proposer
 
 # The device the parity tests run on: CPU by default; RUNNERSCOPE_TEST_DEVICE=cuda on a GPU machine.
 DEVICE = os.environ.get("RUNNERSCOPE_TEST_DEVICE", "cpu")
@@ -363,7 +364,7 @@ def run_to_completion(llm: LLM) -> dict:
     return outs
 
 
-class ScriptedProposer:
+class ScriptedProposer(Proposer):
     """Proposes the reference continuation of the request whose tokens the context starts with,
     with one draft made wrong on every `wrong_every`-th call (at a position that cycles; None:
     never), so that verify rows accept all, some and none of their drafts. A context no reference starts with
@@ -384,5 +385,5 @@ class ScriptedProposer:
                 return drafts
         return []
 
-    def propose_many(self, contexts: list[np.ndarray]) -> list[list[int]]:
+    def propose_many(self, contexts: list[np.ndarray], req_ids: list[str] | None = None) -> list[list[int]]:
         return [self.propose(c) for c in contexts]

@@ -194,6 +194,33 @@ def test_ngram_proposer_longest_match_earliest_occurrence():
     assert NgramProposer(3, 1, 1).propose(np.array([4, 6, 4])) == [6, 4]   # fewer than k follow
 
 
+def test_ngram_index_proposes_what_the_scan_proposes_from_the_new_tokens_only(monkeypatch):
+    """With request ids, each request's NgramIndex grows with its new tokens (1 to 4 a step, as kept
+    tokens arrive) and proposes exactly what scanning the whole context proposes, step after step,
+    for two requests side by side; it never scans (sliding_window_view is not called); a forgotten
+    request, or an id reused for another context, starts a new index."""
+    import toolkit.runner.spec_decode as sd
+    rng = np.random.default_rng(0)
+    scan, indexed = NgramProposer(k=3, min_n=1, max_n=3), NgramProposer(k=3, min_n=1, max_n=3)
+    streams = {rid: rng.integers(0, 6, size=300) for rid in ("a", "b")}     # small vocabulary: many repeats
+    lengths = {"a": 1, "b": 5}
+    with monkeypatch.context() as m:
+        expected = {}
+        while min(lengths.values()) < 300:
+            contexts = [streams[r][:lengths[r]] for r in ("a", "b")]
+            m.undo()
+            expected = scan.propose_many(contexts)
+            m.setattr(sd, "sliding_window_view", lambda *a: pytest.fail("the index scanned the context"))
+            assert indexed.propose_many(contexts, ["a", "b"]) == expected
+            for r in lengths:
+                lengths[r] = min(300, lengths[r] + int(rng.integers(1, 5)))
+        assert sum(map(bool, expected)) and set(indexed.indexes) == {"a", "b"}
+    indexed.forget(["a"])
+    assert set(indexed.indexes) == {"b"}
+    other = np.array([4, 4, 4, 4])                                   # "b" reused for a shorter context
+    assert indexed.propose(other, "b") == scan.propose(other) == [4]          # "4 4 4" at 0: one token follows
+
+
 def test_speculative_config_rules():
     assert resolve_speculative_config(None) is None
     cfg = resolve_speculative_config({"method": "ngram", "num_speculative_tokens": 2})

@@ -88,8 +88,9 @@ class StepObserver(Protocol):
 class ModelRunner:
     def __init__(self, model: nn.Module, cfg: RunnerConfig, speculative_config: SpeculativeConfig | None = None,
                  proposer: Any = None):
-        """`proposer`: what proposes drafts (speculative decoding): `propose_many(contexts)` -> drafts per
-        context; None: the n-gram proposer of `speculative_config` (method "ngram")."""
+        """`proposer`: what proposes drafts (speculative decoding), a spec_decode.Proposer:
+        `propose_many(contexts, req_ids)` -> drafts per context; None: the n-gram proposer of
+        `speculative_config` (method "ngram")."""
         self.cfg = cfg
         self.speculative_config = speculative_config
         # with decode graphs, MRV2's rule: always k drafts (padded with the last token), so that decode
@@ -135,6 +136,9 @@ class ModelRunner:
     # ---- state updates ---------------------------------------------------------------------
     def remove_requests(self, req_ids) -> None:
         """Release the rows of finished, aborted or preempted requests (unknown ids are skipped)."""
+        req_ids = list(req_ids)
+        if self.proposer is not None:
+            self.proposer.forget(req_ids)
         for req_id in req_ids:
             idx = self.req_states.remove_request(req_id)
             if idx is None:
@@ -299,7 +303,8 @@ class ModelRunner:
                 if rs.num_computed_tokens[idx] == rs.total_len[idx] - 1
                 and rs.num_computed_tokens[idx] >= rs.prefill_len[idx]]
         contexts = [rs.all_token_ids[idx, :int(rs.total_len[idx])].numpy() for _, idx in rows]
-        return {rid: drafts for (rid, _), drafts in zip(rows, self.proposer.propose_many(contexts)) if drafts}
+        drafts = self.proposer.propose_many(contexts, [rid for rid, _ in rows])
+        return {rid: d for (rid, _), d in zip(rows, drafts) if d}
 
     def _logprobs(self, state: ExecuteModelState, sampled: torch.Tensor):
         """Logprobs of the step's sampled tokens (rows that ask, or every row while an observer

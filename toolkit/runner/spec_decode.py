@@ -11,6 +11,7 @@ which includes the target's own token) picks the state column the row's next ste
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,20 +19,77 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 
-class NgramProposer:
+class Proposer(ABC):
+    """What proposes drafts for the runner's verify rows. `propose_many(contexts, req_ids)`: per row,
+    the request's tokens so far and its id -> up to k drafts per row; `forget(req_ids)`: the runner
+    released these rows (finished, aborted or preempted), so what a proposer keeps per request goes."""
+
+    @abstractmethod
+    def propose_many(self, contexts: list[np.ndarray], req_ids: list[str] | None = None) -> list[list[int]]:
+        """Up to k drafts per context."""
+
+    def forget(self, req_ids) -> None:
+        """Nothing kept per request: nothing to drop."""
+
+
+class NgramIndex:
+    """One request's n-grams, n in [min_n, max_n], each mapped to its earliest start, over the
+    occurrences that end before the context's last token (what NgramProposer's lookup searches).
+    `extend` indexes only the windows the tokens since its last call complete, so a step costs the
+    new tokens, never the context's length."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.first: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self.indexed_end = 0            # windows ending (exclusively) at or before this are indexed
+
+    def extend(self, context: np.ndarray) -> None:
+        end = len(context) - 1          # windows must end before the last token
+        if end <= self.indexed_end:
+            return
+        lo = max(self.indexed_end + 1 - self.max_n, 0)
+        tokens = context[lo:end].tolist()
+        for e in range(self.indexed_end + 1, end + 1):
+            for n, first in self.first.items():
+                if e - n >= 0:
+                    first.setdefault(tuple(tokens[e - n - lo:e - lo]), e - n)
+        self.indexed_end = end
+
+    def lookup(self, context: np.ndarray, k: int) -> list[int]:
+        """The up to k tokens after the earliest occurrence of the longest n-gram ending the context."""
+        n_ctx = len(context)
+        tail = context[max(n_ctx - self.max_n, 0):].tolist()
+        for n in range(min(self.max_n, n_ctx - 1), self.min_n - 1, -1):
+            start = self.first[n].get(tuple(tail[len(tail) - n:]))
+            if start is not None:
+                return context[start + n:start + n + k].tolist()
+        return []
+
+
+class NgramProposer(Proposer):
     """Prompt lookup (vLLM V1's CPU `NgramProposer`): find the longest n-gram, n in [min_n, max_n],
     that ends the context and occurred earlier in it (the earliest such occurrence), and propose
     the up to k tokens that followed it. No match, or a context shorter than min_n: no drafts.
     `pad` (decode graphs on): always k drafts, the missing ones the last token repeated (MRV2's GPU
-    n-gram speculator), so that decode batches are uniform; a padded draft is verified like any."""
+    n-gram speculator), so that decode batches are uniform; a padded draft is verified like any.
+    With request ids, each request keeps an NgramIndex updated with its new tokens (the cost of a
+    step does not grow with the context); without, `propose` scans the context (the reference)."""
 
     def __init__(self, k: int, min_n: int, max_n: int, pad: bool = False):
         self.k, self.min_n, self.max_n = k, min_n, max_n
         self.pad = pad          # MRV2's GPU rule: always k drafts, missing ones the last token repeated
+        self.indexes: dict[str, NgramIndex] = {}
 
-    def propose(self, context: np.ndarray) -> list[int]:
+    def propose(self, context: np.ndarray, req_id: str | None = None) -> list[int]:
         """context: int [N], the request's tokens so far (prompt + outputs). Returns <= k ids."""
-        drafts = self._lookup(context)
+        if req_id is None:
+            drafts = self._lookup(context)
+        else:
+            index = self.indexes.get(req_id)
+            if index is None or index.indexed_end > len(context) - 1:      # new, or not this context
+                index = self.indexes[req_id] = NgramIndex(self.min_n, self.max_n)
+            index.extend(context)
+            drafts = index.lookup(context, self.k)
         if self.pad and len(context):
             drafts += [int(context[-1])] * (self.k - len(drafts))
         return drafts
@@ -46,12 +104,16 @@ class NgramProposer:
                 return context[start:start + self.k].tolist()
         return []
 
+    def propose_many(self, contexts: list[np.ndarray], req_ids: list[str] | None = None) -> list[list[int]]:
+        ids = req_ids if req_ids is not None else [None] * len(contexts)
+        return [self.propose(c, r) for c, r in zip(contexts, ids, strict=True)]
 
-    def propose_many(self, contexts: list[np.ndarray]) -> list[list[int]]:
-        return [self.propose(c) for c in contexts]
+    def forget(self, req_ids) -> None:
+        for req_id in req_ids:
+            self.indexes.pop(req_id, None)
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     """A smaller model with the same vocabulary proposes k tokens greedily (vLLM's "draft_model",
     `StandaloneARSpeculator`). `generate(contexts, k)` runs the draft engine -- an LLM of its own, with
     its own KV blocks and state slots, built by the facade (the runner does not import it) -- on every
@@ -65,16 +127,16 @@ class DraftModelProposer:
     def propose(self, context: np.ndarray) -> list[int]:
         return self.propose_many([context])[0]
 
-    def propose_many(self, contexts: list[np.ndarray]) -> list[list[int]]:
+    def propose_many(self, contexts: list[np.ndarray], req_ids: list[str] | None = None) -> list[list[int]]:
         return self.generate([c.tolist() for c in contexts], self.k) if contexts else []
 
 
-class RankZeroProposes:
+class RankZeroProposes(Proposer):
     """The proposer of tensor-parallel ranks 1..N-1: none of their own. Rank 0 proposes (an n-gram
     lookup, or a draft model that runs whole in rank 0's process, as vLLM V0's draft TP of 1), its
     scheduler puts the drafts in the next SchedulerOutput, and every rank verifies the same ones."""
 
-    def propose_many(self, contexts: list[np.ndarray]) -> list[list[int]]:
+    def propose_many(self, contexts: list[np.ndarray], req_ids: list[str] | None = None) -> list[list[int]]:
         return [[] for _ in contexts]
 
 
