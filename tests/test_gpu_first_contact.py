@@ -192,16 +192,27 @@ def test_steps_record_host_stages_and_no_device_times_on_a_cpu():
 
 
 # ---- host-to-device copies of a decode step ----------------------------------------------------------
-def decode_step_transfers(preset: str, backend: str, cudagraph_mode: str) -> dict[str, int]:
+def decode_step_transfers(preset: str, backend: str, cudagraph_mode: str, params=GREEDY) -> dict[str, int]:
     from toolkit.host import TRANSFERS
     with LLM(preset, **F32, backend=backend, cudagraph_mode=cudagraph_mode, inspect="off", **SMALL) as llm:
         for prompt in PROMPTS:
-            llm.add_request(prompt, GREEDY)
+            llm.add_request(prompt, params)
         llm.step()                      # the prefills
         llm.step()
         TRANSFERS.clear()
         llm.step()                      # a decode step
         return dict(TRANSFERS)
+
+
+# decode steps in every sampling mode: greedy; seeded temperature with top-k and top-p (the rows'
+# parameters are gathered on the device from the table copied when they were added, by the staged
+# idx_mapping); logprobs of the sampled tokens
+SAMPLING_MODES = {
+    "greedy": GREEDY,
+    "seeded-top-k-top-p": SamplingParams(max_tokens=5, temperature=0.8, top_k=5, top_p=0.9, seed=3,
+                                         ignore_eos=True),
+    "logprobs": SamplingParams(max_tokens=5, temperature=0.7, seed=4, logprobs=3, ignore_eos=True),
+}
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-bamba", "tiny-mamba", "tiny-mamba2", "tiny-lfm2",
@@ -210,11 +221,12 @@ def decode_step_transfers(preset: str, backend: str, cudagraph_mode: str) -> dic
 def test_a_decode_step_copies_its_host_data_in_two_transfers(preset):
     """The staged inputs (runner/staging.py) go in one copy per dtype; the only other transfer is
     the torch reference attention's batch of single-token rows, which the Triton kernel never
-    asks for (checked below on the Triton backend)."""
+    asks for (checked below on the Triton backend). Sampled and logprob steps copy nothing more."""
     for mode in ("none", "padded_eager"):
-        transfers = decode_step_transfers(preset, "torch", mode)
-        assert transfers.pop("copy_pinned") == 2, (mode, transfers)
-        assert transfers in ({}, {"to_device": 1}), (mode, transfers)
+        for name, params in SAMPLING_MODES.items() if preset == "tiny-bamba" else [("greedy", GREEDY)]:
+            transfers = decode_step_transfers(preset, "torch", mode, params)
+            assert transfers.pop("copy_pinned") == 2, (mode, name, transfers)
+            assert transfers in ({}, {"to_device": 1}), (mode, name, transfers)
 
 
 @pytest.mark.slow          # Triton engines under the interpreter

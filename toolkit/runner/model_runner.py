@@ -264,7 +264,8 @@ class ModelRunner:
         draws = batch.num_computed_tokens_np + batch.num_scheduled_tokens >= batch.prefill_len_np
         positions_np = batch.seq_lens_cpu_upper_bound.numpy()[:batch.num_reqs]
         if batch.num_draft_tokens is None:
-            sampled = self.sampler(logits, batch.idx_mapping_np, batch.seq_lens, draws, positions_np)
+            sampled = self.sampler(logits, batch.idx_mapping_np, batch.seq_lens, draws, positions_np,
+                                   idx_mapping=batch.idx_mapping)
         else:       # each logits row samples the token at its own position
             per_row = 1 + batch.num_draft_tokens
             positions_np = np.repeat(positions_np - batch.num_draft_tokens, per_row) + \

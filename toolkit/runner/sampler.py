@@ -14,7 +14,11 @@ from toolkit.sampling import MIN_TEMPERATURE, SamplingParams
 
 class Sampler:
     """Per-row sampling parameters, indexed by the request's persistent row (req_idx), kept in
-    host arrays so the per-step choices (any random row? any top-k?) need no device sync."""
+    host arrays so the per-step choices (any random row? any top-k?) need no device sync, and in
+    one packed int64 table on the device (temperature and top_p as their float32 bits, top_k, the
+    seed's two words), copied only after a request was added: a sampled step gathers its rows'
+    parameters there by the staged idx_mapping, so it copies nothing of its own (MRV2 keeps its
+    sampling states on the device the same way)."""
 
     def __init__(self, max_num_reqs: int, device: torch.device, gumbel_argmax=None):
         self.device = device
@@ -28,6 +32,8 @@ class Sampler:
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.min_len = np.zeros(max_num_reqs, dtype=np.int64)   # stop ids masked at positions below
         self.min_tokens_stop_ids: list[tuple[int, ...]] = [()] * max_num_reqs
+        self.packed = np.zeros((max_num_reqs, 5), dtype=np.int64)     # temp bits, top_k, top_p bits, seed lo, hi
+        self._packed_device: torch.Tensor | None = None               # None: refresh before the next use
 
     def add_request(self, req_idx: int, params: SamplingParams, seed: int, num_prompt_tokens: int = 0,
                     min_tokens_stop_ids: tuple[int, ...] = (), num_prompt_logprobs: int | None = None) -> None:
@@ -43,6 +49,9 @@ class Sampler:
         self.num_prompt_tokens[req_idx] = num_prompt_tokens
         self.min_len[req_idx] = num_prompt_tokens + params.min_tokens if min_tokens_stop_ids else 0
         self.min_tokens_stop_ids[req_idx] = tuple(min_tokens_stop_ids)
+        self.packed[req_idx] = (_float_bits(self.temperature[req_idx]), self.top_k[req_idx],
+                                _float_bits(self.top_p[req_idx]), *self.seeds[req_idx])
+        self._packed_device = None
 
     def remove_request(self, req_idx: int) -> None:
         self.temperature[req_idx] = 0.0
@@ -52,6 +61,16 @@ class Sampler:
         self.num_logprobs[req_idx] = self.num_prompt_logprobs[req_idx] = -1
         self.num_prompt_tokens[req_idx] = self.min_len[req_idx] = 0
         self.min_tokens_stop_ids[req_idx] = ()
+        # the packed table is left as it is: a removed row is gathered by no batch until it is added again
+
+    def device_params(self, idx_mapping: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(temperature float32, top_k int64, top_p float32, seeds int64 [., 2]) of the rows
+        `idx_mapping` (device int64 [B]) names, gathered on the device."""
+        if self._packed_device is None:
+            self._packed_device = to_device(self.packed, idx_mapping.device)
+        p = self._packed_device[idx_mapping]
+        return (p[:, 0].to(torch.int32).view(torch.float32), p[:, 1], p[:, 2].to(torch.int32).view(torch.float32),
+                p[:, 3:5])
 
     def apply_min_tokens(self, logits: torch.Tensor, idx_mapping_np: np.ndarray,
                          positions_np: np.ndarray) -> torch.Tensor:
@@ -70,8 +89,10 @@ class Sampler:
                                                                  dtype=logits.dtype))
 
     def __call__(self, logits: torch.Tensor, idx_mapping_np: np.ndarray, positions: torch.Tensor,
-                 draws_np: np.ndarray, positions_np: np.ndarray | None = None) -> torch.Tensor:
-        """logits: float32 [B, V] in batch order; idx_mapping_np: int [B] row -> req_idx;
+                 draws_np: np.ndarray, positions_np: np.ndarray | None = None,
+                 idx_mapping: torch.Tensor | None = None) -> torch.Tensor:
+        """logits: float32 [B, V] in batch order; idx_mapping_np: int [B] row -> req_idx
+        (`idx_mapping`: the same on the device, when the runner has it staged; else it is copied);
         positions: device int [B], the position each sampled token takes (`positions_np`: the same
         on the host, needed for the min_tokens mask); draws_np: bool [B], False for rows whose
         sample is thrown away (partial prefill chunks: they draw nothing and take the argmax).
@@ -84,16 +105,23 @@ class Sampler:
         if not random_rows.any():
             return greedy
         dev = logits.device
-        temp = to_device(np.where(random_rows, temperature, 1.0), dev)
-        scaled = logits.float() / temp[:, None]
+        if idx_mapping is None:
+            idx_mapping = to_device(np.ascontiguousarray(idx_mapping_np, dtype=np.int64), dev)
+        temp, top_k_dev, top_p_dev, seeds = self.device_params(idx_mapping)
+        # a row that draws and is not greedy; every row draws in a decode step (no copy then)
+        random_dev = temp > 0 if draws_np.all() else to_device(random_rows, dev)
+        scaled = logits.float() / torch.where(random_dev, temp, 1.0)[:, None]
         top_k, top_p = self.top_k[idx_mapping_np], self.top_p[idx_mapping_np]
         if ((top_k > 0) & (top_k < logits.shape[-1]) & random_rows).any() or \
                 ((top_p < 1.0) & random_rows).any():
-            scaled = apply_top_k_top_p(scaled, to_device(top_k, dev),
-                                       to_device(top_p, dev))
-        seeds = to_device(self.seeds[idx_mapping_np], dev)
+            scaled = apply_top_k_top_p(scaled, top_k_dev, top_p_dev)
         sampled = self.gumbel_argmax(scaled, seeds, positions)
-        return torch.where(to_device(random_rows, dev), sampled, greedy)
+        return torch.where(random_dev, sampled, greedy)
+
+
+def _float_bits(x: float) -> int:
+    """The float32 bit pattern of x, as a signed int32 (packed in the int64 parameter table)."""
+    return int(np.float32(x).view(np.int32))
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int
