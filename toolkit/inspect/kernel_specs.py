@@ -222,10 +222,10 @@ class KernelSpecs:
 
 
 def _unspecialized(kernel) -> tuple:
-    """The do_not_specialize of a JITFunction or an InterpretedFunction, as its decorator gave it."""
-    names = getattr(kernel, "kwargs", {}).get("do_not_specialize") if hasattr(kernel, "kwargs") else None
-    if names is None:
-        names = getattr(kernel, "do_not_specialize", None)
+    """The do_not_specialize of a JITFunction or an InterpretedFunction (which keeps its decorator's
+    arguments in `kwargs`), as its decorator gave it."""
+    kwargs = getattr(kernel, "kwargs", None)
+    names = kwargs.get("do_not_specialize") if kwargs is not None else kernel.do_not_specialize
     return tuple(names or ())
 
 
