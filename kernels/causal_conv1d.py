@@ -12,6 +12,15 @@ x [B, Dc] (one new token per row); state_indices int [B] (a row's slot; -1: noth
 out = 0). For each real row:
     out = act(bias + sum_k weight[:, k] * window[k]),  window = [conv_state[slot]; x]  (K inputs)
     conv_state[slot] = window[1:]
+Verify rows (speculative decoding, reference `conv_update_at_slots` with the same keywords, i.e.
+state_slots_ref.step_rows_at_columns): with query_start_loc int [R+1] and num_accepted_tokens int [R]
+given (both or neither), state_indices is int [R, J] (J = 1 + k state columns) and x is [T, Dc], row r
+owning tokens query_start_loc[r] : query_start_loc[r+1] (at most J). Row r starts from
+conv_state[state_indices[r, num_accepted_tokens[r] - 1]], runs the update above token by token and
+after its j-th token writes the state to conv_state[state_indices[r, j]] (each state entry is an
+input cast to the cache dtype, as the one-token update leaves it). state_indices[r, 0] == -1: a
+padding row, out = 0, nothing read or written. out [T, Dc]: 0 at tokens no real row computes. One
+launch, program (row, block of channels), the row's tokens in a loop with the window in registers.
 
 causal_conv1d_prefill (varlen prefill, reference `conv_prefill_at_slots`):
 x [T, Dc] (P sequences back to back, row stride may exceed Dc); cu_seqlens int32/int64 [P+1]
@@ -38,19 +47,76 @@ import triton
 import triton.language as tl
 
 from .causal_conv1d_ref import conv_windows_at
-from .launcher_checks import check_checkpoints
+from .launcher_checks import check_checkpoints, check_verify_rows
 from .state_slots_ref import Checkpoints, initial_states_at, write_states_at
 
 
 @triton.jit
+def _conv_verify_row(x_ptr, state_ptr, idx_ptr, w_ptr, b_ptr, out_ptr, qsl_ptr, acc_ptr, row, d, mask, dim,
+                     num_tokens, n_cols, stride_xb, stride_ss, stride_sk, stride_wd, stride_ob, stride_ir, stride_ic,
+                     KM1: tl.constexpr, BLOCK_KM1: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    """One verify row's tokens on a block of channels (state_slots_ref.step_rows_at_columns). The K-1
+    window is a ring in registers, [BLOCK_KM1, BLOCK_D] fp32 (the values rounded to the cache dtype):
+    before token j, logical entry k (oldest first) is physical row (j + k) % (K-1); token j's input
+    replaces the oldest, row j % (K-1). The sums run in the plain kernel's order."""
+    start = tl.load(qsl_ptr + row).to(tl.int64)
+    end = tl.load(qsl_ptr + row + 1).to(tl.int64)
+    ids = idx_ptr + row.to(tl.int64) * stride_ir
+    real = tl.load(ids).to(tl.int64) >= 0                  # column 0 PAD_SLOT_ID: a padding row
+    n_run = tl.where(real, tl.minimum(end - start, n_cols), 0)
+    first = tl.minimum(tl.maximum(tl.load(acc_ptr + row).to(tl.int64) - 1, 0), n_cols - 1)
+    src = tl.where(real, tl.load(ids + first * stride_ic).to(tl.int64), -1)
+    # out rows no real row computes are zeros: this row's others, and row 0 / the last row also take
+    # the tokens before query_start_loc[0] / from query_start_loc[R] on
+    zero = tl.zeros([BLOCK_D], dtype=tl.float32).to(out_ptr.dtype.element_ty)
+    for t in range(tl.where(row == 0, 0, start), start):
+        tl.store(out_ptr + t * stride_ob + d, zero, mask=mask)
+    for t in range(start + n_run, tl.where(row == tl.num_programs(0) - 1, num_tokens, end)):
+        tl.store(out_ptr + t * stride_ob + d, zero, mask=mask)
+    p = tl.arange(0, BLOCK_KM1)
+    # scalar conditions enter masks as bounds (the interpreter cannot `&` a scalar bool into a block)
+    win = tl.load(state_ptr + tl.maximum(src, 0) * stride_ss + p[:, None] * stride_sk + d[None, :],
+                  mask=(p < tl.where(src >= 0, KM1, 0))[:, None] & mask[None, :], other=0.0).to(tl.float32)
+    w_last = tl.load(w_ptr + d * stride_wd + KM1, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    for j in range(0, n_run):
+        t = start + j
+        x = tl.load(x_ptr + t * stride_xb + d, mask=mask, other=0.0).to(tl.float32)
+        acc = x * w_last
+        if HAS_BIAS:
+            acc += bias
+        for k in tl.static_range(KM1):
+            u = tl.sum(tl.where(p[:, None] == (j + k) % KM1, win, 0.0), axis=0)     # logical entry k
+            acc += u * tl.load(w_ptr + d * stride_wd + k, mask=mask, other=0.0).to(tl.float32)
+        win = tl.where(p[:, None] == j % KM1, x.to(state_ptr.dtype.element_ty).to(tl.float32)[None, :], win)
+        dst = tl.load(ids + j * stride_ic).to(tl.int64)
+        logical = (p + KM1 - (j + 1) % KM1) % KM1                                      # of physical row p
+        tl.store(state_ptr + tl.maximum(dst, 0) * stride_ss + logical[:, None] * stride_sk + d[None, :],
+                 win.to(state_ptr.dtype.element_ty), mask=(p < tl.where(dst >= 0, KM1, 0))[:, None] & mask[None, :])
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
+        tl.store(out_ptr + t * stride_ob + d, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "n_cols"])     # one compile for every token / column count
 def _conv_update_kernel(x_ptr, state_ptr, idx_ptr, w_ptr, b_ptr, out_ptr, dim,
                         stride_xb, stride_ss, stride_sk, stride_wd, stride_ob,
+                        qsl_ptr, acc_ptr, num_tokens, n_cols, stride_ir, stride_ic,
                         KM1: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                        BLOCK_D: tl.constexpr):
-    """Program (row, block of channels): K-tap dot product, then shift the window into the state."""
+                        BLOCK_D: tl.constexpr, IS_VERIFY: tl.constexpr, BLOCK_KM1: tl.constexpr):
+    """Program (row, block of channels): K-tap dot product, then shift the window into the state.
+    IS_VERIFY: program (verify row, block of channels), the row's tokens in a loop (_conv_verify_row);
+    qsl_ptr .. stride_ic are the verify arguments (unused otherwise)."""
     row = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = d < dim
+    if IS_VERIFY:
+        _conv_verify_row(x_ptr, state_ptr, idx_ptr, w_ptr, b_ptr, out_ptr, qsl_ptr, acc_ptr, row, d, mask, dim,
+                         num_tokens, n_cols, stride_xb, stride_ss, stride_sk, stride_wd, stride_ob, stride_ir,
+                         stride_ic, KM1, BLOCK_KM1, HAS_BIAS, SILU, BLOCK_D)
+        return
     slot = tl.load(idx_ptr + row).to(tl.int64)
     if slot < 0:
         tl.store(out_ptr + row * stride_ob + d, tl.zeros([BLOCK_D], dtype=tl.float32).to(out_ptr.dtype.element_ty),
@@ -75,10 +141,14 @@ def _conv_update_kernel(x_ptr, state_ptr, idx_ptr, w_ptr, b_ptr, out_ptr, dim,
 
 def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, state_indices: torch.Tensor,
                          weight: torch.Tensor, bias: torch.Tensor | None,
-                         activation: str | None = "silu") -> torch.Tensor:
-    """Launcher: checks shapes, dtypes and strides; updates `conv_state` in place; returns out."""
+                         activation: str | None = "silu", *, query_start_loc: torch.Tensor | None = None,
+                         num_accepted_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """Launcher: checks shapes, dtypes and strides; updates `conv_state` in place; returns out.
+    With query_start_loc and num_accepted_tokens: the verify rows (x [T, Dc], state_indices [R, J]),
+    one launch; out [T, Dc]."""
+    verify = check_verify_rows(state_indices, query_start_loc, num_accepted_tokens, x.device)
     if x.dim() != 2:
-        raise ValueError(f"x must be [B, Dc], got {tuple(x.shape)}")
+        raise ValueError(f"x must be [{'B' if verify is None else 'T'}, Dc], got {tuple(x.shape)}")
     b, dim = x.shape
     if conv_state.dim() != 3 or conv_state.shape[2] != dim:
         raise ValueError(f"conv_state must be [S, K-1, Dc={dim}], got {tuple(conv_state.shape)}")
@@ -87,7 +157,8 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, state_indice
         raise ValueError(f"weight must be [Dc={dim}, K={km1 + 1}] (K-1 from conv_state), got {tuple(weight.shape)}")
     if bias is not None and tuple(bias.shape) != (dim,):
         raise ValueError(f"bias must be [Dc={dim}], got {tuple(bias.shape)}")
-    if tuple(state_indices.shape) != (b,) or state_indices.dtype not in (torch.int32, torch.int64):
+    if verify is None and (tuple(state_indices.shape) != (b,)
+                           or state_indices.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"state_indices must be int32/int64 [B={b}], got {state_indices.dtype} "
                          f"{tuple(state_indices.shape)}")
     if activation not in (None, "silu", "swish"):
@@ -98,13 +169,23 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, state_indice
     if km1 < 1:
         raise ValueError("a conv kernel of width 1 has no state")
     out = torch.empty_like(x)
+    rows = b if verify is None else verify[0]
     if b == 0:
         return out
+    if rows == 0:                                       # verify rows, none of them: every out is 0
+        return out.zero_()
     block = min(triton.next_power_of_2(dim), 256)
-    _conv_update_kernel[(b, triton.cdiv(dim, block))](
+    if verify is None:
+        qsl, acc, n_cols, stride_ir, stride_ic = state_indices, state_indices, 1, 1, 1   # unused
+    else:
+        qsl, acc, n_cols = query_start_loc, num_accepted_tokens, verify[1]
+        stride_ir, stride_ic = state_indices.stride()
+    _conv_update_kernel[(rows, triton.cdiv(dim, block))](
         x, conv_state, state_indices, weight, bias if bias is not None else x, out, dim,
         x.stride(0), conv_state.stride(0), conv_state.stride(1), weight.stride(0), out.stride(0),
-        KM1=km1, HAS_BIAS=bias is not None, SILU=activation is not None, BLOCK_D=block)
+        qsl, acc, b, n_cols, stride_ir, stride_ic,
+        KM1=km1, HAS_BIAS=bias is not None, SILU=activation is not None, BLOCK_D=block,
+        IS_VERIFY=verify is not None, BLOCK_KM1=triton.next_power_of_2(km1))
     return out
 
 

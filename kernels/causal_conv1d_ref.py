@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .state_slots_ref import Checkpoints, initial_states_at, sequence_of, write_states_at
+from .state_slots_ref import Checkpoints, initial_states_at, sequence_of, step_rows_at_columns, write_states_at
 
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu}     # HF `hidden_act` names the kernels support
 
@@ -94,9 +94,17 @@ def causal_conv1d_step(
 
 def conv_update_at_slots(x: torch.Tensor, conv_state: torch.Tensor, state_indices: torch.Tensor,
                          weight: torch.Tensor, bias: torch.Tensor | None,
-                         activation: str | None = "silu") -> torch.Tensor:
+                         activation: str | None = "silu", *, query_start_loc: torch.Tensor | None = None,
+                         num_accepted_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """x [B, Dc], conv_state [S, K-1, Dc] (updated in place), state_indices int [B] -> out [B, Dc].
-    Padded rows (state index -1) get out = 0 and touch no state."""
+    Padded rows (state index -1) get out = 0 and touch no state.
+    Verify rows (query_start_loc [R+1], num_accepted_tokens [R], state_indices [R, 1 + k], x [T, Dc]):
+    state_slots_ref.step_rows_at_columns; out [T, Dc]."""
+    if query_start_loc is not None:
+        def step(state, x_):
+            return causal_conv1d_step(x_, state, weight, bias, activation)
+        return step_rows_at_columns(conv_state, state_indices, query_start_loc, num_accepted_tokens, step,
+                                    (x,), x.shape[0])
     out, new = causal_conv1d_step(x, initial_states_at(conv_state, state_indices, None), weight, bias, activation)
     write_states_at(conv_state, state_indices, new)
     return torch.where((state_indices >= 0).view(-1, 1), out, torch.zeros((), dtype=out.dtype, device=out.device))

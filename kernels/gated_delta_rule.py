@@ -16,6 +16,15 @@ PAD_SLOT_ID = -1 marks a padded row / sequence.
 gdn_update (decode, reference `gdn_update_at_slots`): q, k [B, Hk, K]; v [B, Hv, V]; g, beta [B, Hv];
 state_indices int [B]. Row i reads and writes ssm_state[state_indices[i]]; -1: y = 0, nothing
 read or written. Returns y fp32 [B, Hv, V].
+Verify rows (speculative decoding, reference `gdn_update_at_slots` with the same keywords, i.e.
+state_slots_ref.step_rows_at_columns): with query_start_loc int [R+1] and num_accepted_tokens int [R]
+given (both or neither), state_indices is int [R, J] (J = 1 + k state columns) and q, k, v, g, beta
+are [T, ...], row r owning tokens query_start_loc[r] : query_start_loc[r+1] (at most J). Row r starts
+from ssm_state[state_indices[r, num_accepted_tokens[r] - 1]], runs the update token by token and
+after its j-th token writes S to ssm_state[state_indices[r, j]]. state_indices[r, 0] == -1: a padding
+row, y = 0, nothing read or written. Returns y fp32 [T, Hv, V] (0 at tokens no real row computes).
+One launch, program (row, value head, block of V), the row's tokens in a loop with the state tile in
+registers (as vLLM's fused_recurrent_gated_delta_rule with num_accepted_tokens).
 
 gdn_prefill (varlen prefill, reference `gdn_prefill_at_slots`): q, k [T, Hk, K]; v [T, Hv, V];
 g, beta [T, Hv]; the chunk layout of the reference: cu_chunk_seqlens int [NC+1] (chunks tile [0, T),
@@ -44,7 +53,7 @@ import triton
 import triton.language as tl
 
 from .gated_delta_rule_ref import L2NORM_EPS
-from .launcher_checks import check_checkpoints, check_chunk_layout, check_index
+from .launcher_checks import check_checkpoints, check_chunk_layout, check_index, check_verify_rows
 from .state_slots_ref import Checkpoints
 
 
@@ -60,16 +69,70 @@ def _prepared_qk(q_ptr, k_ptr, kk, mk, scale, eps, USE_L2NORM: tl.constexpr):
 
 
 @triton.jit
+def _gdn_verify_row(state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, idx_ptr, y_ptr, qsl_ptr, acc_ptr,
+                    row, h, vv, kk, mv, mk, heads_per_k, v_dim, scale, eps, num_tokens, n_cols,
+                    s_slot, s_head, s_v, q_b, q_h, k_b, k_h, v_b, v_h, g_b, g_h, b_b, b_h, y_b, y_h, idx_r, idx_c,
+                    USE_L2NORM: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One verify row's tokens on a [BLOCK_V, K] state tile kept in registers (state_slots_ref.
+    step_rows_at_columns): read from column num_accepted - 1, stored to column j after token j, and
+    carried on rounded to the cache dtype, as the one-token update leaves it. The plain kernel's math."""
+    start = tl.load(qsl_ptr + row).to(tl.int64)
+    end = tl.load(qsl_ptr + row + 1).to(tl.int64)
+    ids = idx_ptr + row * idx_r
+    real = tl.load(ids).to(tl.int64) >= 0                  # column 0 PAD_SLOT_ID: a padding row
+    n_run = tl.where(real, tl.minimum(end - start, n_cols), 0)
+    first = tl.minimum(tl.maximum(tl.load(acc_ptr + row).to(tl.int64) - 1, 0), n_cols - 1)
+    src = tl.where(real, tl.load(ids + first * idx_c).to(tl.int64), -1)
+    # y rows no real row computes are zeros: this row's others, and row 0 / the last row also take
+    # the tokens before query_start_loc[0] / from query_start_loc[R] on
+    zero = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for t in range(tl.where(row == 0, 0, start), start):
+        tl.store(y_ptr + t * y_b + h * y_h + vv, zero, mask=mv)
+    for t in range(start + n_run, tl.where(row == tl.num_programs(0) - 1, num_tokens, end)):
+        tl.store(y_ptr + t * y_b + h * y_h + vv, zero, mask=mv)
+    hk = h // heads_per_k
+    offs = h * s_head + vv[:, None] * s_v + kk[None, :]
+    # scalar conditions folded into the V bound (the interpreter cannot AND a scalar into a mask)
+    s = tl.load(state_ptr + tl.maximum(src, 0) * s_slot + offs,
+                mask=(vv < tl.where(src >= 0, v_dim, 0))[:, None] & mk[None, :], other=0.0).to(tl.float32)
+    for j in range(0, n_run):
+        t = start + j
+        q, k = _prepared_qk(q_ptr + t * q_b + hk * q_h, k_ptr + t * k_b + hk * k_h, kk, mk, scale, eps,
+                            USE_L2NORM)
+        v = tl.load(v_ptr + t * v_b + h * v_h + vv, mask=mv, other=0.0).to(tl.float32)
+        decay = tl.exp(tl.load(g_ptr + t * g_b + h * g_h).to(tl.float32))
+        beta = tl.load(beta_ptr + t * b_b + h * b_h).to(tl.float32)
+        s = s * decay
+        delta = (v - tl.sum(s * k[None, :], axis=1)) * beta
+        s = s + delta[:, None] * k[None, :]
+        dst = tl.load(ids + j * idx_c).to(tl.int64)
+        tl.store(state_ptr + tl.maximum(dst, 0) * s_slot + offs, s.to(state_ptr.dtype.element_ty),
+                 mask=(vv < tl.where(dst >= 0, v_dim, 0))[:, None] & mk[None, :])
+        tl.store(y_ptr + t * y_b + h * y_h + vv, tl.sum(s * q[None, :], axis=1), mask=mv)
+        s = s.to(state_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "n_cols"])     # one compile for every token / column count
 def _gdn_update_kernel(state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, idx_ptr, y_ptr,
                        heads_per_k, v_dim, k_dim, scale, eps,
                        s_slot, s_head, s_v, q_b, q_h, k_b, k_h, v_b, v_h, g_b, g_h, b_b, b_h, y_b, y_h,
-                       USE_L2NORM: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program (row, value head, block of V): one token's delta-rule update of a [BLOCK_V, K] state tile."""
+                       qsl_ptr, acc_ptr, num_tokens, n_cols, idx_r, idx_c,
+                       USE_L2NORM: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+                       IS_VERIFY: tl.constexpr):
+    """Program (row, value head, block of V): one token's delta-rule update of a [BLOCK_V, K] state tile.
+    IS_VERIFY: program (verify row, value head, block of V), the row's tokens in a loop
+    (_gdn_verify_row); qsl_ptr .. idx_c are the verify arguments (unused otherwise)."""
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     kk = tl.arange(0, BLOCK_K)
     mv, mk = vv < v_dim, kk < k_dim
+    if IS_VERIFY:
+        _gdn_verify_row(state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, idx_ptr, y_ptr, qsl_ptr, acc_ptr,
+                        row, h, vv, kk, mv, mk, heads_per_k, v_dim, scale, eps, num_tokens, n_cols,
+                        s_slot, s_head, s_v, q_b, q_h, k_b, k_h, v_b, v_h, g_b, g_h, b_b, b_h, y_b, y_h, idx_r,
+                        idx_c, USE_L2NORM, BLOCK_V)
+        return
     slot = tl.load(idx_ptr + row).to(tl.int64)
     if slot < 0:
         tl.store(y_ptr + row * y_b + h * y_h + vv, tl.zeros([BLOCK_V], dtype=tl.float32), mask=mv)
@@ -176,23 +239,37 @@ def _blocks(k_dim: int, v_dim: int) -> tuple[int, int]:
 
 def gdn_update(ssm_state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                g: torch.Tensor, beta: torch.Tensor, state_indices: torch.Tensor,
-               use_qk_l2norm: bool = True) -> torch.Tensor:
+               use_qk_l2norm: bool = True, *, query_start_loc: torch.Tensor | None = None,
+               num_accepted_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """Launcher (decode, one token per row): checks shapes, dtypes, devices and strides; updates
-    `ssm_state` in place at state_indices; returns y fp32 [B, Hv, V] (padded rows 0)."""
-    b, _, hv, kd, vd, r = _check_common(ssm_state, q, k, v, g, beta, "B")
-    check_index("state_indices", state_indices, b, f"B={b}")
+    `ssm_state` in place at state_indices; returns y fp32 [B, Hv, V] (padded rows 0). With
+    query_start_loc and num_accepted_tokens: the verify rows (q ... beta [T, ...], state_indices
+    [R, J]), one launch; y fp32 [T, Hv, V]."""
+    verify = check_verify_rows(state_indices, query_start_loc, num_accepted_tokens, v.device)
+    b, _, hv, kd, vd, r = _check_common(ssm_state, q, k, v, g, beta, "B" if verify is None else "T")
+    if verify is None:
+        check_index("state_indices", state_indices, b, f"B={b}")
     _check_devices(v.device, ssm_state=ssm_state, q=q, k=k, g=g, beta=beta, state_indices=state_indices)
     y = torch.empty(b, hv, vd, dtype=torch.float32, device=v.device)
+    rows = b if verify is None else verify[0]
     if b == 0:
         return y
+    if rows == 0:                                       # verify rows, none of them: every y is 0
+        return y.zero_()
+    if verify is None:
+        qsl, acc, n_cols, idx_r, idx_c = state_indices, state_indices, 1, 1, 1      # unused
+    else:
+        qsl, acc, n_cols = query_start_loc, num_accepted_tokens, verify[1]
+        idx_r, idx_c = state_indices.stride()
     block_v, block_k = _blocks(kd, vd)
-    _gdn_update_kernel[(b, hv, triton.cdiv(vd, block_v))](
+    _gdn_update_kernel[(rows, hv, triton.cdiv(vd, block_v))](
         ssm_state, q, k, v, g, beta, state_indices, y,
         r, vd, kd, kd ** -0.5, L2NORM_EPS,
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
-        beta.stride(0), beta.stride(1), y.stride(0), y.stride(1),
-        USE_L2NORM=bool(use_qk_l2norm), BLOCK_V=block_v, BLOCK_K=block_k, num_warps=4)
+        beta.stride(0), beta.stride(1), y.stride(0), y.stride(1), qsl, acc, b, n_cols, idx_r, idx_c,
+        USE_L2NORM=bool(use_qk_l2norm), BLOCK_V=block_v, BLOCK_K=block_k, IS_VERIFY=verify is not None,
+        num_warps=4)
     return y
 
 

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from .state_slots_ref import Checkpoints, initial_states_at, padded_rows_redirected, sequence_of, write_states_at
+from .state_slots_ref import (
+    Checkpoints,
+    initial_states_at,
+    padded_rows_redirected,
+    sequence_of,
+    step_rows_at_columns,
+    write_states_at,
+)
 
 L2NORM_EPS = 1e-6
 
@@ -166,11 +173,17 @@ def gdn_chunk_varlen(
 
 def gdn_update_at_slots(ssm_state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         g: torch.Tensor, beta: torch.Tensor, state_indices: torch.Tensor,
-                        use_qk_l2norm: bool = True) -> torch.Tensor:
+                        use_qk_l2norm: bool = True, *, query_start_loc: torch.Tensor | None = None,
+                        num_accepted_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """`gdn_step` in place at state indices (one token per row): ssm_state [S, Hv, V, K], q, k
     [B, Hk, K] (raw: prepared here), v [B, Hv, V], g, beta [B, Hv]; row i reads and writes slot
-    state_indices[i] (-1: padded row, y = 0, nothing touched). Returns y fp32 [B, Hv, V]."""
+    state_indices[i] (-1: padded row, y = 0, nothing touched). Returns y fp32 [B, Hv, V].
+    Verify rows (query_start_loc [R+1], num_accepted_tokens [R], state_indices [R, 1 + k], q ... beta
+    [T, ...]): state_slots_ref.step_rows_at_columns; y fp32 [T, Hv, V]."""
     qp, kp = gdn_prepare_qk(q, k, v.shape[-2], use_qk_l2norm)
+    if query_start_loc is not None:
+        return step_rows_at_columns(ssm_state, state_indices, query_start_loc, num_accepted_tokens, gdn_step,
+                                    (qp, kp, v, g, beta), v.shape[0])
     y, new = gdn_step(initial_states_at(ssm_state, state_indices, None), qp, kp, v, g, beta)
     write_states_at(ssm_state, state_indices, new)
     return torch.where((state_indices >= 0).view(-1, 1, 1), y, torch.zeros((), dtype=y.dtype, device=y.device))

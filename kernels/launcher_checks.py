@@ -1,6 +1,7 @@
 """Argument checks the kernel launchers share: each raises ValueError naming the argument, what it
 must be and what it is. They read shapes, dtypes and strides only, never tensor data (that would
-synchronise host and device). Also the row tiling of the row-wise kernels (`rows_per_program`, `tile_warps`)."""
+synchronise host and device). Also the row tiling of the row-wise kernels (`rows_per_program`, `tile_warps`),
+and the verify-row arguments of the recurrent update ops (`check_verify_rows`)."""
 from __future__ import annotations
 
 import torch
@@ -83,3 +84,33 @@ def tile_warps(tile_elements: int) -> int:
     """num_warps of a row-wise kernel for a tile of this many elements: one warp per 256 (8 elements
     a thread), 1 to 16."""
     return min(16, max(1, tile_elements // 256))
+
+
+def check_verify_rows(state_indices: torch.Tensor, query_start_loc: torch.Tensor | None,
+                      num_accepted_tokens: torch.Tensor | None, device: torch.device) -> tuple[int, int] | None:
+    """The verify-row arguments of a recurrent update op (speculative decoding; semantics in
+    state_slots_ref.step_rows_at_columns): None when neither query_start_loc nor num_accepted_tokens
+    is given (plain decode: the launcher checks state_indices [B] itself), else (R rows, J state
+    columns) after checking state_indices int32/int64 [R, J] (J >= 1), query_start_loc
+    int32/int64 [R+1] and num_accepted_tokens int32/int64 [R], contiguous, all on `device`."""
+    if query_start_loc is None and num_accepted_tokens is None:
+        return None
+    if query_start_loc is None or num_accepted_tokens is None:
+        given, missing = (("query_start_loc", "num_accepted_tokens") if num_accepted_tokens is None
+                          else ("num_accepted_tokens", "query_start_loc"))
+        raise ValueError(f"{given} was given without {missing}: the verify rows need both (or neither, "
+                         "for a plain decode)")
+    if state_indices.dim() != 2 or state_indices.shape[1] < 1 or state_indices.dtype not in INT_DTYPES:
+        raise ValueError(f"state_indices must be int32/int64 [R, J=1+k] with query_start_loc (verify rows), "
+                         f"got {state_indices.dtype} {tuple(state_indices.shape)}")
+    rows, cols = state_indices.shape
+    check_index("query_start_loc", query_start_loc, rows + 1, f"R+1={rows + 1}")
+    check_index("num_accepted_tokens", num_accepted_tokens, rows, f"R={rows}")
+    for name, v in (("state_indices", state_indices), ("query_start_loc", query_start_loc),
+                    ("num_accepted_tokens", num_accepted_tokens)):
+        if v.device != device:
+            raise ValueError(f"{name} is on {v.device}, the inputs on {device}: all must be on one device")
+    for name, v in (("query_start_loc", query_start_loc), ("num_accepted_tokens", num_accepted_tokens)):
+        if v.shape[0] > 1 and v.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous, strides {tuple(v.stride())}")
+    return rows, cols

@@ -10,6 +10,15 @@ selective_state_update (decode, one token per row):
     a padded row, nothing read or written, y = 0). For each real row, with h = ssm_state[slot]:
         h = exp(dt * A) * h + (dt * B) * x ;   y = h . C + D * x
     Returns y fp32 [Bt, Di].
+    Verify rows (speculative decoding, reference `mamba1_update_at_slots` with the same keywords, i.e.
+    state_slots_ref.step_rows_at_columns): with query_start_loc int [R+1] and num_accepted_tokens
+    int [R] given (both or neither), state_indices is int [R, J] (J = 1 + k state columns) and x, dt,
+    B, C are [T, ...], row r owning tokens query_start_loc[r] : query_start_loc[r+1] (at most J). Row r
+    starts from ssm_state[state_indices[r, num_accepted_tokens[r] - 1]], runs the update above token
+    by token and after its j-th token writes h to ssm_state[state_indices[r, j]].
+    state_indices[r, 0] == -1: a padding row, y = 0, nothing read or written. Returns y fp32 [T, Di]
+    (0 at tokens no real row computes). One launch, program (row, block of channels), the row's
+    tokens in a loop with the state tile in registers.
 
 selective_scan (varlen prefill, P sequences back to back):
     x [T, Di]; dt [T, Di]; A [Di, N]; B, C [T, N]; D [Di] or None; cu_seqlens int [P+1]
@@ -37,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launcher_checks import check_checkpoints
+from .launcher_checks import check_checkpoints, check_verify_rows
 from .state_slots_ref import Checkpoints
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -45,14 +54,66 @@ _INTS = (torch.int32, torch.int64)
 
 
 @triton.jit
+def _update_verify_row(state_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, idx_ptr, y_ptr, qsl_ptr, acc_ptr,
+                       row, d, n, md, mn, dim, num_tokens, n_cols, s_slot, s_sd, x_b, dt_b, a_d, b_b, c_b, y_b,
+                       idx_r, idx_c, HAS_D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One verify row's tokens on a [BLOCK_D, N] state tile kept in registers (state_slots_ref.
+    step_rows_at_columns): read from column num_accepted - 1, stored to column j after token j, and
+    carried on rounded to the cache dtype, as the one-token update leaves it. The plain kernel's math."""
+    start = tl.load(qsl_ptr + row).to(tl.int64)
+    end = tl.load(qsl_ptr + row + 1).to(tl.int64)
+    ids = idx_ptr + row.to(tl.int64) * idx_r
+    real = tl.load(ids).to(tl.int64) >= 0                  # column 0 PAD_SLOT_ID: a padding row
+    n_run = tl.where(real, tl.minimum(end - start, n_cols), 0)
+    first = tl.minimum(tl.maximum(tl.load(acc_ptr + row).to(tl.int64) - 1, 0), n_cols - 1)
+    src = tl.where(real, tl.load(ids + first * idx_c).to(tl.int64), -1)
+    # y rows no real row computes are zeros: this row's others, and row 0 / the last row also take
+    # the tokens before query_start_loc[0] / from query_start_loc[R] on
+    zero = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for t in range(tl.where(row == 0, 0, start), start):
+        tl.store(y_ptr + t * y_b + d, zero, mask=md)
+    for t in range(start + n_run, tl.where(row == tl.num_programs(0) - 1, num_tokens, end)):
+        tl.store(y_ptr + t * y_b + d, zero, mask=md)
+    A = tl.load(a_ptr + d[:, None] * a_d + n[None, :], mask=md[:, None] & mn[None, :], other=0.0).to(tl.float32)
+    if HAS_D:
+        Dv = tl.load(d_ptr + d, mask=md, other=0.0).to(tl.float32)
+    # scalar conditions enter masks as bounds (the interpreter cannot `&` a scalar bool into a block)
+    h = tl.load(state_ptr + tl.maximum(src, 0) * s_slot + d[:, None] * s_sd + n[None, :],
+                mask=(d < tl.where(src >= 0, dim, 0))[:, None] & mn[None, :], other=0.0).to(tl.float32)
+    for j in range(0, n_run):
+        t = start + j
+        x = tl.load(x_ptr + t * x_b + d, mask=md, other=0.0).to(tl.float32)
+        dt = tl.load(dt_ptr + t * dt_b + d, mask=md, other=0.0).to(tl.float32)
+        Bv = tl.load(b_ptr + t * b_b + n, mask=mn, other=0.0).to(tl.float32)
+        Cv = tl.load(c_ptr + t * c_b + n, mask=mn, other=0.0).to(tl.float32)
+        h = tl.exp(dt[:, None] * A) * h + (dt[:, None] * Bv[None, :]) * x[:, None]
+        dst = tl.load(ids + j * idx_c).to(tl.int64)
+        tl.store(state_ptr + tl.maximum(dst, 0) * s_slot + d[:, None] * s_sd + n[None, :],
+                 h.to(state_ptr.dtype.element_ty), mask=(d < tl.where(dst >= 0, dim, 0))[:, None] & mn[None, :])
+        y = tl.sum(h * Cv[None, :], axis=1)
+        if HAS_D:
+            y += Dv * x
+        tl.store(y_ptr + t * y_b + d, y, mask=md)
+        h = h.to(state_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "n_cols"])     # one compile for every token / column count
 def _update_kernel(state_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, idx_ptr, y_ptr,
                    dim, d_state, s_slot, s_sd, x_b, dt_b, a_d, b_b, c_b, y_b,
-                   HAS_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Program (row, block of channels): one [BLOCK_D, N] state tile advanced by one token."""
+                   qsl_ptr, acc_ptr, num_tokens, n_cols, idx_r, idx_c,
+                   HAS_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IS_VERIFY: tl.constexpr):
+    """Program (row, block of channels): one [BLOCK_D, N] state tile advanced by one token.
+    IS_VERIFY: program (verify row, block of channels), the row's tokens in a loop (_update_verify_row);
+    qsl_ptr .. idx_c are the verify arguments (unused otherwise)."""
     row = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     n = tl.arange(0, BLOCK_N)
     md, mn = d < dim, n < d_state
+    if IS_VERIFY:
+        _update_verify_row(state_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, idx_ptr, y_ptr, qsl_ptr, acc_ptr,
+                           row, d, n, md, mn, dim, num_tokens, n_cols, s_slot, s_sd, x_b, dt_b, a_d, b_b, c_b, y_b,
+                           idx_r, idx_c, HAS_D, BLOCK_D)
+        return
     m2 = md[:, None] & mn[None, :]
     slot = tl.load(idx_ptr + row).to(tl.int64)
     if slot < 0:
@@ -173,20 +234,33 @@ def _check_index(name: str, v: torch.Tensor, length: int, what: str, dtypes: tup
 
 def selective_state_update(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
                            B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None,
-                           state_indices: torch.Tensor) -> torch.Tensor:
+                           state_indices: torch.Tensor, *, query_start_loc: torch.Tensor | None = None,
+                           num_accepted_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """Launcher (decode): checks shapes, dtypes, devices and strides; updates `ssm_state` in place at
-    `state_indices`; returns y fp32 [Bt, Di] (padded rows 0)."""
-    b, di, n = _check_common(ssm_state, x, dt, A, B, C, D, "Bt")
-    _check_index("state_indices", state_indices, b, "Bt", _INTS, ssm_state.device)
+    `state_indices`; returns y fp32 [Bt, Di] (padded rows 0). With query_start_loc and
+    num_accepted_tokens: the verify rows (x, dt, B, C [T, ...], state_indices [R, J]), one launch;
+    y fp32 [T, Di]."""
+    verify = check_verify_rows(state_indices, query_start_loc, num_accepted_tokens, ssm_state.device)
+    b, di, n = _check_common(ssm_state, x, dt, A, B, C, D, "Bt" if verify is None else "T")
+    if verify is None:
+        _check_index("state_indices", state_indices, b, "Bt", _INTS, ssm_state.device)
     y = torch.empty(b, di, dtype=torch.float32, device=x.device)
+    rows = b if verify is None else verify[0]
     if b == 0 or di == 0:
         return y
+    if rows == 0:                                       # verify rows, none of them: every y is 0
+        return y.zero_()
+    if verify is None:
+        qsl, acc, n_cols, idx_r, idx_c = state_indices, state_indices, 1, 1, 1      # unused
+    else:
+        qsl, acc, n_cols = query_start_loc, num_accepted_tokens, verify[1]
+        idx_r, idx_c = state_indices.stride()
     block_d = min(triton.next_power_of_2(di), 64)
-    _update_kernel[(b, triton.cdiv(di, block_d))](
+    _update_kernel[(rows, triton.cdiv(di, block_d))](
         ssm_state, x, dt, A, B, C, D if D is not None else A, state_indices, y,
         di, n, ssm_state.stride(0), ssm_state.stride(1), x.stride(0), dt.stride(0), A.stride(0),
-        B.stride(0), C.stride(0), y.stride(0),
-        HAS_D=D is not None, BLOCK_D=block_d, BLOCK_N=triton.next_power_of_2(n))
+        B.stride(0), C.stride(0), y.stride(0), qsl, acc, b, n_cols, idx_r, idx_c,
+        HAS_D=D is not None, BLOCK_D=block_d, BLOCK_N=triton.next_power_of_2(n), IS_VERIFY=verify is not None)
     return y
 
 

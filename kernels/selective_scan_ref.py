@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .state_slots_ref import Checkpoints, initial_states_at, write_states_at
+from .state_slots_ref import Checkpoints, initial_states_at, step_rows_at_columns, write_states_at
 
 
 def selective_state_update(
@@ -102,9 +102,17 @@ def selective_scan_varlen(
 
 def mamba1_update_at_slots(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
                            B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None,
-                           state_indices: torch.Tensor) -> torch.Tensor:
+                           state_indices: torch.Tensor, *, query_start_loc: torch.Tensor | None = None,
+                           num_accepted_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """`selective_state_update` in place at state indices: ssm_state [S, Di, N] (row i reads and
-    writes slot state_indices[i]; -1: padded row, y = 0, nothing touched). Returns y fp32 [B, Di]."""
+    writes slot state_indices[i]; -1: padded row, y = 0, nothing touched). Returns y fp32 [B, Di].
+    Verify rows (query_start_loc [R+1], num_accepted_tokens [R], state_indices [R, 1 + k], x, dt, B,
+    C [T, ...]): state_slots_ref.step_rows_at_columns; y fp32 [T, Di]."""
+    if query_start_loc is not None:
+        def step(state, x_, dt_, B_, C_):
+            return selective_state_update(state, x_, dt_, A, B_, C_, D)
+        return step_rows_at_columns(ssm_state, state_indices, query_start_loc, num_accepted_tokens, step,
+                                    (x, dt, B, C), x.shape[0])
     y, new = selective_state_update(initial_states_at(ssm_state, state_indices, None), x, dt, A, B, C, D)
     write_states_at(ssm_state, state_indices, new)
     return torch.where((state_indices >= 0).view(-1, 1), y, torch.zeros((), dtype=y.dtype, device=y.device))

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .state_slots_ref import initial_states_at, write_states_at
+from .state_slots_ref import initial_states_at, step_rows_at_columns, write_states_at
 
 
 def mamba2_dt(
@@ -65,13 +65,23 @@ def ssm_step(
 def mamba2_update_at_slots(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
                            B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None,
                            state_indices: torch.Tensor, dt_bias: torch.Tensor | None = None,
-                           dt_limit: Sequence[float] | None = None) -> torch.Tensor:
+                           dt_limit: Sequence[float] | None = None, *,
+                           query_start_loc: torch.Tensor | None = None,
+                           num_accepted_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """`ssm_step` in place at state indices: ssm_state [S, H, P, N] (row i reads and writes slot
     state_indices[i]; -1: padded row, y = 0, nothing touched). Returns y fp32 [B, H, P].
     With dt_bias, dt is raw: `mamba2_dt(dt, dt_bias, dt_limit)` is applied first (the kernel
-    does it in the same launch, as mamba_ssm's `dt_softplus`)."""
+    does it in the same launch, as mamba_ssm's `dt_softplus`).
+    Verify rows (speculative decoding): with query_start_loc [R+1] and num_accepted_tokens [R],
+    state_indices is [R, 1 + k] and x, dt, B, C hold the rows' tokens ([T, ...]): see
+    state_slots_ref.step_rows_at_columns. Returns y fp32 [T, H, P]."""
     if dt_bias is not None:
         dt = mamba2_dt(dt, dt_bias, dt_limit)
+    if query_start_loc is not None:
+        def step(state, x_, dt_, B_, C_):
+            return ssm_step(state, x_, dt_, A, B_, C_, D)
+        return step_rows_at_columns(ssm_state, state_indices, query_start_loc, num_accepted_tokens, step,
+                                    (x, dt, B, C), x.shape[0])
     y, new = ssm_step(initial_states_at(ssm_state, state_indices, None), x, dt, A, B, C, D)
     write_states_at(ssm_state, state_indices, new)
     return torch.where((state_indices >= 0).view(-1, 1, 1), y, torch.zeros((), dtype=y.dtype, device=y.device))

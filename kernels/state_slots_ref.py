@@ -58,3 +58,46 @@ def write_states_at(cache: torch.Tensor, state_indices: torch.Tensor, new: torch
     rows, slots, keep = padded_rows_redirected(state_indices)     # no boolean mask: no sync
     keep = keep.view(-1, *(1,) * (new.dim() - 1))
     cache[slots] = torch.where(keep, new[rows].to(cache.dtype), cache[slots])
+
+
+def step_rows_at_columns(cache: torch.Tensor, state_indices: torch.Tensor, query_start_loc: torch.Tensor,
+                         num_accepted_tokens: torch.Tensor, step, inputs: tuple[torch.Tensor, ...],
+                         num_tokens: int) -> torch.Tensor:
+    """Speculative decoding's verify rows, in torch: what a recurrent update op does when it is given
+    `query_start_loc` and `num_accepted_tokens` (vLLM's selective_state_update / fused recurrent
+    gated delta rule arguments), one call for every row's 1 + k tokens.
+
+        state_indices        int [B, J] (J = 1 + k): row r's state columns, column j its slot
+        query_start_loc      int [B+1]: row r's tokens are query_start_loc[r] : query_start_loc[r+1]
+                             (1..J of them; 0 for a row past the batch)
+        num_accepted_tokens  int [B] (>= 1): the row starts from the state in column num_accepted - 1
+        step(state [B, ...], *per_token_inputs) -> (y [B, ...], new_state [B, ...]): the one-token op
+        inputs               per-token tensors [T, ...], indexed by token
+
+    Row r advances from cache[state_indices[r, num_accepted[r] - 1]] through its tokens in order and
+    leaves the state after its j-th token in cache[state_indices[r, j]] (rounded to the cache dtype
+    after every token, as a one-token update op leaves it: a verify row equals that op run token by
+    token). A row whose column 0 is PAD_SLOT_ID (-1) is padding: y = 0, no state read or written.
+    Returns y [num_tokens, ...] (0 at tokens no row covers). A loop over the J positions; no host
+    sync (a CUDA graph captures it)."""
+    b, j_cols = state_indices.shape
+    dev = cache.device
+    idx = state_indices.to(device=dev, dtype=torch.int64)
+    qsl = query_start_loc.to(device=dev, dtype=torch.int64)
+    starts, lens = qsl[:-1], qsl[1:] - qsl[:-1]
+    real = idx[:, 0] >= 0
+    first = (num_accepted_tokens.to(device=dev, dtype=torch.int64) - 1).clamp(0, j_cols - 1)
+    state = initial_states_at(cache, torch.where(real, idx.gather(1, first[:, None])[:, 0], -1), None)
+    out = None
+    for j in range(j_cols):
+        valid = real & (j < lens)                                          # [B]
+        token = (starts + torch.minimum(torch.full_like(lens, j), (lens - 1).clamp(min=0))).clamp(0, num_tokens - 1)
+        y, new = step(state, *(t[token] for t in inputs))
+        new = new.to(cache.dtype)
+        shape = (-1, *(1,) * (new.dim() - 1))
+        state = torch.where(valid.view(shape), new, state)
+        write_states_at(cache, torch.where(valid, idx[:, j], -1), new)
+        if out is None:                                    # one scratch row past the end for invalid rows
+            out = torch.zeros((num_tokens + 1, *y.shape[1:]), dtype=y.dtype, device=dev)
+        out.index_copy_(0, torch.where(valid, token, num_tokens), y)
+    return out[:num_tokens]

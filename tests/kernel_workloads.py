@@ -11,7 +11,8 @@ launched by
   (cudagraph_mode="padded_eager": the decode batch of 3 runs padded to 4, as a CUDA graph would),
   chunked prefill, mixed steps and a sampled row; the shape-true presets (real dimensions) in bf16,
   cut to one layer of each kind (`trimmed_preset`: every layer of a kind launches the same
-  specializations); and the Gumbel debug kernel (`gumbel_debug`, launched by no engine).
+  specializations); the Gumbel debug kernel (`gumbel_debug`, launched by no engine); and the recurrent
+  update kernels' verify form in bf16 (`verify_rows`: speculative decoding's rows, one launch each).
 Each workload records under a label (WORKLOADS: label -> run); test_compile_for_gpus.py runs, one
 test each, those not recorded yet in this process (all of them when it runs alone).
 
@@ -173,6 +174,25 @@ def gumbel_debug_run() -> None:
         gumbel.gumbel_debug(seeds, positions, 300)
 
 
+def verify_rows_run() -> None:
+    """The recurrent update kernels' verify form (speculative decoding: every row's 1 + k tokens in one
+    launch) in bf16, as a bf16 engine launches them: bf16 activations, a bf16 conv state, fp32 SSM
+    states; the rows, columns and shapes of tests/test_verify_rows.py."""
+    from test_verify_rows import CASES, _case, _rows
+
+    from toolkit.layers.ops import triton_ops
+    ops = triton_ops(torch.device(DEVICE))
+    with recording("verify_rows"):
+        for case, name in CASES.items():
+            idx, qsl, accepted, t = _rows(DEVICE, 4)
+            state, inputs, call = _case(case, t, DEVICE, torch.Generator().manual_seed(2))
+            if case == "conv":
+                state = state.to(torch.bfloat16)
+            # every per-token input in bf16 but Gated DeltaNet's log decay g (fp32 in the mixer)
+            inputs = [x if case == "gdn" and i == 3 else x.to(torch.bfloat16) for i, x in enumerate(inputs)]
+            call(getattr(ops, name), state, inputs, idx, query_start_loc=qsl, num_accepted_tokens=accepted)
+
+
 # bf16 (a GPU's default dtype) on every model; fp16 on a set that launches every kernel family
 # (attention and RoPE, Mamba1 and MoE, Mamba2 and the gated norm, short conv, Gated DeltaNet)
 BF16_MODELS = TINY_PRESETS + list(DEMO_MODELS)
@@ -180,6 +200,7 @@ FP16_MODELS = ["tiny-bamba", "tiny-jamba", "tiny-lfm2", "tiny-qwen3-next", "tiny
 BF16_WORKLOADS: dict[str, Callable[[], object]] = {
     **{f"engine:{m}:bfloat16": (lambda m=m: engine_run(m, "bfloat16")) for m in BF16_MODELS},
     "gumbel_debug": gumbel_debug_run,
+    "verify_rows": verify_rows_run,
 }
 FP16_SHAPE_WORKLOADS: dict[str, Callable[[], object]] = {
     **{f"engine:{m}:float16": (lambda m=m: engine_run(m, "float16")) for m in FP16_MODELS},

@@ -54,6 +54,18 @@ def test_causal_conv1d_update_launcher_names_what_is_wrong():
         conv.causal_conv1d_update(x, state, torch.zeros(2, dtype=torch.long), w, None, "gelu")
 
 
+def test_causal_conv1d_update_names_a_malformed_verify_argument():
+    """Verify rows (query_start_loc, num_accepted_tokens, state_indices [R, 1 + k]): the launcher names
+    the argument that is wrong, before any launch."""
+    x, state, w = torch.zeros(5, 8), torch.zeros(6, 3, 8), torch.zeros(8, 4)
+    idx = torch.zeros(2, 3, dtype=torch.int32)
+    qsl, accepted = torch.tensor([0, 2, 5], dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"query_start_loc must be int32/int64 \[R\+1=3\], got torch.int32 \(2,\)"):
+        conv.causal_conv1d_update(x, state, idx, w, None, query_start_loc=qsl[:2], num_accepted_tokens=accepted)
+    with pytest.raises(ValueError, match="query_start_loc was given without num_accepted_tokens"):
+        conv.causal_conv1d_update(x, state, idx, w, None, query_start_loc=qsl)
+
+
 def _case(g, dtype, dim, k_width, with_bias, lens, slots_total, state_dtype=None, device=DEV):
     """x: a column slice of a wider projection; weight: the [Dc, K] view of a [Dc, 1, K] conv weight."""
     t = sum(lens)

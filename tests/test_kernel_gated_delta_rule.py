@@ -170,6 +170,19 @@ def test_gdn_launchers_name_what_is_wrong():
                         torch.ones(1, dtype=torch.bool))
 
 
+def test_gdn_update_names_a_malformed_verify_argument():
+    """Verify rows (query_start_loc, num_accepted_tokens, state_indices [R, 1 + k]): the launcher names
+    the argument that is wrong, before any launch."""
+    state = torch.zeros(6, 4, 8, 16)
+    q, v, g = torch.zeros(5, 2, 16), torch.zeros(5, 4, 8), torch.zeros(5, 4)
+    idx = torch.zeros(2, 3, dtype=torch.int32)
+    qsl, accepted = torch.tensor([0, 2, 5], dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"query_start_loc must be int32/int64 \[R\+1=3\], got torch.float32"):
+        gdr.gdn_update(state, q, q, v, g, g, idx, query_start_loc=qsl.float(), num_accepted_tokens=accepted)
+    with pytest.raises(ValueError, match="num_accepted_tokens was given without query_start_loc"):
+        gdr.gdn_update(state, q, q, v, g, g, idx, num_accepted_tokens=accepted)
+
+
 # ---- internal checkpoints --------------------------------------------------------------------------
 # lens [5, 20, 1, 18, 7] (chunk 16, row-relative chunks): sequence 0 (initial state, slot 4) saves after
 # its first token (token 0) and once with PAD_SLOT_ID (token 3); sequence 1 (no initial state) saves after

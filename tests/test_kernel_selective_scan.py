@@ -144,6 +144,21 @@ def test_launchers_name_what_is_wrong():
         ss.selective_scan(x.long(), dt, A, BC, BC, None, cu, state, one, one.bool())
 
 
+def test_selective_state_update_names_a_malformed_verify_argument():
+    """Verify rows (query_start_loc, num_accepted_tokens, state_indices [R, 1 + k]): the launcher names
+    the argument that is wrong, before any launch."""
+    state = torch.zeros(6, 8, 16)
+    x, dt, A, BC = torch.zeros(5, 8), torch.zeros(5, 8), torch.zeros(8, 16), torch.zeros(5, 16)
+    idx = torch.zeros(2, 3, dtype=torch.int32)
+    qsl = torch.tensor([0, 2, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"num_accepted_tokens must be int32/int64 \[R=2\], got torch.int32 \(3,\)"):
+        ss.selective_state_update(state, x, dt, A, BC, BC, None, idx, query_start_loc=qsl,
+                                  num_accepted_tokens=torch.ones(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"num_accepted_tokens must be int32/int64 \[R=2\], got torch.float32"):
+        ss.selective_state_update(state, x, dt, A, BC, BC, None, idx, query_start_loc=qsl,
+                                  num_accepted_tokens=torch.ones(2))
+
+
 # ---- internal checkpoints --------------------------------------------------------------------------
 # lens [5, 1, 7, 0, 4]: sequence 0 (initial state, slot 4) saves after its first token and once with
 # PAD_SLOT_ID; sequence 1 has one token (its last: no checkpoint); sequence 2 (no initial state) saves

@@ -286,7 +286,8 @@ def test_the_cache_report_lists_blocks_checkpoints_holders_and_eviction_order():
     pages = [e for e in report.entries if e.kind == "state page"]
     assert [e.block for e in kv] == [0, 1, 2, 3] and kv[0].tokens == (0, 4)   # 0-2 a's, 3 b's own
     assert [e.holders for e in kv] == [["b"]] * 4 and all(e.evict_rank is None for e in kv)
-    assert pages[0].block == 2 and pages[0].holders == ["b"]      # a's state after 12: b copies it
+    # a's state after 12: b copied it into its running page, then let it go (cached, first to evict)
+    assert pages[0].block == 2 and pages[0].holders == [] and pages[0].evict_rank == 1
     html = report._repr_html_()
     assert "Prefix cache" in html and "[8, 12)" in html and "1 of 2 requests hit" in html
     assert "KV blocks" in repr(report) and "12 prompt tokens skipped" in repr(report)

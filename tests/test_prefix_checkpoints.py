@@ -107,6 +107,28 @@ def test_a_small_pool_saves_what_it_can_and_outputs_still_equal():
     assert warm["q"][1] == 48 and warm_llm.stats()["prefix_cache_evictions"] > 0
 
 
+def test_checkpoint_pages_do_not_preempt_what_align_would_not():
+    """Pages a prefill chunk's internal checkpoints took are released once registered (cached,
+    hittable, evictable), not held until their request's next allocation: a tight pool preempts no
+    request that "align" keeps running (it preempted one when they were held), outputs equal align's,
+    and a released checkpoint is still hit."""
+    tight = dict(F32, block_size=4, max_num_seqs=4, max_num_batched_tokens=24, num_state_pages=8,
+                 enable_prefix_caching=True, trace_capacity=None)
+    prompts = [[(i * 13 + n) % 200 + 3 for i in range(n)] for n in (7, 25, 21, 28, 15)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for mode in ("align", "all"):
+        llm = LLM("tiny-lfm2", mamba_cache_mode=mode, **tight)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        preempted = sum(len(r.preempted_request_ids) for r in llm.trace)
+        # alone, a 25-token prompt saves its checkpoints; run again, it hits the last one (6 blocks)
+        again = [llm.generate({"prompt_token_ids": prompts[1]}, params)[0] for _ in range(2)]
+        runs[mode] = ([list(o.outputs[0].token_ids) for o in outs], preempted, again[1].num_cached_tokens)
+    assert runs["align"][1] == 0 and runs["all"][1] == 0, runs
+    assert runs["all"][0] == runs["align"][0]
+    assert runs["all"][2] == 24, runs
+
+
 def _common(query_lens, computed, table) -> CommonAttentionMetadata:
     qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
     seq = (np.array(computed) + np.array(query_lens)).astype(np.int32)

@@ -257,11 +257,11 @@ def test_speculative_config_rules():
 @pytest.mark.slow          # Triton engines under the interpreter
 @pytest.mark.parametrize("preset", ["tiny-bamba", "tiny-qwen3-next"])
 def test_triton_kernels_verify_like_torch(preset):
-    """backend="triton" (under TRITON_INTERPRET=1 on the CPU): the verify rows' per-position loop runs
-    the Triton decode kernels on gathered tokens and state slots; tokens equal plain decoding's. Two
-    presets cover the four decode kernels a verify row runs (conv and Mamba2 state update; conv and
-    gated delta rule) at interpreter speed; Mamba1's and short conv's decode kernels are the torch
-    path's equals in tests/test_backend_triton.py, and take the same gathered inputs here."""
+    """backend="triton" (under TRITON_INTERPRET=1 on the CPU): each recurrent update kernel runs every
+    verify row's positions in one launch; tokens equal plain decoding's. Two presets cover three of
+    the four update kernels a verify row runs (conv and Mamba2 state update; conv and gated delta
+    rule) at interpreter speed; Mamba1's equals its torch reference, and that the op token by token,
+    in tests/test_verify_rows.py."""
     pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows")
     prompts, params = PROMPTS[:2], [SamplingParams(**{**vars(p), "max_tokens": 6}) for p in PARAMS[:2]]
     llm = LLM(preset, inspect="off", backend="triton", dtype="float32",

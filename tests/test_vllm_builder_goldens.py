@@ -326,9 +326,6 @@ BASE_COMPARED = {
         "num_accepted_tokens [D]; in a speculative batch without decodes (this project: None) vLLM's "
         "input kwarg, unsliced", ("num_accepted_tokens",), dtype=True),
 }
-SPEC_LOOP = {f: "speculative decoding's per-position loop over the verify rows' state columns (mamba_base.py); "
-             "None without it" for f in ("spec_token_index_d", "spec_src_slots_d", "spec_dst_slots_d",
-                                         "spec_out_index_d")}
 REPLAYSSM = "ReplaySSM decode (--use-replayssm; not in this project)"
 CONV_LAUNCH = ("launch tiling of vLLM's Triton causal_conv1d_fn (BLOCK_M=8 programs, 2048-long -1-filled "
                "pointers); this project's conv kernel launches a (P, D-blocks, splits) grid from "
@@ -350,14 +347,14 @@ MAMBA1_LIKE = dict(
     absent={**BASE_ABSENT,
             "cu_chunk_seqlen_p": "vLLM's Mamba1 / ShortConv builders leave them None in both cache modes",
             "last_chunk_indices_p": "vLLM's Mamba1 / ShortConv builders leave them None in both cache modes"},
-    from_input=BASE_FROM_INPUT, not_compared=BASE_NOT_COMPARED, project_only={**CHECKPOINTS_ONLY, **SPEC_LOOP})
+    from_input=BASE_FROM_INPUT, not_compared=BASE_NOT_COMPARED, project_only={**CHECKPOINTS_ONLY})
 
 MAMBA2 = dict(
     compared={**BASE_COMPARED, "prep_initial_states": "prep_initial_states", "chunk_size": "chunk_size",
               "seq_idx_p": "seq_idx_p", "cu_chunk_seqlen_p": "cu_chunk_seqlen_p",
               "last_chunk_indices_p": "last_chunk_indices_p"},
     absent={**BASE_ABSENT, "checkpoint_chunk_idx": CHECKPOINTS, "checkpoint_meta": CHECKPOINTS},
-    from_input=BASE_FROM_INPUT, not_compared=BASE_NOT_COMPARED, project_only={**CHECKPOINTS_ONLY, **SPEC_LOOP})
+    from_input=BASE_FROM_INPUT, not_compared=BASE_NOT_COMPARED, project_only={**CHECKPOINTS_ONLY})
 
 SPEC_INPUTS = ("num_decode_draft_tokens_cpu",)     # the input every GDN view reads (GDNView)
 
@@ -437,7 +434,7 @@ GDN = dict(
     not_compared=BASE_NOT_COMPARED,
     # the project's GDN metadata has num_reqs (vLLM's GDN metadata does not; its rows are the input's)
     project_only={"num_reqs": "vLLM's GDN metadata has no num_reqs; checked == the input's num_reqs",
-                  **CHECKPOINTS_ONLY, **SPEC_LOOP})
+                  **CHECKPOINTS_ONLY})
 
 FAMILIES = {  # vLLM builder class -> (this project's metadata class, factory(chunk_size, mamba_block_size,
               #                      num_speculative_tokens), map)

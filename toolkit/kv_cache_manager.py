@@ -293,6 +293,7 @@ class KVCacheManager:
         self.known_hashes: OrderedDict[BlockHash, None] = OrderedDict()
         self._hashed_upto: dict[str, int] = {}      # per request: blocks registered so far
         self._pages_registered_upto: dict[str, int] = {}   # per request: Mamba columns registered so far
+        self._pages_released_upto: dict[str, int] = {}     # and the columns released so far (behind them)
         # per (request, attention group): blocks registered so far (a step registers only the blocks it
         # completed, as vLLM's cache_full_blocks: host work per step never grows with the context)
         self._blocks_registered_upto: dict[tuple[str, int], int] = {}
@@ -311,6 +312,11 @@ class KVCacheManager:
         """Every request's ids per group (a copy): the ledger. An aligned Mamba row holds 0 in the
         columns without a page."""
         return {rid: tuple(list(ids) for ids in held) for rid, held in self._ids.items()}
+
+    def released_columns(self, req_id: str) -> int:
+        """Aligned Mamba rows: the columns before this one hold no page of the request any more
+        (`_release_checkpoints`); the runner's row may still show the pages released there."""
+        return self._pages_released_upto.get(req_id, 0)
 
     def block_ids(self, req_id: str) -> tuple[list[int], ...]:
         return self._ids.get(req_id, tuple([] for _ in self.groups))
@@ -431,6 +437,7 @@ class KVCacheManager:
         self._running_column.pop(req_id, None)
         self._num_drafts.pop(req_id, None)
         self._pages_registered_upto.pop(req_id, None)
+        self._pages_released_upto.pop(req_id, None)
         for g in range(len(self.groups)):
             self._blocks_registered_upto.pop((req_id, g), None)
         held = self._ids.pop(req_id, None)
@@ -521,6 +528,26 @@ class KVCacheManager:
                     if ids[c]:
                         self.state_pool.register(ids[c], hashes[c], c)
                 self._pages_registered_upto[req_id] = max(done, full)
+                self._release_checkpoints(req_id, g, ids, full)
+
+    def _release_checkpoints(self, req_id: str, g: int, ids: list[int], registered: int) -> None:
+        """Release the request's registered checkpoint pages behind its running column: their blocks
+        are complete and their states saved, and the request never writes or reads them again, so they
+        wait in the free queue, hittable, and evictable by the next allocation instead of held until
+        this request's next `allocate` (which would release them then). Cache mode "all" hands out such
+        pages inside every prefill chunk; held, they emptied the pool and had other requests preempted.
+        The runner's row may still show a released page (never read: it lies before the running
+        column), as vLLM's block table keeps freed Mamba blocks."""
+        running = self._running_column.get(req_id)
+        if running is None:
+            return
+        start, end = self._pages_released_upto.get(req_id, 0), min(registered, running, len(ids))
+        release = [c for c in range(start, end) if ids[c]]        # only the columns passed since last time
+        if release:
+            self.state_pool.free([ids[c] for c in release], req_id)
+            for c in release:
+                ids[c] = 0
+        self._pages_released_upto[req_id] = max(start, end)
 
 
 def prefix_cache_stats(kv: KVCacheManager) -> dict[str, int | float]:

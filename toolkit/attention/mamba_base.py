@@ -26,10 +26,9 @@ its last sampled token plus d <= k drafts, d possibly 0 -- is a verify row. Its 
 (`state_indices_tensor_d` [D, 1 + k]) are the 1 + k columns of its block-table row ("none"), or
 ("align") its running column -- that of its last draft -- and the k spec columns after it:
 the step starts from column `num_accepted_tokens - 1` (where the last step's last accepted
-position left its state) and writes the state after its position j into column j. The layers run
-the positions one at a time with their decode ops; the `spec_*_d` fields lay that loop out,
-J = the longest verify row (rows shorter than J run their extra positions on the null slot 0,
-their outputs thrown away), so every position is one launch over all D rows.
+position left its state) and writes the state after its position j into column j. Each recurrent
+update op takes every row's positions in one launch from these three fields and
+`query_start_loc_d` (vLLM's arguments; kernels/state_slots_ref.step_rows_at_columns).
 """
 from __future__ import annotations
 
@@ -83,19 +82,22 @@ class BaseMambaAttentionMetadata:
     checkpoint_token_index_p: torch.Tensor | None  # device int64 [M]: index among the prefill tokens of
                                                     # the token after which a state is saved
     checkpoint_slots_p: torch.Tensor | None        # device int32 [M]: its page (PAD_SLOT_ID: none free)
-    # speculative decoding only (None otherwise, or without decodes); J = positions of the longest
-    # verify row. state_indices_tensor_d is then [D, 1 + k], a row's 1 + k state columns. Keyword-only
-    # with None defaults: metadata built without speculation need not name them
+    # speculative decoding only (None otherwise, or without decodes). state_indices_tensor_d is then
+    # [D, 1 + k], a row's 1 + k state columns. Keyword-only with None defaults: metadata built without
+    # speculation need not name them
     _: KW_ONLY
-    query_start_loc_d: torch.Tensor | None = None      # device int32 [D+1]
+    query_start_loc_d: torch.Tensor | None = None      # device int32 [D+1]: the verify rows' tokens
     num_accepted_tokens: torch.Tensor | None = None    # device int32 [D]: tokens each row kept at its last
                                                        # step (>= 1): its state is in column num_accepted - 1
-    spec_token_index_d: torch.Tensor | None = None     # device int64 [J, D]: row r's token at position j (its
-                                                       # last token where the row is shorter)
-    spec_src_slots_d: torch.Tensor | None = None       # device int32 [J, D]: the slot position j starts from
-    spec_dst_slots_d: torch.Tensor | None = None       # device int32 [J, D]: the slot it leaves its state in
-    spec_out_index_d: torch.Tensor | None = None       # device int64 [J, D]: its output row (the scratch row
-                                                       # num_decode_tokens where the row is shorter)
+
+
+def verify_start_slots(md: BaseMambaAttentionMetadata) -> torch.Tensor | None:
+    """Device [D]: the slot each verify row starts from (column num_accepted_tokens - 1 of its state
+    columns), or None when the metadata has no verify rows. What inspection checks and shows."""
+    if md.num_accepted_tokens is None or md.state_indices_tensor_d is None:
+        return None
+    first = (md.num_accepted_tokens.to(torch.int64) - 1).clamp(min=0)
+    return md.state_indices_tensor_d.gather(1, first[:, None])[:, 0]
 
 
 @dataclass
@@ -156,9 +158,8 @@ class BaseMambaMetadataBuilder(AttentionMetadataBuilder):
         # state indices of a B-row batch are gathered into (one per batch size seen: at most
         # max_num_reqs of them, B ints each)
         self._align_buffers: dict[tuple[torch.device, int], torch.Tensor] = {}
-        # speculative decoding: (device, D, J) -> the four [J, D] loop tensors (spec_fields); with
-        # align, (device, D) -> the [D, 1 + k] state columns gathered from the position-indexed rows
-        self._spec_buffers: dict[tuple[torch.device, int, int], tuple[torch.Tensor, ...]] = {}
+        # speculative decoding with align: (device, D) -> the [D, 1 + k] state columns gathered from the
+        # position-indexed rows
         self._spec_columns: dict[tuple[torch.device, int], torch.Tensor] = {}
 
     def state_indices(self, common: CommonAttentionMetadata) -> torch.Tensor:
@@ -202,8 +203,7 @@ class BaseMambaMetadataBuilder(AttentionMetadataBuilder):
                       state_indices_tensor_d=state_indices[:s.num_decodes] if s.num_decodes else None,
                       state_indices_tensor_p=None, query_start_loc_p=None, has_initial_states_p=None,
                       checkpoint_token_index_p=None, checkpoint_slots_p=None, query_start_loc_d=None,
-                      num_accepted_tokens=None, spec_token_index_d=None, spec_src_slots_d=None,
-                      spec_dst_slots_d=None, spec_out_index_d=None)
+                      num_accepted_tokens=None)
         if self.num_speculative_tokens and s.num_decodes:
             fields.update(self.spec_fields(common, s))
         if s.num_prefills:
@@ -216,37 +216,11 @@ class BaseMambaMetadataBuilder(AttentionMetadataBuilder):
         return fields
 
     def spec_fields(self, common: CommonAttentionMetadata, s: MambaSplit) -> dict:
-        """The verify rows' state columns and the per-position loop over them (module docstring)."""
+        """The verify rows' state columns, token ranges and accepted counts (module docstring)."""
         d = s.num_decodes
-        columns = self.spec_columns(common, d)
-        accepted = common.num_accepted_tokens[:d]
-        lens = s.query_lens[:d].astype(np.int64)
-        qsl = common.query_start_loc_cpu.numpy()[:d].astype(np.int64)
-        j = np.arange(int(lens.max()))[:, None]                     # [J, 1]
-        valid = j < lens[None, :]                                   # [J, D]
-        token = qsl[None, :] + np.minimum(j, lens[None, :] - 1)
-        device = columns.device
-        num_positions = valid.shape[0]
-        # written in place into buffers kept per shape: a CUDA graph captured for a uniform verify
-        # batch reads the addresses every later step of that shape rewrites
-        key = (device, d, num_positions)
-        if key not in self._spec_buffers:
-            self._spec_buffers[key] = (torch.empty((num_positions, d), dtype=torch.int64, device=device),
-                                       torch.empty((num_positions, d), dtype=columns.dtype, device=device),
-                                       torch.empty((num_positions, d), dtype=columns.dtype, device=device),
-                                       torch.empty((num_positions, d), dtype=torch.int64, device=device))
-        token_d, src, dst, out = self._spec_buffers[key]
-        token_d.copy_(to_device(token, device))
-        out.copy_(to_device(np.where(valid, token, s.num_decode_tokens), device))
-        valid_d = to_device(valid, device)
-        src[0] = columns.gather(1, (accepted - 1).long()[:, None])[:, 0]
-        src[1:] = columns.T[:num_positions - 1]
-        src.masked_fill_(~valid_d, 0)
-        dst.copy_(columns.T[:num_positions])
-        dst.masked_fill_(~valid_d, 0)
-        return dict(state_indices_tensor_d=columns, query_start_loc_d=common.query_start_loc[:d + 1],
-                    num_accepted_tokens=accepted, spec_token_index_d=token_d, spec_src_slots_d=src,
-                    spec_dst_slots_d=dst, spec_out_index_d=out)
+        return dict(state_indices_tensor_d=self.spec_columns(common, d),
+                    query_start_loc_d=common.query_start_loc[:d + 1],
+                    num_accepted_tokens=common.num_accepted_tokens[:d])
 
     def spec_columns(self, common: CommonAttentionMetadata, d: int) -> torch.Tensor:
         """Device [D, 1 + k], the block table's dtype: each decode row's state columns. "none": the

@@ -51,7 +51,8 @@ def ledger_of(scheduler) -> CacheLedger:
 def check_ledger(scheduler, runner, where: str) -> list[Violation]:
     """After a step: pools, ledger and the runner's block tables agree. Without prefix caching no
     id is held twice; with it, ids are shared (a prefix hit) and each pool's holders of an id are
-    exactly the requests whose rows hold it (the ref count)."""
+    exactly the requests whose rows hold it (the ref count). runner None: the pools and the ledger
+    only (at scheduling, before the runner has seen the step)."""
     out: list[Violation] = []
     kv = scheduler.kv
     running = {r.request_id for r in scheduler.running}
@@ -79,13 +80,16 @@ def check_ledger(scheduler, runner, where: str) -> list[Violation]:
                 out.append(Violation("ref_counts_match_rows", f"{where}, group {g} ({group.kind}), id {i}",
                                      "pool holders", f"rows hold it: {sorted(seen.get(i, ()))}; the pool "
                                      f"counts {sorted(pool.holders.get(i, ()))}"))
-        for rid in running:
+        for rid in running if runner is not None else ():
             idx = runner.req_states.req_id_to_index.get(rid)
             if idx is None:
                 continue                     # admitted this step by the scheduler, not yet run
             n = int(runner.block_tables.num_blocks[g][idx])
             row = runner.block_tables.tables[g][idx, :n].tolist()
             want = list(kv.block_ids(rid)[g])
+            if kv.aligned(g):      # released checkpoint columns: the runner may still show their old pages
+                behind = min(kv.released_columns(rid), len(row), len(want))
+                row, want = [0] * behind + row[behind:], [0] * behind + want[behind:]
             if row != want:
                 out.append(Violation("block_table_matches_ledger", f"{where}, request {rid!r}, group {g}",
                                      "block table row", f"runner has {row}, scheduler ledger has {want}"))
@@ -94,9 +98,10 @@ def check_ledger(scheduler, runner, where: str) -> list[Violation]:
 
 def check_spec_columns(groups, scheduled, kept_last_step: dict[str, int], where: str) -> list[Violation]:
     """Speculative decoding, each decode row of the Mamba metadata: `num_accepted_tokens` is the
-    count its request kept at its last step (1 for a request new to its row: vLLM #48132), and its
-    first position starts from the column that count points at (`spec_src_slots_d[0]` =
-    `state_indices_tensor_d[row, num_accepted - 1]`)."""
+    count its request kept at its last step (1 for a request new to its row: vLLM #48132), in what
+    the model state gathered (`accepted_count_carried`) and in the layer metadata the update ops read
+    to pick the column a row starts from, `state_indices_tensor_d[row, num_accepted - 1]`
+    (`verify_starts_at_accepted_column`)."""
     out: list[Violation] = []
     for gm in groups:
         md = gm.metadata
@@ -104,6 +109,7 @@ def check_spec_columns(groups, scheduled, kept_last_step: dict[str, int], where:
             continue
         # what the model state gathered, [B]; padded rows (a padded decode batch) are the null id's
         every_row = gm.common.num_accepted_tokens.tolist()[:len(scheduled)]
+        carried = set()
         for row, got in enumerate(every_row):
             rid = scheduled[row].request_id
             want = kept_last_step.get(rid, 1)
@@ -112,20 +118,23 @@ def check_spec_columns(groups, scheduled, kept_last_step: dict[str, int], where:
                                      f"{where}, group {gm.group_id} ({gm.builder}), request {rid!r} (row {row})",
                                      "num_accepted_tokens", f"is {got}, but the request kept {want} token(s) "
                                      "at its last step (a request new to its row starts at 1)"))
+            else:
+                carried.add(row)
         if md.num_decodes == 0:
             continue
         accepted, columns = md.num_accepted_tokens.tolist(), md.state_indices_tensor_d.tolist()
-        starts = md.spec_src_slots_d[0].tolist()
-        for row in range(min(md.num_decodes, len(scheduled))):
+        for row in sorted(r for r in carried if r < md.num_decodes):
             rid = scheduled[row].request_id
-            label = f"{where}, group {gm.group_id} ({gm.builder}), request {rid!r} (row {row})"
-            col = accepted[row] - 1
-            if not 0 <= col < len(columns[row]) or starts[row] != columns[row][col]:
-                where_state = (f"column {col}, slot {columns[row][col]}" if 0 <= col < len(columns[row])
-                               else f"column {col}, outside its {len(columns[row])} columns")
-                out.append(Violation("verify_starts_at_accepted_column", label, "spec_src_slots_d",
-                                     f"position 0 starts from slot {starts[row]}, but num_accepted_tokens="
-                                     f"{accepted[row]} puts its state in {where_state}"))
+            want = kept_last_step.get(rid, 1)
+            if accepted[row] == want:
+                continue
+            cols = columns[row]
+            at = [f"column {c}, slot {cols[c]}" if 0 <= c < len(cols) else
+                  f"column {c}, outside its {len(cols)} columns" for c in (accepted[row] - 1, want - 1)]
+            out.append(Violation("verify_starts_at_accepted_column",
+                                 f"{where}, group {gm.group_id} ({gm.builder}), request {rid!r} (row {row})",
+                                 "num_accepted_tokens", f"the update ops start the row from {at[0]}, but the "
+                                 f"request kept {want} token(s) at its last step: its state is in {at[1]}"))
     return out
 
 

@@ -23,6 +23,7 @@ from collections import OrderedDict
 
 import torch
 
+from toolkit.attention.mamba_base import verify_start_slots
 from toolkit.inspect.step_record import Violation
 from toolkit.inspect.tolerance import exceeds
 from toolkit.kv_cache_manager import CacheGroupKind
@@ -104,16 +105,17 @@ def _compare(runner, group, name: str, slot: int, cold: list[torch.Tensor], name
 def check_spec_start_states(replay: ColdReplay, scheduler, runner, state, where: str,
                             state_names: dict[str, list[str]] | None = None) -> list[Violation]:
     """Before the forward, speculative decoding, inspect="full": each decode row starts (the slot
-    its position 0 copies from, `spec_src_slots_d[0]`) from the state a cold prefill of its computed
+    its first position reads, `mamba_base.verify_start_slots`) from the state a cold prefill of its computed
     tokens computes, within STATE_TOLERANCE of the state's dtype."""
     batch = state.input_batch
     out: list[Violation] = []
     for gm in state.attn_metadata.groups:
         md = gm.metadata
-        if getattr(md, "spec_src_slots_d", None) is None:
+        starts = verify_start_slots(md) if hasattr(md, "num_accepted_tokens") else None
+        if starts is None:
             continue
         group = next(g for g in runner.kv_cache_groups if g.group_id == gm.group_id)
-        starts = md.spec_src_slots_d[0].tolist()
+        starts = starts.tolist()
         accepted = md.num_accepted_tokens.tolist()
         for row in range(md.num_decodes):
             rid = batch.req_ids[row]

@@ -237,9 +237,8 @@ def _plant_verify_from_last_column(stack: contextlib.ExitStack) -> None:
 
     def from_last(self, common, s):
         fields = original(self, common, s)
-        starts = fields["spec_src_slots_d"].clone()
-        starts[0] = fields["state_indices_tensor_d"][:, -1]     # the last column, whatever was accepted
-        fields["spec_src_slots_d"] = starts
+        columns = fields["state_indices_tensor_d"].shape[1]      # the last column, whatever was accepted
+        fields["num_accepted_tokens"] = torch.full_like(fields["num_accepted_tokens"], columns)
         return fields
     _patch(stack, BaseMambaMetadataBuilder, "spec_fields", from_last)
 

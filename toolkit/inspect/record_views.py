@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from toolkit.attention.mamba_base import verify_start_slots
 from toolkit.inspect import html as H
 from toolkit.inspect.prefix_views import prefix_cache_table_html
 from toolkit.inspect.spec_views import spec_table_html
@@ -98,8 +99,8 @@ def row_holdings(rec: Any, row: int) -> tuple[int | None, list[int] | None]:
         if gm.kind == "mamba" and slot is None:
             md = gm.metadata                        # rows are decodes first, as the batch
             d = md.state_indices_tensor_d
-            if d is not None and d.dim() == 2:      # speculative decoding: the slot position 0 starts from
-                d = md.spec_src_slots_d[0]
+            if d is not None and d.dim() == 2:      # speculative decoding: the slot a verify row starts from
+                d = verify_start_slots(md)
             parts = [t for t in (d, md.state_indices_tensor_p) if t is not None]
             indices = torch.cat(parts).tolist() if parts else []
             slot = int(indices[row]) if row < len(indices) else None

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from toolkit.attention.mamba_base import verify_start_slots
 from toolkit.distributed import SINGLE
 from toolkit.host import to_host
 from toolkit.inspect import checks
@@ -222,6 +223,10 @@ class Recorder:
         self._ledger_at_schedule = checks.ledger_of(self.scheduler) if self.checks_on else None
         if self.checks_on and self.scheduler.kv.caching and sched_out is not None:
             self._pending += checks.check_hits_backed(self.scheduler, sched_out, where)
+            # a page held when the step runs must not wait in the free queue (the next allocation could
+            # evict it): checked here too, as a hit's pages may be released again by the step's end
+            self._pending += [v for v in checks.check_ledger(self.scheduler, None, f"{where}, at scheduling")
+                              if v.check == "held_ids_not_free"]
         if self.spec and sched_out is not None:
             for rid in sched_out.finished_req_ids:
                 self._kept_last_step.pop(rid, None)
@@ -283,11 +288,12 @@ class Recorder:
 
     @staticmethod
     def _spec_start_slots(state) -> dict[int, int]:
-        """Batch row -> the slot a verify row's first position copies from (its Mamba metadata)."""
+        """Batch row -> the slot a verify row's first position reads (its Mamba metadata)."""
         for gm in state.attn_metadata.groups:
             md = gm.metadata
-            if getattr(md, "spec_src_slots_d", None) is not None:
-                return dict(enumerate(md.spec_src_slots_d[0].tolist()))
+            starts = verify_start_slots(md) if hasattr(md, "num_accepted_tokens") else None
+            if starts is not None:
+                return dict(enumerate(starts.tolist()))
         return {}
 
     def after_logits(self, runner, state) -> None:

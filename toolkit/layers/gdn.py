@@ -198,11 +198,11 @@ class GatedDeltaNet(StateSlotMixer):
         g, beta = gdn_gating(a, b, self.A_log, self.dt_bias)
         weight = self.conv1d.weight[:, 0, :]
 
-        def decode(tok: slice, states: States, idx: torch.Tensor) -> torch.Tensor:
+        def decode(tok: slice, states: States, idx: torch.Tensor, **verify) -> torch.Tensor:
             conv_state, ssm_state = states
-            xc = self.ops.conv_update(mixed[tok], conv_state, idx, weight, None, self.activation)
+            xc = self.ops.conv_update(mixed[tok], conv_state, idx, weight, None, self.activation, **verify)
             q, k, v = self._split_qkv(xc)
-            return self.ops.gdn_update(ssm_state, q, k, v, g[tok], beta[tok], idx)
+            return self.ops.gdn_update(ssm_state, q, k, v, g[tok], beta[tok], idx, **verify)
 
         def prefill(tok: slice, states: States, idx: torch.Tensor, has_init: torch.Tensor,
                     cu_seqlens: torch.Tensor, md) -> torch.Tensor:

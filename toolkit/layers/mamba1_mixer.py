@@ -187,11 +187,11 @@ class Mamba1Mixer(StateSlotMixer):
         bias = self.conv1d.bias
         A = self.neg_exp_A()
 
-        def decode(tok: slice, states: States, idx: torch.Tensor) -> torch.Tensor:
+        def decode(tok: slice, states: States, idx: torch.Tensor, **verify) -> torch.Tensor:
             conv_state, ssm_state = states
-            xc = self.ops.conv_update(x[tok], conv_state, idx, weight, bias, self.activation)
+            xc = self.ops.conv_update(x[tok], conv_state, idx, weight, bias, self.activation, **verify)
             dt, B, C = self._ssm_params(xc)
-            return self.ops.mamba1_update(ssm_state, xc, dt, A, B, C, self.D, idx)
+            return self.ops.mamba1_update(ssm_state, xc, dt, A, B, C, self.D, idx, **verify)
 
         def prefill(tok: slice, states: States, idx: torch.Tensor, has_init: torch.Tensor,
                     cu: torch.Tensor, md) -> torch.Tensor:

@@ -222,12 +222,12 @@ class Mamba2Mixer(StateSlotMixer):
         bias = self.conv1d.bias
         A = self.neg_exp_A()
 
-        def decode(tok: slice, states: States, idx: torch.Tensor) -> torch.Tensor:
+        def decode(tok: slice, states: States, idx: torch.Tensor, **verify) -> torch.Tensor:
             conv_state, ssm_state = states
-            xbc_d = self.ops.conv_update(xbc[tok], conv_state, idx, weight, bias, self.activation)
+            xbc_d = self.ops.conv_update(xbc[tok], conv_state, idx, weight, bias, self.activation, **verify)
             x, B, C = self._split_xbc(xbc_d)
             return self.ops.mamba2_update(ssm_state, x, dt_raw[tok], A, B, C, self.D, idx,
-                                          self.dt_bias, self.time_step_limit)
+                                          self.dt_bias, self.time_step_limit, **verify)
 
         def prefill(tok: slice, states: States, idx: torch.Tensor, has_init: torch.Tensor,
                     cu_seqlens: torch.Tensor, md) -> torch.Tensor:

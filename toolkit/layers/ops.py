@@ -49,6 +49,12 @@ a padded prefill sequence is computed from a zero state (the profile run relies 
 The Triton set does each of these in one launch, which is what a CUDA-graph decode step needs:
 its time at batch 1 is the number of kernels times a few microseconds (benchmarks/launch_count.py).
 
+Verify rows (speculative decoding): conv_update, mamba1_update, mamba2_update and gdn_update also
+take the keywords query_start_loc [R+1] and num_accepted_tokens [R], with state_indices [R, 1 + k]
+(a row's state columns) and per-token inputs [T, ...]: every row's 1 + k tokens at most in one call,
+starting from column num_accepted - 1, the state after token j left in column j
+(kernels/state_slots_ref.step_rows_at_columns); outputs [T, ...].
+
 dt is already softplus'ed (and clamped) unless an op takes dt_bias; A is already -exp(A_log). SSM math is fp32.
 """
 from __future__ import annotations

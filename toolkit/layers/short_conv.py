@@ -92,8 +92,8 @@ class ShortConv(StateSlotMixer):
         weight = self.conv.weight[:, 0, :]
         bias = self.conv.bias
 
-        def decode(tok: slice, states: States, idx: torch.Tensor) -> torch.Tensor:
-            return self.ops.conv_update(u[tok], states[0], idx, weight, bias, None)
+        def decode(tok: slice, states: States, idx: torch.Tensor, **verify) -> torch.Tensor:
+            return self.ops.conv_update(u[tok], states[0], idx, weight, bias, None, **verify)
 
         def prefill(tok: slice, states: States, idx: torch.Tensor, has_init: torch.Tensor,
                     cu_seqlens: torch.Tensor, md) -> torch.Tensor:

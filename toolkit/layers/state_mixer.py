@@ -12,10 +12,15 @@ A subclass's forward computes its per-token inputs and calls
 holding only its own math, written with the ops of `self.ops` (toolkit/layers/ops.py), which
 read and write the state caches in place at state indices:
 
-    decode(tokens, states, state_indices) -> y
+    decode(tokens, states, state_indices, **verify) -> y
         tokens      slice(0, nd) of the step's tokens
         states      the k bound cache tensors [S, *state_shape_i]; row r's state is
                     states[i][state_indices[r]], updated in place
+        verify      {} for plain decode rows (one token each, state_indices [nd]); for speculative
+                    decoding's verify rows (1 + k tokens at most each, state_indices [D, 1 + k], a
+                    row's state columns) the keywords query_start_loc [D+1] and
+                    num_accepted_tokens [D], to pass on to the update ops as they are: each op runs
+                    every row's tokens in one call (kernels/state_slots_ref.step_rows_at_columns)
         y           [nd, ...] output rows
 
     prefill(tokens, states, state_indices, has_initial_state, cu_seqlens, md) -> y
@@ -54,7 +59,7 @@ class StateShard:
     dim: int
     index: torch.Tensor          # int64 [local entries]
     full: int
-DecodeFn = Callable[[slice, States, torch.Tensor], torch.Tensor]
+DecodeFn = Callable[..., torch.Tensor]      # (tokens, states, state_indices, **verify)
 PrefillFn = Callable[[slice, States, torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
 
 
@@ -154,15 +159,17 @@ class StateSlotMixer(nn.Module, ABC):
         states = self._bound_states()
         nd = int(md.num_decode_tokens) if int(md.num_decodes) > 0 else 0
         npf = int(md.num_prefill_tokens) if int(md.num_prefills) > 0 else 0
-        spec = nd and getattr(md, "spec_token_index_d", None) is not None
+        spec = nd and getattr(md, "num_accepted_tokens", None) is not None
         if nd and not spec and nd != int(md.num_decodes):
             raise ValueError(f"{self.layer_name}: one token per decode row expected, got "
                              f"{nd} tokens for {md.num_decodes} decodes")
 
         def run_decode() -> torch.Tensor:
-            if spec:
-                return self._run_verify_rows(md, nd, out_shape, out_dtype, decode, states)
-            y = decode(slice(0, nd), states, md.state_indices_tensor_d[:nd])
+            if spec:        # verify rows: every position of every row in one call of each op
+                y = decode(slice(0, nd), states, md.state_indices_tensor_d,
+                           query_start_loc=md.query_start_loc_d, num_accepted_tokens=md.num_accepted_tokens)
+            else:
+                y = decode(slice(0, nd), states, md.state_indices_tensor_d[:nd])
             return self._checked(y, (nd, *out_shape[1:]), out_dtype, "decode")
 
         def run_prefill() -> torch.Tensor:
@@ -180,23 +187,6 @@ class StateSlotMixer(nn.Module, ABC):
         if npf:
             out[nd : nd + npf] = run_prefill()
         return out
-
-    def _run_verify_rows(self, md, nd: int, out_shape: tuple[int, ...], out_dtype: torch.dtype,
-                         decode: DecodeFn, states: States) -> torch.Tensor:
-        """Speculative decoding's decode rows (mamba_base.py): position by position, each row's state
-        is copied from the slot the position starts from (the accepted column at position 0, the
-        previous position's column after) into the position's own column, then advanced there by
-        the decode op, so column j holds the state after position j. `decode` gets the token
-        indices of the position (a LongTensor index instead of a slice)."""
-        out = torch.zeros((nd + 1, *out_shape[1:]), dtype=out_dtype, device=states[0].device)
-        for j in range(md.spec_token_index_d.shape[0]):
-            src, dst = md.spec_src_slots_d[j].long(), md.spec_dst_slots_d[j]
-            for t in states:
-                t.index_copy_(0, dst.long(), t.index_select(0, src))
-            rows = md.spec_token_index_d[j]
-            y = self._checked(decode(rows, states, dst), (len(rows), *out_shape[1:]), out_dtype, "decode")
-            out.index_copy_(0, md.spec_out_index_d[j], y)
-        return out[:nd]
 
     def neg_exp_A(self) -> torch.Tensor:
         """A = -exp(A_log) in fp32, cached while the parameter `A_log` is unchanged (same tensor,

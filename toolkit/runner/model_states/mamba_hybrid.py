@@ -67,6 +67,9 @@ class MambaHybridModelState(DefaultModelState):
         super().__init__(model, cfg)
         self.num_speculative_tokens = cfg.num_speculative_tokens
         self.num_accepted_tokens = torch.ones(cfg.max_num_seqs, dtype=torch.int32, device=cfg.device)
+        # a batch's counts, gathered by its rows into one persistent buffer (the update ops read them:
+        # a CUDA graph captured on a B-row batch reads the address every later B-row step rewrites)
+        self._batch_accepted = torch.ones(cfg.max_num_seqs, dtype=torch.int32, device=cfg.device)
         # host copies per request row ("align"): the accepted counts (as num_accepted_tokens) and
         # the running column of the row's last step (-1: nothing computed yet); the state after its
         # computed tokens is in column state_column + num_accepted - 1
@@ -198,7 +201,9 @@ class MambaHybridModelState(DefaultModelState):
         kwargs = super().attn_metadata_kwargs(input_batch, for_capture)
         kwargs["is_prefilling"] = torch.from_numpy(input_batch.is_prefilling_np)
         if self.num_speculative_tokens:
-            kwargs["num_accepted_tokens"] = self.num_accepted_tokens[input_batch.idx_mapping]
+            rows = input_batch.idx_mapping.shape[0]
+            kwargs["num_accepted_tokens"] = torch.index_select(self.num_accepted_tokens, 0, input_batch.idx_mapping,
+                                                               out=self._batch_accepted[:rows])
             drafts = np.where(input_batch.is_prefilling_np, -1, input_batch.num_drafts_np)
             kwargs["num_decode_draft_tokens_cpu"] = torch.from_numpy(drafts.astype(np.int32))
         return kwargs
