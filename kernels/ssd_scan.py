@@ -29,7 +29,7 @@ end state, then the state before it), cum fp32 [H, T] (dA cumsum within each chu
 Three launches (all math fp32):
   1. `_chunk_state_kernel` (chunk, head, P-block): cumsum of dA = dt*A within the chunk (kept for
      launch 3) and the chunk's own end state  sum_l exp(cum_end - cum_l) dt_l x_l outer B_l.
-  2. `_state_passing_kernel` (sequence, head, P-block): walks the sequence's chunks in order,
+  2. `_state_passing_kernel` (sequence, block of heads, P-block): walks the sequence's chunks in order,
      overwriting each chunk's state with the state before it; reads the initial state first and
      writes the final state to the slot last (same program, same tile: no race).
   3. `_chunk_scan_kernel` (chunk, head, block of rows x P-block): the causal intra-chunk term
@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launcher_checks import check_checkpoints, check_chunk_layout
+from .launcher_checks import check_checkpoints, check_chunk_layout, rows_per_program
 from .ssd_scan_ref import chunk_ending_at
 from .state_slots_ref import Checkpoints, write_states_at
 
@@ -99,15 +99,18 @@ def _chunk_state_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, cu_ptr, cum_ptr, end_ptr, s
 def _state_passing_kernel(st_ptr, end_ptr, last_ptr, state_ptr, idx_ptr, init_ptr,
                           heads, head_dim, d_state,
                           st_c, st_h, st_p, s_slot, s_head, s_p,
-                          BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Program (sequence, head, block of P): chunk states -> states before each chunk; final -> slot."""
+                          BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (sequence, block of heads, block of P): chunk states -> states before each chunk; final
+    -> slot. A [BLOCK_H, BLOCK_P, N] tile (BLOCK_H > 1 only where a head's [BLOCK_P, N] tile is small:
+    launcher_checks.rows_per_program)."""
     i = tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
-    mn = (n < d_state)[None, :]
-    m2 = (p < head_dim)[:, None] & mn
-    tile = p[:, None] * st_p + n[None, :]
+    mh = h < heads
+    mn = (n < d_state)[None, None, :]
+    m3 = mh[:, None, None] & (p < head_dim)[None, :, None] & mn
+    tile = h[:, None, None] * st_h + p[None, :, None] * st_p + n[None, None, :]
     first = tl.where(i > 0, tl.load(last_ptr + tl.maximum(i - 1, 0)).to(tl.int64) + 1, 0)
     last = tl.load(last_ptr + i).to(tl.int64)
     slot = tl.load(idx_ptr + i).to(tl.int64)
@@ -115,14 +118,16 @@ def _state_passing_kernel(st_ptr, end_ptr, last_ptr, state_ptr, idx_ptr, init_pt
     # scalar conditions folded into the P bound (the interpreter cannot AND a scalar into a mask)
     p_read = tl.where(slot >= 0, tl.where(has_init, head_dim, 0), 0)
     p_write = tl.where(slot >= 0, head_dim, 0)
-    cache = state_ptr + tl.maximum(slot, 0) * s_slot + h * s_head + p[:, None] * s_p + n[None, :]
-    prev = tl.load(cache, mask=(p < p_read)[:, None] & mn, other=0.0).to(tl.float32)
+    m_hn = mh[:, None, None] & mn
+    cache = state_ptr + tl.maximum(slot, 0) * s_slot + h[:, None, None] * s_head + p[None, :, None] * s_p + \
+        n[None, None, :]
+    prev = tl.load(cache, mask=(p < p_read)[None, :, None] & m_hn, other=0.0).to(tl.float32)
     for c in range(first, last + 1):
-        ptrs = st_ptr + c * st_c + h * st_h + tile
-        own = tl.load(ptrs, mask=m2, other=0.0)
-        tl.store(ptrs, prev, mask=m2)
-        prev = tl.exp(tl.load(end_ptr + c * heads + h)) * prev + own
-    tl.store(cache, prev.to(state_ptr.dtype.element_ty), mask=(p < p_write)[:, None] & mn)
+        ptrs = st_ptr + c * st_c + tile
+        own = tl.load(ptrs, mask=m3, other=0.0)
+        tl.store(ptrs, prev, mask=m3)
+        prev = tl.exp(tl.load(end_ptr + c * heads + h, mask=mh, other=0.0))[:, None, None] * prev + own
+    tl.store(cache, prev.to(state_ptr.dtype.element_ty), mask=(p < p_write)[None, :, None] & m_hn)
 
 
 @triton.jit
@@ -252,12 +257,13 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
 
     if rows:
         block_ps = max(1, min(triton.next_power_of_2(head_dim), 4096 // block_n))
-        _state_passing_kernel[(rows, heads, triton.cdiv(head_dim, block_ps))](
+        block_hs = min(triton.next_power_of_2(heads), rows_per_program(block_ps * block_n))
+        _state_passing_kernel[(rows, triton.cdiv(heads, block_hs), triton.cdiv(head_dim, block_ps))](
             states, ends, last_chunk_indices, ssm_state, state_indices, has_initial_state,
             heads, head_dim, d_state,
             states.stride(0), states.stride(1), states.stride(2),
             ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
-            BLOCK_P=block_ps, BLOCK_N=block_n, num_warps=4)
+            BLOCK_H=block_hs, BLOCK_P=block_ps, BLOCK_N=block_n, num_warps=4)
 
     _chunk_scan_kernel[(nc, heads, triton.cdiv(chunk_size, block_m) * p_blocks)](
         x, dt, B, C, D if D is not None else A, cu_chunk_seqlens, cum, states, y,

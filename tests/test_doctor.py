@@ -23,6 +23,8 @@ SUMMARY = re.compile(r"^doctor: (\d+) passed, (\d+) failed, (\d+) skipped in \d+
 GPU_ONLY = {"kernel_compile", "device_vs_cpu", "graphs_vs_eager", "decode_b1_graphs", "decode_b16_graphs"}
 CHECK_KEYS = {"name", "status", "value", "unit", "detail", "seconds"}
 
+# one worker runs the module: its fixture (two doctor processes) runs once, not once per xdist worker
+pytestmark = pytest.mark.xdist_group("doctor")
 on_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the doctor's CPU subset (gpu_check.sh runs it on a GPU)")
 
 

@@ -126,6 +126,19 @@ def test_selective_state_update_refuses_a_strided_dt():
                                    torch.zeros(2, dtype=torch.long))
 
 
+def test_selective_state_update_names_a_malformed_verify_argument():
+    """Verify rows (query_start_loc, num_accepted_tokens, state_indices [R, 1 + k]): the launcher names
+    the argument that is wrong, before any launch."""
+    state = torch.zeros(6, 4, 8, 16)
+    x, dt, A, B = torch.zeros(5, 4, 8), torch.zeros(5, 4), torch.zeros(4), torch.zeros(5, 1, 16)
+    qsl, accepted = torch.tensor([0, 2, 5], dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"state_indices must be int32/int64 \[R, J=1\+k\] with query_start_loc"):
+        ssu.selective_state_update(state, x, dt, A, B, B, None, torch.zeros(2, dtype=torch.int32),
+                                   query_start_loc=qsl, num_accepted_tokens=accepted)
+    with pytest.raises(ValueError, match=r"query_start_loc must be int32/int64 \[R\+1=3\], got torch.int32 \(4,\)"):
+        ssu.selective_state_update(state, x, dt, A, B, B, None, torch.zeros(2, 4, dtype=torch.int32),
+                                   query_start_loc=torch.zeros(4, dtype=torch.int32), num_accepted_tokens=accepted)
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("limit", [None, (0.0, float("inf")), (1e-3, 0.5)])
@@ -196,7 +209,8 @@ UNTOUCHED = [1, 3, 5]
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads, head_dim, d_state, groups, with_d",
-                         [(4, 8, 16, 1, True), (4, 12, 8, 2, False), (2, 16, 16, 2, True)])
+                         [(4, 8, 16, 1, True), (4, 12, 8, 2, False), (2, 16, 16, 2, True),
+                          (6, 32, 16, 3, True)])      # state passing: 4 heads a program, the second's last 2 masked
 def test_ssd_scan_equals_reference(dtype, heads, head_dim, d_state, groups, with_d):
     args, state, idx, has_init = _case(dtype, heads, head_dim, d_state, groups, LENS, COMPUTED, SLOTS, 8,
                                        with_d, chunk_size=8)

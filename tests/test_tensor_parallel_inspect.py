@@ -50,6 +50,11 @@ class Ran:
         self.model = llm.model_runner.model
 
 
+# the tests of the pair in one xdist worker: the module fixture (four engines, two of them with ranks)
+# is built once, not once per worker
+SHARES_PAIR = pytest.mark.xdist_group("tp-inspect-pair")
+
+
 @pytest.fixture(scope="module")
 def mamba2_pair():
     """tiny-mamba2 (8 heads, 2 groups: split over the ranks) in full mode, TP=1 and TP=2 (shut down:
@@ -83,6 +88,7 @@ def test_gathered_states_equal_one_rank(preset):
         two.shutdown()
 
 
+@SHARES_PAIR
 def test_gathered_states_and_rank_shards(mamba2_pair):
     one, two = mamba2_pair
     diff = diff_traces(one.trace, two.trace)
@@ -126,6 +132,7 @@ def test_each_rank_shard_is_what_the_rank_holds():
         llm.shutdown()
 
 
+@SHARES_PAIR
 def test_state_view_shows_a_rank_or_the_gathered_state(mamba2_pair):
     _, two = mamba2_pair
     rec = next(r for r in two.trace if r.states and r.step_index is not None)
@@ -142,6 +149,7 @@ def test_state_view_shows_a_rank_or_the_gathered_state(mamba2_pair):
     assert steps == full_steps and all(a < b for a, b in zip(norms["ssm_state"], full_norms["ssm_state"]))
 
 
+@SHARES_PAIR
 def test_a_sharded_trace_saves_and_loads(mamba2_pair, tmp_path):
     _, two = mamba2_pair
     back = Trace.load(two.trace.save(tmp_path / "tp.trace"))
@@ -150,6 +158,7 @@ def test_a_sharded_trace_saves_and_loads(mamba2_pair, tmp_path):
     assert st.num_ranks == 2 and st.of(st.request_ids[0], "after", rank=1)["ssm_state"].shape == (4, 16, 16)
 
 
+@SHARES_PAIR
 def test_memory_report_has_a_row_per_rank(mamba2_pair):
     one, two = mamba2_pair
     report = two.memory
@@ -184,6 +193,7 @@ def test_every_rank_metadata_compared_and_a_drifting_rank_found():
     assert not mp.active_children()
 
 
+@SHARES_PAIR
 def test_a_mamba2_group_replicated_instead_of_split_is_found_by_diff(mamba2_pair):
     """Silent (no check sees it: every rank is self-consistent); diff_traces against one rank names
     the first request, position and layer state; rank 1's shard is the wrong one, rank 0's is not."""
@@ -232,6 +242,7 @@ def test_a_second_engine_while_one_runs_is_refused():
     assert not mp.active_children()
 
 
+@SHARES_PAIR
 def test_state_tab_rank_selector(mamba2_pair):
     """The StateView shows a rank selector for a sharded trace (hidden for one rank); choosing a rank
     redraws its shard, "gathered" the full state."""
