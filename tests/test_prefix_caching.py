@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from toolkit import LLM, SamplingParams
-from toolkit.kv_cache_manager import BlockPool, CacheGroupKind, KVCacheManager, block_hashes
+from toolkit.kv_cache_manager import BlockPool, CacheGroupKind, KVCacheManager, RowTail, block_hashes
 from toolkit.request import Request
 from toolkit.scheduler import Scheduler
 
@@ -171,6 +171,32 @@ def test_mamba_rows_hold_the_running_page_and_release_the_one_copied_from():
     assert [len(r) for r in rows] == [1, 2, 3, 3, 3]
     assert all(sum(1 for i in r if i) <= 2 and r[-1] for r in rows)
     assert len(s.kv.state_pool.cached) == 3 and not s.kv.state_pool.holders
+
+
+def test_an_aligned_row_goes_to_the_runner_as_the_columns_a_step_changed():
+    """Decoding a long row, each step sends the runner the row from its first changed column on
+    (kv_cache_manager.RowTail), never the whole row: at most the previous running column and the new
+    one, however long the row; applied to a copy of the row, the tails rebuild the ledger's row."""
+    s = scheduler([MAMBA], budget=64, seqs=1)
+    s.add_request(request("r", range(10, 74), max_tokens=40))     # 64 prompt tokens: 16 columns of 4
+    runner_row: list[int] = []
+    widths = []
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        if out.scheduled_new_reqs:
+            runner_row = list(out.scheduled_new_reqs[0].block_ids[0])
+        for tails in out.scheduled_cached_reqs.new_block_ids:
+            tail = tails[0]
+            assert isinstance(tail, RowTail)
+            runner_row = runner_row[:tail.start] + tail.ids
+            widths.append(len(tail.ids))
+        ledger = s.kv.block_ids("r")[0] if "r" in s.kv.holdings() else None
+        if ledger is not None:
+            behind = s.kv.released_columns("r")          # released checkpoint columns: never read again
+            assert runner_row[behind:] == ledger[behind:] and len(runner_row) == len(ledger)
+        s.update_from_output(out, {"r": 7})
+    # a page when the row crosses into a new block (every 4 tokens), nothing in between
+    assert len(widths) >= 39 and max(widths) <= 2 and sum(widths) <= len(widths) // 4 + 2
 
 
 def test_stats_count_queries_hits_and_skipped_tokens():

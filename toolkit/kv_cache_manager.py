@@ -37,6 +37,16 @@ BlockHash = bytes
 KNOWN_HASHES = 1 << 16      # block hashes remembered for the shared-prefix junction (16 bytes each)
 
 
+@dataclass(frozen=True)
+class RowTail:
+    """What changed in an aligned Mamba row since the runner last got it: the row from column `start`
+    on (`ids`, the row's new end included; columns before `start` are as the runner has them, or
+    released checkpoint columns it never reads again). The runner writes `ids` at `start` and
+    zeroes its row past them. A step's update costs the columns it touched, not the row's length."""
+    start: int
+    ids: list[int]
+
+
 def hash_block(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
     """The hash of a full block: its tokens chained to the hash of the blocks before it."""
     digest = hashlib.blake2b(parent or b"", digest_size=16)
@@ -294,6 +304,8 @@ class KVCacheManager:
         self._hashed_upto: dict[str, int] = {}      # per request: blocks registered so far
         self._pages_registered_upto: dict[str, int] = {}   # per request: Mamba columns registered so far
         self._pages_released_upto: dict[str, int] = {}     # and the columns released so far (behind them)
+        # per request: the first column of its aligned rows changed since the runner last got them
+        self._row_dirty_from: dict[str, int] = {}
         # per (request, attention group): blocks registered so far (a step registers only the blocks it
         # completed, as vLLM's cache_full_blocks: host work per step never grows with the context)
         self._blocks_registered_upto: dict[tuple[str, int], int] = {}
@@ -376,11 +388,16 @@ class KVCacheManager:
         first_block = num_computed // bs
         if num_drafts and first_block < new:
             need.add(first_block)
-        release = [i for c, i in enumerate(ids) if i and c not in keep and c not in need]
+        # columns before the released ones hold no page (`_release_checkpoints`): scanned from there only
+        start = self._pages_released_upto.get(req_id, 0)
+        release = [c for c in range(start, len(ids)) if ids[c] and c not in keep and c not in need]
         return sorted(c for c in need if c >= len(ids) or not ids[c]), release
 
     def can_allocate(self, req_id: str, num_computed: int, num_after: int, num_drafts: int = 0) -> bool:
-        plan = self._plan(req_id, num_computed, num_after, num_drafts)
+        return self._fits(self._plan(req_id, num_computed, num_after, num_drafts))
+
+    def _fits(self, plan: list[tuple[list[int] | int, list[int]]]) -> bool:
+        """Whether the pools have what `plan` allocates (its releases do not change what it needs)."""
         count = [len(n) if isinstance(n, list) else n for n, _ in plan]
         kv = sum(n for g, n in enumerate(count) if self.groups[g].kind == "attention")
         st = sum(n for g, n in enumerate(count) if self.groups[g].kind == "mamba")
@@ -389,34 +406,57 @@ class KVCacheManager:
     def allocate(self, req_id: str, num_computed: int, num_after: int, num_drafts: int = 0
                  ) -> tuple[list[int], ...] | None:
         """Grow the request's holdings from `num_computed` to cover `num_after` tokens (the last
-        `num_drafts` of them drafts a verify step checks). Returns the newly allocated ids per group
-        (an aligned Mamba group: its whole row, which may also have released pages), or None
-        (nothing changed) if a pool is short."""
+        `num_drafts` of them drafts a verify step checks). Returns per group the newly allocated ids
+        (an aligned Mamba group: a RowTail, the row from its first column changed since the runner
+        last got it, which may also have released pages), or None (nothing allocated) if a pool is
+        short. Work in the columns it touches, never the row's length."""
         plan = self._plan(req_id, num_computed, num_after, num_drafts)
-        held = self.block_ids(req_id)
+        created = req_id not in self._ids
+        held = self._ids.setdefault(req_id, tuple([] for _ in self.groups))
         for g, (_, release) in enumerate(plan):          # no longer needed whether or not we grow
             if release:
-                self.pool(g).free(release, req_id)
-                held[g][:] = [0 if i in release else i for i in held[g]]
-        if not self.can_allocate(req_id, num_computed, num_after, num_drafts):
+                self.pool(g).free([held[g][c] for c in release], req_id)
+                for c in release:
+                    held[g][c] = 0
+                self._mark_dirty(req_id, release[0])
+        if not self._fits(plan):
+            if created:
+                del self._ids[req_id]
             return None
-        rows, added = [], []
+        added = []
         for g, (n, _) in enumerate(plan):
-            row = list(held[g])
+            row = held[g]
             if not self.aligned(g):
                 new = self.pool(g).allocate(n, req_id)
                 row += new
-            else:
-                new = self.pool(g).allocate(len(n), req_id)
-                for col, page in zip(n, new):
+                added.append(new)
+                continue
+            new = self.pool(g).allocate(len(n), req_id)
+            for col, page in zip(n, new):
+                if col >= len(row):
+                    self._mark_dirty(req_id, len(row))
                     row += [0] * (col + 1 - len(row))
-                    row[col] = page
-                self._running_column[req_id] = -(-num_after // self.groups[g].block_size) - 1
-                self._num_drafts[req_id] = num_drafts
-            rows.append(row)
-            added.append(list(row) if self.aligned(g) else new)
-        self._ids[req_id] = tuple(rows)
+                row[col] = page
+                self._mark_dirty(req_id, col)
+            self._running_column[req_id] = -(-num_after // self.groups[g].block_size) - 1
+            self._num_drafts[req_id] = num_drafts
+            added.append(self.row_tail(req_id, g))
+        self.row_delivered(req_id)                   # the tails above carry every change
         return tuple(added)
+
+    def _mark_dirty(self, req_id: str, column: int) -> None:
+        self._row_dirty_from[req_id] = min(column, self._row_dirty_from.get(req_id, column))
+
+    def row_tail(self, req_id: str, g: int, since: int | None = None) -> RowTail:
+        """The aligned row `g` of the request from its first column changed since the runner last
+        got it, or from `since` if that is earlier (empty, at the row's end, when nothing changed)."""
+        row = self._ids[req_id][g]
+        start = min(self._row_dirty_from.get(req_id, len(row)), len(row) if since is None else since, len(row))
+        return RowTail(start, row[start:])
+
+    def row_delivered(self, req_id: str) -> None:
+        """The runner has every change of the request's aligned rows (the scheduler sent their tails)."""
+        self._row_dirty_from.pop(req_id, None)
 
     def add_state_pages(self, req_id: str, columns: list[int]) -> bool:
         """Cache mode "all": give the request's aligned Mamba rows a page at each of `columns` that has
@@ -429,6 +469,7 @@ class KVCacheManager:
             for col in columns:
                 if col < len(row) and not row[col] and self.state_pool.num_free:
                     row[col] = self.state_pool.allocate(1, req_id)[0]
+                    self._mark_dirty(req_id, col)
                     changed = True
         return changed
 
@@ -438,6 +479,7 @@ class KVCacheManager:
         self._num_drafts.pop(req_id, None)
         self._pages_registered_upto.pop(req_id, None)
         self._pages_released_upto.pop(req_id, None)
+        self._row_dirty_from.pop(req_id, None)
         for g in range(len(self.groups)):
             self._blocks_registered_upto.pop((req_id, g), None)
         held = self._ids.pop(req_id, None)

@@ -368,8 +368,9 @@ class Scheduler:
             columns = [b // bs - 1 for b in range((start // bs + 1) * bs, start + n, bs)]
             if columns and self.kv.add_state_pages(req_id, columns) and req_id in cached.req_ids:
                 i = cached.req_ids.index(req_id)        # a new request's rows are the manager's own lists
-                cached.new_block_ids[i] = tuple(list(row) if self.kv.aligned(g) else ids for g, (row, ids)
-                                                in enumerate(zip(self.kv.block_ids(req_id), cached.new_block_ids[i])))
+                cached.new_block_ids[i] = tuple(self.kv.row_tail(req_id, g, since=ids.start) if self.kv.aligned(g)
+                                                else ids for g, ids in enumerate(cached.new_block_ids[i]))
+                self.kv.row_delivered(req_id)
 
     def _adopt_prefix_hit(self, req: Request) -> PrefixHit | None:
         """A request about to be admitted from scratch takes the longest cached prefix of its tokens.

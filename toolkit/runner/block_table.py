@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from toolkit.kv_cache_manager import RowTail
 from toolkit.kv_cache_spec import PAD_SLOT_ID
 from toolkit.runner.staging import Staging
 
@@ -28,7 +29,7 @@ class BlockTables:
                  aligned: list[bool] | None = None):
         self.block_sizes = block_sizes
         # per group: a Mamba row of prefix caching's "align" mode, position-indexed (0: no page); the
-        # scheduler sends it whole each step
+        # scheduler sends the columns it changed (kv_cache_manager.RowTail)
         self.aligned = aligned or [False] * len(widths)
         self.staging = staging
         self.tables = [np.zeros((max_num_reqs, w), dtype=np.int32) for w in widths]
@@ -42,16 +43,22 @@ class BlockTables:
     def num_groups(self) -> int:
         return len(self.tables)
 
-    def append_block_ids(self, req_idx: int, block_ids: tuple[list[int], ...], overwrite: bool) -> None:
+    def append_block_ids(self, req_idx: int, block_ids: tuple, overwrite: bool) -> None:
+        """A request's new ids per group: a new request's whole rows (`overwrite`), else the ids
+        appended to each row, or for an aligned Mamba row a RowTail (the row from its first changed
+        column; the columns after the tail are zeroed)."""
         for g, ids in enumerate(block_ids):
-            start = 0 if overwrite or self.aligned[g] else int(self.num_blocks[g][req_idx])
+            if isinstance(ids, RowTail):
+                start, ids = ids.start, ids.ids
+            else:
+                start = 0 if overwrite or self.aligned[g] else int(self.num_blocks[g][req_idx])
             end = start + len(ids)
             if end > self.tables[g].shape[1]:
                 raise RuntimeError(f"group {g}: row {req_idx} would hold {end} blocks, "
                                    f"table width is {self.tables[g].shape[1]}")
             self.tables[g][req_idx, start:end] = ids
-            if self.aligned[g]:
-                self.tables[g][req_idx, end:] = 0
+            if self.aligned[g]:          # a new row: all past its end; a tail: the columns it held past it
+                self.tables[g][req_idx, end:None if overwrite else max(end, int(self.num_blocks[g][req_idx]))] = 0
             self.num_blocks[g][req_idx] = end
 
     def state_pages(self, g: int, idx_mapping_np: np.ndarray, seq_lens_np: np.ndarray) -> np.ndarray:
