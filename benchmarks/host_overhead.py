@@ -53,8 +53,9 @@ def long_context(preset: str, max_len: int) -> str:
 
 def measure(preset: str, rows: int, context: int, caching: bool, spec: bool, steps: int) -> dict[str, float]:
     """Median host seconds per decode step by stage (and "other", "total")."""
-    llm = LLM(long_context(preset, context + 4 * steps + 64), device="cpu", dtype="float32", inspect="off", max_num_seqs=rows,
-              max_model_len=context + 4 * steps + 64, max_num_batched_tokens=max(4096, min(rows * context, 65536)),
+    max_len = context + 4 * steps + 64
+    llm = LLM(long_context(preset, max_len), device="cpu", dtype="float32", inspect="off", max_num_seqs=rows,
+              max_model_len=max_len, max_num_batched_tokens=max(4096, min(rows * context, 65536)),
               enable_prefix_caching=caching,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3} if spec else None)
     stub_forward(llm)

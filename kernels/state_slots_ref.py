@@ -78,8 +78,8 @@ def step_rows_at_columns(cache: torch.Tensor, state_indices: torch.Tensor, query
     leaves the state after its j-th token in cache[state_indices[r, j]] (rounded to the cache dtype
     after every token, as a one-token update op leaves it: a verify row equals that op run token by
     token). A row whose column 0 is PAD_SLOT_ID (-1) is padding: y = 0, no state read or written.
-    Returns y [num_tokens, ...] (0 at tokens no row covers). A loop over the J positions; no host
-    sync (a CUDA graph captures it)."""
+    Returns y [num_tokens, ...] (0 at tokens no row covers). A loop over the positions (on the CPU
+    the longest row's, on a GPU all J); no host sync on a GPU (a CUDA graph captures it)."""
     b, j_cols = state_indices.shape
     dev = cache.device
     idx = state_indices.to(device=dev, dtype=torch.int64)
@@ -89,7 +89,10 @@ def step_rows_at_columns(cache: torch.Tensor, state_indices: torch.Tensor, query
     first = (num_accepted_tokens.to(device=dev, dtype=torch.int64) - 1).clamp(0, j_cols - 1)
     state = initial_states_at(cache, torch.where(real, idx.gather(1, first[:, None])[:, 0], -1), None)
     out = None
-    for j in range(j_cols):
+    # positions to run: every column on a GPU (no host sync), the longest row on the CPU (a batch of
+    # rows without drafts costs one position, not 1 + k)
+    positions = j_cols if qsl.device.type != "cpu" or b == 0 else min(j_cols, int(lens.max()))
+    for j in range(max(positions, 1)):
         valid = real & (j < lens)                                          # [B]
         token = (starts + torch.minimum(torch.full_like(lens, j), (lens - 1).clamp(min=0))).clamp(0, num_tokens - 1)
         y, new = step(state, *(t[token] for t in inputs))
