@@ -69,7 +69,7 @@ def step_rows_at_columns(cache: torch.Tensor, state_indices: torch.Tensor, query
 
         state_indices        int [B, J] (J = 1 + k): row r's state columns, column j its slot
         query_start_loc      int [B+1]: row r's tokens are query_start_loc[r] : query_start_loc[r+1]
-                             (1..J of them; 0 for a row past the batch)
+                             (1..J of them: a decode row always has its last sampled token)
         num_accepted_tokens  int [B] (>= 1): the row starts from the state in column num_accepted - 1
         step(state [B, ...], *per_token_inputs) -> (y [B, ...], new_state [B, ...]): the one-token op
         inputs               per-token tensors [T, ...], indexed by token
@@ -78,8 +78,8 @@ def step_rows_at_columns(cache: torch.Tensor, state_indices: torch.Tensor, query
     leaves the state after its j-th token in cache[state_indices[r, j]] (rounded to the cache dtype
     after every token, as a one-token update op leaves it: a verify row equals that op run token by
     token). A row whose column 0 is PAD_SLOT_ID (-1) is padding: y = 0, no state read or written.
-    Returns y [num_tokens, ...] (0 at tokens no row covers). A loop over the positions (on the CPU
-    the longest row's, on a GPU all J); no host sync on a GPU (a CUDA graph captures it)."""
+    Returns y [num_tokens, ...] (0 at tokens no row covers). A loop over at most J positions; no host
+    sync (a CUDA graph captures it)."""
     b, j_cols = state_indices.shape
     dev = cache.device
     idx = state_indices.to(device=dev, dtype=torch.int64)
@@ -89,10 +89,10 @@ def step_rows_at_columns(cache: torch.Tensor, state_indices: torch.Tensor, query
     first = (num_accepted_tokens.to(device=dev, dtype=torch.int64) - 1).clamp(0, j_cols - 1)
     state = initial_states_at(cache, torch.where(real, idx.gather(1, first[:, None])[:, 0], -1), None)
     out = None
-    # positions to run: every column on a GPU (no host sync), the longest row on the CPU (a batch of
-    # rows without drafts costs one position, not 1 + k)
-    positions = j_cols if qsl.device.type != "cpu" or b == 0 else min(j_cols, int(lens.max()))
-    for j in range(max(positions, 1)):
+    # positions to run, from shapes alone (no host sync): with every row holding at least one token,
+    # none holds more than T - R + 1 (a batch of rows without drafts costs one position, not 1 + k)
+    positions = max(1, min(j_cols, num_tokens - b + 1))
+    for j in range(positions):
         valid = real & (j < lens)                                          # [B]
         token = (starts + torch.minimum(torch.full_like(lens, j), (lens - 1).clamp(min=0))).clamp(0, num_tokens - 1)
         y, new = step(state, *(t[token] for t in inputs))

@@ -92,7 +92,7 @@ def _case(name: str, t: int, device, gen):
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("padded_tokens", [0, 1 + K])
+@pytest.mark.parametrize("padded_tokens", [1, 1 + K])     # a padded row still has its token(s)
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("ops_name", ["torch", "triton"])
 def test_verify_rows_in_one_call_equal_the_op_token_by_token(ops_name, case, padded_tokens, state_dtype):
@@ -117,3 +117,23 @@ def test_verify_rows_in_one_call_equal_the_op_token_by_token(ops_name, case, pad
     touched = {int(s) for r, n in enumerate(LENS) for s in idx[r, :n]}
     untouched = [s for s in range(NUM_SLOTS) if s not in touched]
     assert torch.equal(one_call[untouched], state[untouched])
+
+
+def test_rows_without_drafts_cost_one_position():
+    """The torch verify loops over positions; with no row longer than T - R + 1 tokens (known from the
+    shapes, no host sync) it runs only those: rows without drafts cost one position, not 1 + k."""
+    from toolkit.kernels.state_slots_ref import step_rows_at_columns
+    calls = []
+
+    def step(state, x):
+        calls.append(len(x))
+        return x * 2, state + x[:, None]
+    cache = torch.zeros(NUM_SLOTS, 3)
+    idx = torch.arange(4 * (1 + K), dtype=torch.int32).view(4, 1 + K)
+    accepted = torch.ones(4, dtype=torch.int32)
+    for lens, positions in (([1, 1, 1, 1], 1), ([1, 3, 1, 1], 3), ([4, 4, 4, 4], 4)):
+        calls.clear()
+        qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        x = torch.arange(1, sum(lens) + 1, dtype=torch.float32)
+        y = step_rows_at_columns(cache, idx, qsl, accepted, step, (x,), sum(lens))
+        assert len(calls) == positions and torch.equal(y, 2 * x)
