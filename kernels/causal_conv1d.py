@@ -47,8 +47,9 @@ import triton
 import triton.language as tl
 
 from .causal_conv1d_ref import conv_windows_at
-from .launcher_checks import check_checkpoints, check_verify_rows
+from .launcher_checks import check_checkpoints, check_verify_rows, verify_launch_args
 from .state_slots_ref import Checkpoints, initial_states_at, write_states_at
+from .verify_rows import verify_row
 
 
 @triton.jit
@@ -60,19 +61,13 @@ def _conv_verify_row(x_ptr, state_ptr, idx_ptr, w_ptr, b_ptr, out_ptr, qsl_ptr, 
     window is a ring in registers, [BLOCK_KM1, BLOCK_D] fp32 (the values rounded to the cache dtype):
     before token j, logical entry k (oldest first) is physical row (j + k) % (K-1); token j's input
     replaces the oldest, row j % (K-1). The sums run in the plain kernel's order."""
-    start = tl.load(qsl_ptr + row).to(tl.int64)
-    end = tl.load(qsl_ptr + row + 1).to(tl.int64)
-    ids = idx_ptr + row.to(tl.int64) * stride_ir
-    real = tl.load(ids).to(tl.int64) >= 0                  # column 0 PAD_SLOT_ID: a padding row
-    n_run = tl.where(real, tl.minimum(end - start, n_cols), 0)
-    first = tl.minimum(tl.maximum(tl.load(acc_ptr + row).to(tl.int64) - 1, 0), n_cols - 1)
-    src = tl.where(real, tl.load(ids + first * stride_ic).to(tl.int64), -1)
-    # out rows no real row computes are zeros: this row's others, and row 0 / the last row also take
-    # the tokens before query_start_loc[0] / from query_start_loc[R] on
+    start, n_run, ids, src, zero_lo, zero_hi = verify_row(qsl_ptr, acc_ptr, idx_ptr, row, stride_ir, stride_ic, n_cols,
+                                                          num_tokens)
+    # out rows no real row computes are zeros (verify_rows.verify_row)
     zero = tl.zeros([BLOCK_D], dtype=tl.float32).to(out_ptr.dtype.element_ty)
-    for t in range(tl.where(row == 0, 0, start), start):
+    for t in range(zero_lo, start):
         tl.store(out_ptr + t * stride_ob + d, zero, mask=mask)
-    for t in range(start + n_run, tl.where(row == tl.num_programs(0) - 1, num_tokens, end)):
+    for t in range(start + n_run, zero_hi):
         tl.store(out_ptr + t * stride_ob + d, zero, mask=mask)
     p = tl.arange(0, BLOCK_KM1)
     # scalar conditions enter masks as bounds (the interpreter cannot `&` a scalar bool into a block)
@@ -175,11 +170,8 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, state_indice
     if rows == 0:                                       # verify rows, none of them: every out is 0
         return out.zero_()
     block = min(triton.next_power_of_2(dim), 256)
-    if verify is None:
-        qsl, acc, n_cols, stride_ir, stride_ic = state_indices, state_indices, 1, 1, 1   # unused
-    else:
-        qsl, acc, n_cols = query_start_loc, num_accepted_tokens, verify[1]
-        stride_ir, stride_ic = state_indices.stride()
+    qsl, acc, n_cols, stride_ir, stride_ic = verify_launch_args(state_indices, query_start_loc,
+                                                                 num_accepted_tokens, verify)
     _conv_update_kernel[(rows, triton.cdiv(dim, block))](
         x, conv_state, state_indices, weight, bias if bias is not None else x, out, dim,
         x.stride(0), conv_state.stride(0), conv_state.stride(1), weight.stride(0), out.stride(0),

@@ -53,8 +53,9 @@ import triton
 import triton.language as tl
 
 from .gated_delta_rule_ref import L2NORM_EPS
-from .launcher_checks import check_checkpoints, check_chunk_layout, check_index, check_verify_rows
+from .launcher_checks import check_checkpoints, check_chunk_layout, check_index, check_verify_rows, verify_launch_args
 from .state_slots_ref import Checkpoints
+from .verify_rows import verify_row
 
 
 @triton.jit
@@ -76,19 +77,13 @@ def _gdn_verify_row(state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, idx_ptr, y_
     """One verify row's tokens on a [BLOCK_V, K] state tile kept in registers (state_slots_ref.
     step_rows_at_columns): read from column num_accepted - 1, stored to column j after token j, and
     carried on rounded to the cache dtype, as the one-token update leaves it. The plain kernel's math."""
-    start = tl.load(qsl_ptr + row).to(tl.int64)
-    end = tl.load(qsl_ptr + row + 1).to(tl.int64)
-    ids = idx_ptr + row * idx_r
-    real = tl.load(ids).to(tl.int64) >= 0                  # column 0 PAD_SLOT_ID: a padding row
-    n_run = tl.where(real, tl.minimum(end - start, n_cols), 0)
-    first = tl.minimum(tl.maximum(tl.load(acc_ptr + row).to(tl.int64) - 1, 0), n_cols - 1)
-    src = tl.where(real, tl.load(ids + first * idx_c).to(tl.int64), -1)
-    # y rows no real row computes are zeros: this row's others, and row 0 / the last row also take
-    # the tokens before query_start_loc[0] / from query_start_loc[R] on
+    start, n_run, ids, src, zero_lo, zero_hi = verify_row(qsl_ptr, acc_ptr, idx_ptr, row, idx_r, idx_c, n_cols,
+                                                          num_tokens)
+    # y rows no real row computes are zeros (verify_rows.verify_row)
     zero = tl.zeros([BLOCK_V], dtype=tl.float32)
-    for t in range(tl.where(row == 0, 0, start), start):
+    for t in range(zero_lo, start):
         tl.store(y_ptr + t * y_b + h * y_h + vv, zero, mask=mv)
-    for t in range(start + n_run, tl.where(row == tl.num_programs(0) - 1, num_tokens, end)):
+    for t in range(start + n_run, zero_hi):
         tl.store(y_ptr + t * y_b + h * y_h + vv, zero, mask=mv)
     hk = h // heads_per_k
     offs = h * s_head + vv[:, None] * s_v + kk[None, :]
@@ -256,11 +251,7 @@ def gdn_update(ssm_state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         return y
     if rows == 0:                                       # verify rows, none of them: every y is 0
         return y.zero_()
-    if verify is None:
-        qsl, acc, n_cols, idx_r, idx_c = state_indices, state_indices, 1, 1, 1      # unused
-    else:
-        qsl, acc, n_cols = query_start_loc, num_accepted_tokens, verify[1]
-        idx_r, idx_c = state_indices.stride()
+    qsl, acc, n_cols, idx_r, idx_c = verify_launch_args(state_indices, query_start_loc, num_accepted_tokens, verify)
     block_v, block_k = _blocks(kd, vd)
     _gdn_update_kernel[(rows, hv, triton.cdiv(vd, block_v))](
         ssm_state, q, k, v, g, beta, state_indices, y,

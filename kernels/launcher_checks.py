@@ -114,3 +114,13 @@ def check_verify_rows(state_indices: torch.Tensor, query_start_loc: torch.Tensor
         if v.shape[0] > 1 and v.stride(0) != 1:
             raise ValueError(f"{name} must be contiguous, strides {tuple(v.stride())}")
     return rows, cols
+
+
+def verify_launch_args(state_indices: torch.Tensor, query_start_loc: torch.Tensor | None,
+                       num_accepted_tokens: torch.Tensor | None, verify: tuple[int, int] | None) -> tuple:
+    """The verify arguments of a recurrent update kernel (query_start_loc, num_accepted_tokens, J,
+    the state indices' row and column strides), from `check_verify_rows`'s result; for a plain launch
+    placeholders the kernel never reads."""
+    if verify is None:
+        return state_indices, state_indices, 1, 1, 1
+    return (query_start_loc, num_accepted_tokens, verify[1], *state_indices.stride())

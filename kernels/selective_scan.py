@@ -46,8 +46,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .launcher_checks import check_checkpoints, check_verify_rows
+from .launcher_checks import check_checkpoints, check_verify_rows, verify_launch_args
 from .state_slots_ref import Checkpoints
+from .verify_rows import verify_row
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INTS = (torch.int32, torch.int64)
@@ -60,19 +61,13 @@ def _update_verify_row(state_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, idx
     """One verify row's tokens on a [BLOCK_D, N] state tile kept in registers (state_slots_ref.
     step_rows_at_columns): read from column num_accepted - 1, stored to column j after token j, and
     carried on rounded to the cache dtype, as the one-token update leaves it. The plain kernel's math."""
-    start = tl.load(qsl_ptr + row).to(tl.int64)
-    end = tl.load(qsl_ptr + row + 1).to(tl.int64)
-    ids = idx_ptr + row.to(tl.int64) * idx_r
-    real = tl.load(ids).to(tl.int64) >= 0                  # column 0 PAD_SLOT_ID: a padding row
-    n_run = tl.where(real, tl.minimum(end - start, n_cols), 0)
-    first = tl.minimum(tl.maximum(tl.load(acc_ptr + row).to(tl.int64) - 1, 0), n_cols - 1)
-    src = tl.where(real, tl.load(ids + first * idx_c).to(tl.int64), -1)
-    # y rows no real row computes are zeros: this row's others, and row 0 / the last row also take
-    # the tokens before query_start_loc[0] / from query_start_loc[R] on
+    start, n_run, ids, src, zero_lo, zero_hi = verify_row(qsl_ptr, acc_ptr, idx_ptr, row, idx_r, idx_c, n_cols,
+                                                          num_tokens)
+    # y rows no real row computes are zeros (verify_rows.verify_row)
     zero = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for t in range(tl.where(row == 0, 0, start), start):
+    for t in range(zero_lo, start):
         tl.store(y_ptr + t * y_b + d, zero, mask=md)
-    for t in range(start + n_run, tl.where(row == tl.num_programs(0) - 1, num_tokens, end)):
+    for t in range(start + n_run, zero_hi):
         tl.store(y_ptr + t * y_b + d, zero, mask=md)
     A = tl.load(a_ptr + d[:, None] * a_d + n[None, :], mask=md[:, None] & mn[None, :], other=0.0).to(tl.float32)
     if HAS_D:
@@ -250,11 +245,7 @@ def selective_state_update(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.T
         return y
     if rows == 0:                                       # verify rows, none of them: every y is 0
         return y.zero_()
-    if verify is None:
-        qsl, acc, n_cols, idx_r, idx_c = state_indices, state_indices, 1, 1, 1      # unused
-    else:
-        qsl, acc, n_cols = query_start_loc, num_accepted_tokens, verify[1]
-        idx_r, idx_c = state_indices.stride()
+    qsl, acc, n_cols, idx_r, idx_c = verify_launch_args(state_indices, query_start_loc, num_accepted_tokens, verify)
     block_d = min(triton.next_power_of_2(di), 64)
     _update_kernel[(rows, triton.cdiv(di, block_d))](
         ssm_state, x, dt, A, B, C, D if D is not None else A, state_indices, y,

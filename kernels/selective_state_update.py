@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launcher_checks import check_verify_rows, rows_per_program, tile_warps
+from .launcher_checks import check_verify_rows, rows_per_program, tile_warps, verify_launch_args
+from .verify_rows import verify_row
 
 
 @triton.jit
@@ -60,19 +61,13 @@ def _ssu_verify_row(state_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, idx_pt
     (state_slots_ref.step_rows_at_columns): read from column num_accepted - 1, stored to column j after
     token j, and carried on rounded to the cache dtype, as the one-token update leaves it. The plain
     kernel's math."""
-    start = tl.load(qsl_ptr + row).to(tl.int64)
-    end = tl.load(qsl_ptr + row + 1).to(tl.int64)
-    ids = idx_ptr + row.to(tl.int64) * idx_r
-    real = tl.load(ids).to(tl.int64) >= 0                  # column 0 PAD_SLOT_ID: a padding row
-    n_run = tl.where(real, tl.minimum(end - start, n_cols), 0)
-    first = tl.minimum(tl.maximum(tl.load(acc_ptr + row).to(tl.int64) - 1, 0), n_cols - 1)
-    src = tl.where(real, tl.load(ids + first * idx_c).to(tl.int64), -1)
-    # y rows no real row computes are zeros: this row's others, and row 0 / the last row also take
-    # the tokens before query_start_loc[0] / from query_start_loc[R] on
+    start, n_run, ids, src, zero_lo, zero_hi = verify_row(qsl_ptr, acc_ptr, idx_ptr, row, idx_r, idx_c, n_cols,
+                                                          num_tokens)
+    # y rows no real row computes are zeros (verify_rows.verify_row)
     zero = tl.zeros([BLOCK_H, BLOCK_P], dtype=tl.float32)
-    for t in range(tl.where(row == 0, 0, start), start):
+    for t in range(zero_lo, start):
         tl.store(y_ptr + t * y_b + hp, zero, mask=m_hp)
-    for t in range(start + n_run, tl.where(row == tl.num_programs(0) - 1, num_tokens, end)):
+    for t in range(start + n_run, zero_hi):
         tl.store(y_ptr + t * y_b + hp, zero, mask=m_hp)
     g = h // heads_per_group
     A = tl.load(a_ptr + h, mask=mh, other=0.0).to(tl.float32)
@@ -205,11 +200,7 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
         return y
     if rows == 0:                                       # verify rows, none of them: every y is 0
         return y.zero_()
-    if verify is None:
-        qsl, acc, n_cols, idx_r, idx_c = state_indices, state_indices, 1, 1, 1      # unused
-    else:
-        qsl, acc, n_cols = query_start_loc, num_accepted_tokens, verify[1]
-        idx_r, idx_c = state_indices.stride()
+    qsl, acc, n_cols, idx_r, idx_c = verify_launch_args(state_indices, query_start_loc, num_accepted_tokens, verify)
     block_p, block_n = min(triton.next_power_of_2(head_dim), 32), triton.next_power_of_2(d_state)
     block_h = min(triton.next_power_of_2(heads), rows_per_program(block_p * block_n))
     _ssu_kernel[(rows, triton.cdiv(heads, block_h), triton.cdiv(head_dim, block_p))](
