@@ -51,6 +51,17 @@ def long_context(preset: str, max_len: int) -> str:
     return name
 
 
+def timed(fn, seconds: dict[str, float], stage: str):
+    """`fn`, adding the seconds each call takes to seconds[stage]."""
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            seconds[stage] += time.perf_counter() - start
+    return wrapper
+
+
 def measure(preset: str, rows: int, context: int, caching: bool, spec: bool, steps: int) -> dict[str, float]:
     """Median host seconds per decode step by stage (and "other", "total")."""
     max_len = context + 4 * steps + 64
@@ -69,34 +80,17 @@ def measure(preset: str, rows: int, context: int, caching: bool, spec: bool, ste
     for _ in range(8):             # settle: one token repeated long enough that the n-gram index matches it
         llm._step("step")
     per_step: dict[str, list[float]] = {k: [] for k in (*STAGES, "forward", "total")}
-    original = llm.scheduler.update_from_output
-    update_time = [0.0]
-
-    def timed_update(*a, **k):
-        start = time.perf_counter()
-        try:
-            return original(*a, **k)
-        finally:
-            update_time[0] += time.perf_counter() - start
-    llm.scheduler.update_from_output = timed_update
-    original_schedule = llm.scheduler.schedule
-    schedule_time = [0.0]
-
-    def timed_schedule(*a, **k):
-        start = time.perf_counter()
-        try:
-            return original_schedule(*a, **k)
-        finally:
-            schedule_time[0] += time.perf_counter() - start
-    llm.scheduler.schedule = timed_schedule
+    seconds = {"schedule": 0.0, "update": 0.0}         # the engine's own stages, timed around its calls
+    for stage, name in (("schedule", "schedule"), ("update", "update_from_output")):
+        setattr(llm.scheduler, name, timed(getattr(llm.scheduler, name), seconds, stage))
     for _ in range(steps):
-        update_time[0] = schedule_time[0] = 0.0
+        seconds.update(schedule=0.0, update=0.0)
         start = time.perf_counter()
         llm._step("step")
         wall = time.perf_counter() - start
         host = runner.execute_state.timings
-        per_step["schedule"].append(schedule_time[0])
-        per_step["update"].append(update_time[0])
+        per_step["schedule"].append(seconds["schedule"])
+        per_step["update"].append(seconds["update"])
         for stage in ("prepare_inputs", "build_metadata", "sample", "forward"):
             per_step[stage].append(host.get(stage, 0.0))
         per_step["total"].append(wall - host.get("forward", 0.0))
