@@ -48,8 +48,8 @@ import triton.language as tl
 
 from .causal_conv1d_ref import conv_windows_at
 from .launcher_checks import check_checkpoints, check_verify_rows, verify_launch_args
+from .state_slots import verify_row
 from .state_slots_ref import Checkpoints, initial_states_at, write_states_at
-from .verify_rows import verify_row
 
 
 @triton.jit
@@ -63,7 +63,7 @@ def _conv_verify_row(x_ptr, state_ptr, idx_ptr, w_ptr, b_ptr, out_ptr, qsl_ptr, 
     replaces the oldest, row j % (K-1). The sums run in the plain kernel's order."""
     start, n_run, ids, src, zero_lo, zero_hi = verify_row(qsl_ptr, acc_ptr, idx_ptr, row, stride_ir, stride_ic, n_cols,
                                                           num_tokens)
-    # out rows no real row computes are zeros (verify_rows.verify_row)
+    # out rows no real row computes are zeros (state_slots.verify_row)
     zero = tl.zeros([BLOCK_D], dtype=tl.float32).to(out_ptr.dtype.element_ty)
     for t in range(zero_lo, start):
         tl.store(out_ptr + t * stride_ob + d, zero, mask=mask)

@@ -54,8 +54,8 @@ import triton.language as tl
 
 from .gated_delta_rule_ref import L2NORM_EPS
 from .launcher_checks import check_checkpoints, check_chunk_layout, check_index, check_verify_rows, verify_launch_args
+from .state_slots import verify_row
 from .state_slots_ref import Checkpoints
-from .verify_rows import verify_row
 
 
 @triton.jit
@@ -79,7 +79,7 @@ def _gdn_verify_row(state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, idx_ptr, y_
     carried on rounded to the cache dtype, as the one-token update leaves it. The plain kernel's math."""
     start, n_run, ids, src, zero_lo, zero_hi = verify_row(qsl_ptr, acc_ptr, idx_ptr, row, idx_r, idx_c, n_cols,
                                                           num_tokens)
-    # y rows no real row computes are zeros (verify_rows.verify_row)
+    # y rows no real row computes are zeros (state_slots.verify_row)
     zero = tl.zeros([BLOCK_V], dtype=tl.float32)
     for t in range(zero_lo, start):
         tl.store(y_ptr + t * y_b + h * y_h + vv, zero, mask=mv)

@@ -47,8 +47,8 @@ import triton
 import triton.language as tl
 
 from .launcher_checks import check_checkpoints, check_verify_rows, verify_launch_args
+from .state_slots import verify_row
 from .state_slots_ref import Checkpoints
-from .verify_rows import verify_row
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INTS = (torch.int32, torch.int64)
@@ -63,7 +63,7 @@ def _update_verify_row(state_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, idx
     carried on rounded to the cache dtype, as the one-token update leaves it. The plain kernel's math."""
     start, n_run, ids, src, zero_lo, zero_hi = verify_row(qsl_ptr, acc_ptr, idx_ptr, row, idx_r, idx_c, n_cols,
                                                           num_tokens)
-    # y rows no real row computes are zeros (verify_rows.verify_row)
+    # y rows no real row computes are zeros (state_slots.verify_row)
     zero = tl.zeros([BLOCK_D], dtype=tl.float32)
     for t in range(zero_lo, start):
         tl.store(y_ptr + t * y_b + d, zero, mask=md)

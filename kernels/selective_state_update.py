@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .launcher_checks import check_verify_rows, rows_per_program, tile_warps, verify_launch_args
-from .verify_rows import verify_row
+from .state_slots import verify_row
 
 
 @triton.jit
@@ -63,7 +63,7 @@ def _ssu_verify_row(state_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, idx_pt
     kernel's math."""
     start, n_run, ids, src, zero_lo, zero_hi = verify_row(qsl_ptr, acc_ptr, idx_ptr, row, idx_r, idx_c, n_cols,
                                                           num_tokens)
-    # y rows no real row computes are zeros (verify_rows.verify_row)
+    # y rows no real row computes are zeros (state_slots.verify_row)
     zero = tl.zeros([BLOCK_H, BLOCK_P], dtype=tl.float32)
     for t in range(zero_lo, start):
         tl.store(y_ptr + t * y_b + hp, zero, mask=m_hp)

@@ -1,6 +1,7 @@
-"""What the recurrent update kernels' verify form shares (speculative decoding: each row's 1 + k
-tokens at most in one launch; semantics in state_slots_ref.step_rows_at_columns): where a row's
-tokens are, which slot it starts from, and which outputs its programs zero."""
+"""The state-slot contract on the Triton side (torch reference: state_slots_ref.py): what the
+recurrent update kernels' verify form shares (speculative decoding: each row's 1 + k tokens at most
+in one launch; semantics in state_slots_ref.step_rows_at_columns): where a row's tokens are, which
+slot it starts from, and which outputs its programs zero."""
 from __future__ import annotations
 
 import triton
