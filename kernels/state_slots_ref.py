@@ -29,14 +29,16 @@ def padded_rows_redirected(index: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     (its data-dependent shape would sync host and device, and cannot be captured in a CUDA graph).
 
     Returns (rows, targets, keep), each [N]: write src[rows[i]] (where keep[i]) to dst[targets[i]].
+    An index [N, P] is P such scatters, one per column (rows, targets, keep [N, P]).
     A skipped row repeats the write of the first kept row (same target, same value: a harmless
     duplicate); if no row is kept, every row targets entry 0 with keep False, and the caller writes
     that entry's own value back. Entries no kept row targets are left bit-identical."""
     index = index.to(torch.int64)
     kept = index >= 0
-    first_kept = kept.to(torch.int32).argmax()          # 0 when no row is kept
-    rows = torch.where(kept, torch.arange(index.numel(), device=index.device), first_kept)
-    return rows, index[rows].clamp(min=0), kept[rows]
+    first_kept = kept.to(torch.int32).argmax(0)          # 0 when no row is kept (per column for [B, P])
+    arange = torch.arange(index.shape[0], device=index.device).view(-1, *(1,) * (index.dim() - 1))
+    rows = torch.where(kept, arange, first_kept)
+    return rows, index.gather(0, rows).clamp(min=0), kept.gather(0, rows)
 
 
 def initial_states_at(cache: torch.Tensor, state_indices: torch.Tensor,
@@ -88,19 +90,27 @@ def step_rows_at_columns(cache: torch.Tensor, state_indices: torch.Tensor, query
     real = idx[:, 0] >= 0
     first = (num_accepted_tokens.to(device=dev, dtype=torch.int64) - 1).clamp(0, j_cols - 1)
     state = initial_states_at(cache, torch.where(real, idx.gather(1, first[:, None])[:, 0], -1), None)
-    out = None
     # positions to run, from shapes alone (no host sync): with every row holding at least one token,
     # none holds more than T - R + 1 (a batch of rows without drafts costs one position, not 1 + k)
     positions = max(1, min(j_cols, num_tokens - b + 1))
+    cols = torch.arange(positions, device=dev)
+    valid = real[:, None] & (cols[None, :] < lens[:, None])                                   # [B, P]
+    token = (starts[:, None] + torch.minimum(cols[None, :], (lens[:, None] - 1).clamp(min=0))).clamp(0, num_tokens - 1)
+    by_position = [t[token] for t in inputs]                               # [B, P, ...]: gathered once
+    # where each position's states go: column j of the rows that hold a token j (no boolean mask: no
+    # sync); one redirect for all positions, then per position a gather-select-put of B states
+    rows, slots, keep = padded_rows_redirected(torch.where(valid, idx[:, :positions], -1))
+    keep = keep.view(b, positions, *(1,) * (state.dim() - 1))
+    ys = []
     for j in range(positions):
-        valid = real & (j < lens)                                          # [B]
-        token = (starts + torch.minimum(torch.full_like(lens, j), (lens - 1).clamp(min=0))).clamp(0, num_tokens - 1)
-        y, new = step(state, *(t[token] for t in inputs))
-        new = new.to(cache.dtype)
-        shape = (-1, *(1,) * (new.dim() - 1))
-        state = torch.where(valid.view(shape), new, state)
-        write_states_at(cache, torch.where(valid, idx[:, j], -1), new)
-        if out is None:                                    # one scratch row past the end for invalid rows
-            out = torch.zeros((num_tokens + 1, *y.shape[1:]), dtype=y.dtype, device=dev)
-        out.index_copy_(0, torch.where(valid, token, num_tokens), y)
+        # a row's positions past its last token are invalid, and so are all after them: its state may
+        # run on through them (nothing of it is written or returned), so no per-position select
+        y, state = step(state, *(t[:, j] for t in by_position))
+        state = state.to(cache.dtype)
+        ys.append(y)
+        cache[slots[:, j]] = torch.where(keep[:, j], state[rows[:, j]], cache[slots[:, j]])
+    # one scatter of the outputs: a position that is not a row's token lands in a scratch row past the end
+    y_all = torch.stack(ys, 1).flatten(0, 1)
+    out = torch.zeros((num_tokens + 1, *y_all.shape[1:]), dtype=y_all.dtype, device=dev)
+    out.index_copy_(0, torch.where(valid, token, num_tokens).reshape(-1), y_all)
     return out[:num_tokens]

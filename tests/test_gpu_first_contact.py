@@ -3,6 +3,8 @@ the emulated replay), a failed capture releasing what it captured, MoE models ca
 sizes, the engine's device made current for its launches, and device stage times from events."""
 from __future__ import annotations
 
+import dataclasses
+
 import time
 import warnings
 
@@ -227,6 +229,37 @@ def test_a_decode_step_copies_its_host_data_in_two_transfers(preset):
             transfers = decode_step_transfers(preset, "torch", mode, params)
             assert transfers.pop("copy_pinned") == 2, (mode, name, transfers)
             assert transfers in ({}, {"to_device": 1}), (mode, name, transfers)
+
+
+def verify_step_transfers(mode: str, params: SamplingParams) -> tuple[dict[str, int], int]:
+    """The transfers of the first decode step that verifies drafts (n-gram, tiny-bamba, torch), and
+    the drafts it verified (0: no step did)."""
+    from toolkit.host import TRANSFERS
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8, 9]]
+    with LLM("tiny-bamba", **F32, cudagraph_mode=mode, inspect="off", speculative_config=spec, **SMALL) as llm:
+        for prompt in prompts:
+            llm.add_request({"prompt_token_ids": prompt}, dataclasses.replace(params, max_tokens=32))
+        while llm.has_unfinished_requests():
+            TRANSFERS.clear()
+            llm.step()
+            batch = llm.model_runner.execute_state.input_batch
+            if not batch.has_prefill and batch.num_drafts_np.sum() > 0:
+                return dict(TRANSFERS), int(batch.num_drafts_np.sum())
+    return {}, 0
+
+
+@pytest.mark.parametrize("mode", ["none", "padded_eager"])
+def test_a_verify_step_copies_its_host_data_in_two_transfers(mode):
+    """Speculative decoding's verify steps: the drafts and each token's request row are staged with
+    the rest; the input ids, the sampler's rows and positions and the kept counts (the last sampled
+    tokens, the recurrent state's accepted column) are made on the device. In every sampling mode.
+    (With prefix caching, a step whose rows enter a new block also sends the state pages to copy.)"""
+    for name, params in SAMPLING_MODES.items():
+        transfers, drafts = verify_step_transfers(mode, params)
+        assert drafts > 0, (mode, name, "the step verified no drafts: the test checks nothing")
+        assert transfers.pop("copy_pinned") == 2, (mode, name, transfers)
+        assert transfers in ({}, {"to_device": 1}), (mode, name, transfers)     # the torch attention's
 
 
 @pytest.mark.slow          # Triton engines under the interpreter

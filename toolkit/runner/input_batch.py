@@ -7,7 +7,10 @@ storage. B = num_reqs, T = num_tokens. Rows are in batch order: decodes first (s
 All but `input_ids` are staged (runner/staging.py): the host writes them into the staging's host
 twin and the runner's one flush per step sends them; `input_ids` are gathered on the device from
 the last sampled tokens for a decode step (`gather_sampled_input_ids`, after the flush), and copied
-from the CPU token history otherwise.
+from the CPU token history otherwise. A decode step with drafts (speculative decoding) stages the
+drafts and each token's request row beside the rest (VERIFY_INT64, MRV2's
+combine_sampled_and_draft_tokens): its input ids, its sampler's rows and positions, and its kept
+counts are then made on the device, and the step copies nothing more than a plain decode step.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from toolkit.runner.staging import Staging
 
 STAGED_INT32 = ("query_start_loc", "seq_lens")                        # staging regions of InputBuffers
 STAGED_INT64 = ("idx_mapping", "logits_indices", "positions")
+VERIFY_INT64 = ("token_req_rows", "draft_ids")        # written by steps with drafts only
 
 
 def staging_regions(max_num_reqs: int, max_num_tokens: int, max_num_logits: int | None = None
@@ -34,6 +38,13 @@ def staging_regions(max_num_reqs: int, max_num_tokens: int, max_num_logits: int 
     return {n: shapes[n] for n in STAGED_INT32}, {n: shapes[n] for n in STAGED_INT64}
 
 
+def verify_staging_regions(max_num_tokens: int) -> dict:
+    """int64 staging regions of steps with drafts: each token's request row, and each token's draft
+    id (-1: not a draft; one entry past the last token, so the token after any logits row can be
+    read). The runner lays them out last: a step without drafts leaves them out of its copy."""
+    return {"token_req_rows": (max_num_tokens,), "draft_ids": (max_num_tokens + 1,)}
+
+
 class InputBuffers:
     def __init__(self, staging: Staging, max_num_tokens: int, device: torch.device):
         self.staging = staging
@@ -43,6 +54,9 @@ class InputBuffers:
         self.seq_lens = staging.device("seq_lens")
         self.idx_mapping = staging.device("idx_mapping")
         self.logits_indices = staging.device("logits_indices")
+        verify = staging.has("draft_ids")           # speculative decoding
+        self.token_req_rows = staging.device("token_req_rows") if verify else None
+        self.draft_ids = staging.device("draft_ids") if verify else None
 
 
 @dataclass
@@ -65,12 +79,14 @@ class InputBatch:
     positions: torch.Tensor                # device int64 [T]
     logits_indices: torch.Tensor           # device int64 [L]: the tokens sampled from: the last of each
                                            # row, and every token of a verify row (L = B + drafts)
-    input_ids_sampled: bool = False        # a decode-only step: input ids are the last sampled tokens,
-                                           # gathered on the device after the flush
+    input_ids_sampled: bool = False        # a decode-only step: input ids are the last sampled tokens
+                                           # (and a verify row's drafts), gathered on the device after the flush
     # speculative decoding: drafts each row verifies (0: none; a verify row runs its last sampled
     # token then its d drafts, and samples at all 1 + d of them)
     num_draft_tokens: np.ndarray | None = None   # int32 [B], None when the step has no drafts
     draft_token_ids: dict[str, list[int]] | None = None
+    token_req_rows: torch.Tensor | None = None   # device int64 [T]: each token's request row (steps with drafts)
+    draft_ids: torch.Tensor | None = None        # device int64 [T+1]: each token's draft id, -1 for none
 
     @property
     def num_drafts_np(self) -> np.ndarray:
@@ -152,13 +168,19 @@ def prepare_inputs(buffers: InputBuffers, req_states: RequestStates, req_ids: li
     stage.put("idx_mapping", idx_np)
     # prompt tokens come from the CPU history; positions past prefill_len are decode inputs and
     # come from the device-side last sampled token (MRV2: combine_sampled_and_draft_tokens)
-    decode_only = bool(b and t == b and from_sampled.all())
+    if is_draft is None:
+        decode_only = bool(b and t == b and from_sampled.all())
+    else:
+        draft_ids = np.full(t + 1, -1, dtype=np.int64)
+        draft_ids[np.nonzero(is_draft)[0]] = [tok for r in req_ids for tok in drafts.get(r, ())]
+        stage.put("draft_ids", draft_ids)
+        stage.put("token_req_rows", idx_np[token_rows])
+        decode_only = bool(b and (from_sampled | is_draft).all())
     if not decode_only:
         ids = req_states.all_token_ids[torch.from_numpy(idx_np[token_rows]),
                                        torch.from_numpy(np.minimum(positions, prefill_len[token_rows] - 1))]
         if is_draft is not None:
-            ids[torch.from_numpy(np.nonzero(is_draft)[0])] = torch.tensor(
-                [t for r in req_ids for t in drafts.get(r, ())], dtype=ids.dtype)
+            ids[torch.from_numpy(np.nonzero(is_draft)[0])] = torch.from_numpy(draft_ids[:t][is_draft]).to(ids.dtype)
         copy_to(d.input_ids[:t], ids)
         if from_sampled.any():
             tok_idx = to_device(np.nonzero(from_sampled)[0], d.input_ids.device)
@@ -177,7 +199,9 @@ def prepare_inputs(buffers: InputBuffers, req_states: RequestStates, req_ids: li
         input_ids=d.input_ids[:t], positions=d.positions[:t],
         logits_indices=d.logits_indices[:b + (0 if num_drafts is None else int(num_drafts.sum()))],
         input_ids_sampled=decode_only, num_draft_tokens=num_drafts,
-        draft_token_ids={r: list(drafts[r]) for r in req_ids if r in drafts} if drafts else None)
+        draft_token_ids={r: list(drafts[r]) for r in req_ids if r in drafts} if drafts else None,
+        token_req_rows=None if is_draft is None else d.token_req_rows[:t],
+        draft_ids=None if is_draft is None else d.draft_ids[:t + 1])
 
 
 def _stage_rows(stage: Staging, qsl: np.ndarray, seq_lens: np.ndarray, num_drafts: np.ndarray | None = None
@@ -202,12 +226,17 @@ def _stage_rows(stage: Staging, qsl: np.ndarray, seq_lens: np.ndarray, num_draft
         stage.put("logits_indices", np.concatenate([np.arange(e - n, e + 1) for e, n in zip(last, num_drafts)]))
 
 
-def gather_sampled_input_ids(buffers: InputBuffers, req_states: RequestStates, num_rows: int) -> None:
+def gather_sampled_input_ids(buffers: InputBuffers, req_states: RequestStates, batch: InputBatch) -> None:
     """A decode-only step's input ids: each row's last sampled token, gathered on the device by
-    idx_mapping (staged, so call it after the flush); `num_rows`: the real rows (padded rows read
-    token 0, written by pad_decode_batch)."""
-    d = buffers
-    d.input_ids[:num_rows] = req_states.last_sampled_tokens[d.idx_mapping[:num_rows]]
+    idx_mapping (staged, so call it after the flush), and with drafts, the staged drafts after it
+    (token_req_rows, draft_ids). Only the batch's real rows: a padded row reads token 0, written
+    by pad_decode_batch."""
+    d, t = buffers, batch.num_tokens
+    if batch.draft_ids is None:
+        d.input_ids[:t] = req_states.last_sampled_tokens[d.idx_mapping[:t]]
+    else:
+        drafts = batch.draft_ids[:t]
+        d.input_ids[:t] = torch.where(drafts >= 0, drafts, req_states.last_sampled_tokens[batch.token_req_rows])
 
 
 def make_dummy(buffers: InputBuffers, num_reqs: int, num_tokens: int, num_drafts: int = 0) -> InputBatch:
@@ -283,4 +312,4 @@ def pad_decode_batch(buffers: InputBuffers, batch: InputBatch, size: int) -> Inp
         input_ids=d.input_ids[:size * t], positions=d.positions[:size * t],
         logits_indices=d.logits_indices[:size * t], input_ids_sampled=batch.input_ids_sampled,
         num_draft_tokens=None if t == 1 else np.full(size, t - 1, dtype=np.int32),
-        draft_token_ids=batch.draft_token_ids)
+        draft_token_ids=batch.draft_token_ids, token_req_rows=batch.token_req_rows, draft_ids=batch.draft_ids)

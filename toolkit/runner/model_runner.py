@@ -34,13 +34,14 @@ from toolkit.runner.input_batch import (
     pad_decode_batch,
     prepare_inputs,
     sort_batch,
+    verify_staging_regions,
 )
 from toolkit.runner.input_batch import staging_regions as input_regions
 from toolkit.runner.kv_cache import allocate_kv_caches, check_prefill_checkpoints, make_kv_cache_groups
 from toolkit.runner.model_states import init_model_state
 from toolkit.runner.request_states import RequestStates
 from toolkit.runner.sampler import Sampler, compute_logprobs
-from toolkit.runner.spec_decode import NgramProposer, VerifyResult, verify
+from toolkit.runner.spec_decode import NgramProposer, VerifyResult, kept_on_device, verify
 from toolkit.runner.staging import Staging
 from toolkit.scheduler import NewRequestData, SchedulerOutput
 
@@ -118,7 +119,9 @@ class ModelRunner:
         max_num_logits = min(cfg.max_num_seqs * (1 + cfg.num_speculative_tokens), cfg.max_num_batched_tokens)
         inputs32, inputs64 = input_regions(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_num_logits)
         tables32, tables64 = table_regions(widths, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.staging = Staging({**inputs32, **tables32}, {**inputs64, **tables64}, cfg.device)
+        # steps with drafts stage two regions more, last: a plain step's copy stops before them
+        verify64 = verify_staging_regions(cfg.max_num_batched_tokens) if cfg.num_speculative_tokens else {}
+        self.staging = Staging({**inputs32, **tables32}, {**inputs64, **tables64, **verify64}, cfg.device)
         self.block_tables = BlockTables([g.block_size for g in self.kv_cache_groups], widths, cfg.max_num_seqs,
                                         self.staging, aligned=[cfg.enable_prefix_caching and g.kind == "mamba"
                                                                for g in self.kv_cache_groups])
@@ -214,7 +217,7 @@ class ModelRunner:
             None if padded is None else padded * graphs.tokens_per_row)
         self.staging.flush()                    # the step's host data, one copy per dtype (staging.py)
         if input_batch.input_ids_sampled:
-            gather_sampled_input_ids(self.input_buffers, self.req_states, n)
+            gather_sampled_input_ids(self.input_buffers, self.req_states, input_batch)
         clock.mark("prepare_inputs")
         state_copies = self.model_state.preprocess_state(input_batch, self.block_tables)
         attn_metadata = self.model_state.prepare_attn(forward_batch, block_tables, slot_mappings,
@@ -266,13 +269,19 @@ class ModelRunner:
         if batch.num_draft_tokens is None:
             sampled = self.sampler(logits, batch.idx_mapping_np, batch.seq_lens, draws, positions_np,
                                    idx_mapping=batch.idx_mapping)
-        else:       # each logits row samples the token at its own position
+        else:       # each logits row samples the token at its own position: its token's + 1
             per_row = 1 + batch.num_draft_tokens
             positions_np = np.repeat(positions_np - batch.num_draft_tokens, per_row) + \
                 np.arange(len(logits)) - np.repeat(batch.cu_num_logits_np[:-1], per_row)
+            logit_tokens = batch.logits_indices
             sampled = self.sampler(logits, np.repeat(batch.idx_mapping_np, per_row),
-                                   to_device(positions_np.astype(np.int64), self.device),
-                                   np.repeat(draws, per_row), positions_np)
+                                   batch.positions[logit_tokens] + 1, np.repeat(draws, per_row), positions_np,
+                                   idx_mapping=batch.token_req_rows[logit_tokens])
+            # the rows' kept counts on the device too (the host's come after the sync, from `verify`)
+            kept_device = kept_on_device(sampled, batch.draft_ids[logit_tokens + 1],
+                                         torch.searchsorted(batch.query_start_loc[1:], logit_tokens.to(torch.int32),
+                                                            right=True),
+                                         batch.num_reqs)
         pending = self._logprobs(state, sampled)       # device work, copied to the host without blocking
         clock.mark("sample")
         sampled_np = sampled.cpu().numpy()      # the step's one device -> host copy (a sync)
@@ -283,10 +292,12 @@ class ModelRunner:
             state.verify = verify(batch.req_ids, batch.draft_token_ids, batch.num_draft_tokens,
                                   batch.cu_num_logits_np, sampled_np)
             num_kept[batch.num_draft_tokens > 0] = state.verify.num_accepted
+        else:
+            kept_device = None
         self._logprobs_to_host(state, pending, num_kept)
-        last_kept = self._post_update(batch, sampled, sampled_np, num_kept)
-        state.checkpoint_copies = self.model_state.postprocess_state(batch, sampled,
-                                                                     num_kept if self.proposer else None)
+        last_kept = self._post_update(batch, sampled, sampled_np, num_kept, kept_device)
+        state.checkpoint_copies = self.model_state.postprocess_state(
+            batch, sampled, num_kept if self.proposer else None, None if kept_device is None else kept_device[0])
         out = dict(zip(batch.req_ids, last_kept.tolist()))
         if self.proposer is not None:
             state.proposed_drafts = self._propose(batch)
@@ -369,20 +380,22 @@ class ModelRunner:
             state.prompt_logprobs = out
 
     def _post_update(self, batch: InputBatch, sampled: torch.Tensor, sampled_cpu: np.ndarray,
-                     num_kept: np.ndarray) -> np.ndarray:
+                     num_kept: np.ndarray, kept_device: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> np.ndarray:
         """MRV2 `post_update`: remember each row's last kept sample, advance num_computed_tokens,
         and append the kept samples to the history of rows that consumed every known token (not
         partial prefills). A verify row keeps `num_kept[row]` of its samples; its rejected drafts'
         positions are not computed (its KV there is overwritten later). `sampled_cpu`: the host
-        copy of `sampled` [L]. Returns each row's last kept sample (host int64 [B])."""
+        copy of `sampled` [L]; `kept_device`: (num_kept, the logits row of the last kept sample) of
+        each row on the device (`kept_on_device`), with drafts. Returns each row's last kept sample
+        (host int64 [B])."""
         rs = self.req_states
         if batch.num_draft_tokens is None:
             rs.last_sampled_tokens[batch.idx_mapping] = sampled
             last = sampled_cpu
         else:
-            index = batch.cu_num_logits_np[:-1] + num_kept - 1
-            rs.last_sampled_tokens[batch.idx_mapping] = sampled[to_device(index.astype(np.int64), self.device)]
-            last = sampled_cpu[index]
+            rs.last_sampled_tokens[batch.idx_mapping] = sampled[kept_device[1]]
+            last = sampled_cpu[batch.cu_num_logits_np[:-1] + num_kept - 1]
         first = batch.cu_num_logits_np
         rejected = 1 + batch.num_drafts_np - num_kept
         for row, idx in enumerate(batch.idx_mapping_np):

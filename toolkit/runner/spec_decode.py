@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 
@@ -171,6 +172,27 @@ def verify(req_ids: list[str], drafts: dict[str, list[int]], num_drafts: np.ndar
         targets.append(s)
         accepted[i] = a + 1
     return VerifyResult(ids, ds, targets, accepted)
+
+
+def kept_on_device(sampled: torch.Tensor, next_draft: torch.Tensor, logit_rows: torch.Tensor,
+                   num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify`'s kept counts, made on the device without a host sync (for the device-side books:
+    each row's last sampled token, the recurrent state's accepted column), so a step with drafts
+    copies nothing to the device after its sync.
+
+        sampled     int64 [L]: the target's token at every logits row
+        next_draft  int64 [L]: the draft in the token after the logits row's (-1: none, as after
+                    a row's last token, which therefore always ends its row's kept run)
+        logit_rows  int [L]: the batch row of each logits row (ascending)
+    Returns (num_kept int32 [B]: 1 + the drafts accepted, the logits row of each row's last kept
+    sample int64 [B])."""
+    n = sampled.shape[0]
+    index = torch.arange(n, device=sampled.device)
+    rows = logit_rows.to(torch.int64)
+    stops = torch.where(sampled == next_draft, n, index)        # a logits row whose sample rejects what follows
+    last = torch.full((num_rows,), n, dtype=torch.int64, device=sampled.device).scatter_reduce_(0, rows, stops, "amin")
+    first = torch.full((num_rows,), n, dtype=torch.int64, device=sampled.device).scatter_reduce_(0, rows, index, "amin")
+    return (last - first + 1).to(torch.int32), last
 
 
 @dataclass

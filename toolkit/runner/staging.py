@@ -101,5 +101,8 @@ class Staging:
     def device(self, name: str) -> torch.Tensor:
         return self._arena_of[name].device(name)
 
+    def has(self, name: str) -> bool:
+        return name in self._arena_of
+
     def flush(self) -> int:
         return sum(arena.flush() for arena in self.arenas.values())

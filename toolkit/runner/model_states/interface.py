@@ -47,10 +47,12 @@ class ModelState(ABC):
         return None
 
     def postprocess_state(self, input_batch: InputBatch, sampled: torch.Tensor,
-                          num_accepted: np.ndarray | None = None) -> object | None:
+                          num_accepted: np.ndarray | None = None,
+                          num_accepted_device: torch.Tensor | None = None) -> object | None:
         """After sampling. `num_accepted` (speculative decoding): int32 [B], the tokens each row
-        kept (1 + its accepted drafts; 1 for rows without drafts). Returns what it copied, for the
-        step's record (None: nothing)."""
+        kept (1 + its accepted drafts; 1 for rows without drafts); `num_accepted_device`: the same
+        on the device when the step has drafts. Returns what it copied, for the step's record
+        (None: nothing)."""
         return None
 
     def prepare_inputs(self, input_batch: InputBatch) -> dict:

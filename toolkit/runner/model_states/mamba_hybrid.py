@@ -106,12 +106,19 @@ class MambaHybridModelState(DefaultModelState):
             for t in self.state_tensors:
                 t.index_copy_(0, index[1], t.index_select(0, index[0]))
 
-    def _set_accepted(self, idx: np.ndarray, values: np.ndarray, idx_device: torch.Tensor | None = None) -> None:
-        """Request rows `idx` keep accepted counts `values` (host and device)."""
+    def _set_accepted(self, idx: np.ndarray, values: np.ndarray, idx_device: torch.Tensor | None = None,
+                      values_device: torch.Tensor | None = None) -> None:
+        """Request rows `idx` keep accepted counts `values` (host and device; `values_device`: the
+        same counts already on the device, so nothing is copied)."""
         self.accepted_np[idx] = values
         if self.num_speculative_tokens and len(idx):
             index = idx_device if idx_device is not None else to_device(idx.astype(np.int64), self.device)
-            self.num_accepted_tokens[index] = to_device(values.astype(np.int32), self.device)
+            if values_device is not None:
+                self.num_accepted_tokens[index] = values_device
+            elif (values == 1).all():           # no drafts kept (or none run): a fill, no copy
+                self.num_accepted_tokens.index_fill_(0, index, 1)
+            else:
+                self.num_accepted_tokens[index] = to_device(values.astype(np.int32), self.device)
 
     def preprocess_state(self, input_batch: InputBatch, block_tables: BlockTables) -> StateCopies | None:
         if not self.cfg.enable_prefix_caching or not self.mamba_groups:
@@ -148,10 +155,12 @@ class MambaHybridModelState(DefaultModelState):
         return StateCopies([input_batch.req_ids[r] for r in rows], np.where(has_src, start[rows], 0), src, dst)
 
     def postprocess_state(self, input_batch: InputBatch, sampled: torch.Tensor,
-                          num_accepted: np.ndarray | None = None) -> CheckpointCopies | None:
+                          num_accepted: np.ndarray | None = None,
+                          num_accepted_device: torch.Tensor | None = None) -> CheckpointCopies | None:
         """Speculative decoding: each row's request keeps `num_accepted` [B] (1 for rows without
-        drafts), where its next step finds its state (column num_accepted - 1). With prefix
-        caching, the boundary copy (module docstring); returns what it copied."""
+        drafts), where its next step finds its state (column num_accepted - 1);
+        `num_accepted_device`: the same counts on the device, when the step made them there. With
+        prefix caching, the boundary copy (module docstring); returns what it copied."""
         if not self.num_speculative_tokens or not input_batch.num_reqs:
             return None
         values = (np.ones(input_batch.num_reqs, dtype=np.int32) if num_accepted is None
@@ -162,7 +171,9 @@ class MambaHybridModelState(DefaultModelState):
             if copies is not None:       # a checkpoint in the running column itself: the state is in column 0
                 column = copies.boundary // self.mamba_groups[0].block_size - 1
                 values[rows[column == self.state_column[input_batch.idx_mapping_np[rows]]]] = 1
-        self._set_accepted(input_batch.idx_mapping_np, values, input_batch.idx_mapping)
+        # a boundary copy can move a row's state to column 0: the host's counts are then the ones to send
+        device_values = num_accepted_device if copies is None and num_accepted is not None else None
+        self._set_accepted(input_batch.idx_mapping_np, values, input_batch.idx_mapping, device_values)
         return copies
 
     def _boundary_copies(self, input_batch: InputBatch, kept: np.ndarray
