@@ -121,9 +121,10 @@ def test_prompt_logprobs_survive_preemption():
 
 # ---- the inspector ---------------------------------------------------------------------------------------
 def test_records_and_the_batch_table_show_each_rows_logprob_and_rank(tmp_path):
-    """While recording, every row's sampled token has its logprob and rank in the StepRecord (top-k
-    only where asked) and in the Batch table; with inspect="off" only the rows that asked. A trace
-    whose outputs hold logprobs saves and loads."""
+    """While recording, every row's sampled token has its logprob and rank in the StepRecord
+    (`logprob_of`: the rows that asked from the runner, with their top k; the others from the
+    recorded logits, on demand) and in the Batch table; with inspect="off" only the rows that
+    asked. A trace whose outputs hold logprobs saves and loads, and its records still answer."""
     with small_llm("tiny-mamba2", max_num_batched_tokens=16) as llm:
         llm.add_request({"prompt_token_ids": PROMPT[:9]}, SamplingParams(max_tokens=3, temperature=0.0, logprobs=2))
         llm.add_request({"prompt_token_ids": PROMPT[:20]}, SamplingParams(max_tokens=3, temperature=0.0))
@@ -131,8 +132,11 @@ def test_records_and_the_batch_table_show_each_rows_logprob_and_rank(tmp_path):
         while llm.has_unfinished_requests():
             records.append(llm.step())
         for rec in records:
-            assert set(rec.logprobs) == set(rec.request_ids)
-            for rid, row in rec.logprobs.items():
+            assert set(rec.logprobs) == {"0"} & set(rec.request_ids)     # the runner computed only these
+            for rid in rec.request_ids:
+                row = rec.logprob_of(rid)
+                assert row.first_position == rec.input_batch.seq_lens_cpu_upper_bound[
+                    rec.input_batch.req_ids.index(rid)]
                 lp = torch.log_softmax(rec.logits_of(rid), dim=-1)
                 tok = rec.sampled_token_ids[rid]
                 assert row.token_ids[0, 0] == tok and row.logprob == pytest.approx(lp[tok].item(), abs=1e-6)
@@ -140,12 +144,16 @@ def test_records_and_the_batch_table_show_each_rows_logprob_and_rank(tmp_path):
                 assert row.token_ids.shape[1] == (3 if rid == "0" else 1)
         h = records[1]._repr_html_()
         assert ">logprob<" in h and ">rank<" in h
-        for row in records[1].logprobs.values():
+        for rid in records[1].request_ids:
+            row = records[1].logprob_of(rid)
             assert f"<td style=\"{html.TD}\">{row.logprob:.4f}</td><td style=\"{html.TD}\">{row.rank}</td>" in h
         assert record_views.BATCH_COLUMNS.index("logprob") == record_views.BATCH_COLUMNS.index("sampled") + 1
         llm.trace.save(tmp_path / "t")
         again = Trace.load(tmp_path / "t")
         assert again.equals(llm.trace)
+        for a, b in zip(again, llm.trace, strict=True):
+            for rid in b.request_ids:
+                assert a.logprob_of(rid).logprob == b.logprob_of(rid).logprob
         outs = [o for r in again for o in r.outputs]
         assert outs and all(isinstance(k, int) for o in outs if o.request_id == "0"
                             for d in o.outputs[0].logprobs for k in d)
@@ -154,8 +162,10 @@ def test_records_and_the_batch_table_show_each_rows_logprob_and_rank(tmp_path):
         off.add_request({"prompt_token_ids": PROMPT[:5]}, SamplingParams(max_tokens=2))
         rec = off.step()
         assert set(rec.logprobs) == {"0"}
-        with pytest.raises(KeyError, match="only while recording"):
-            rec.logprob_of("1")
+        lp = torch.log_softmax(rec.logits_of("1"), dim=-1)      # the step's own record holds its logits
+        assert rec.logprob_of("1").logprob == pytest.approx(lp[rec.sampled_token_ids["1"]].item(), abs=1e-6)
+        with pytest.raises(KeyError, match="its row was not in this step"):
+            rec.logprob_of("2")
 
 
 # ---- stop strings and min_tokens ----------------------------------------------------------------------------

@@ -97,9 +97,9 @@ def object_bytes(obj, where: str | None = None, _seen: set[int] | None = None) -
     if fields is not None:
         return sum(object_bytes(getattr(obj, name), where, seen) for name in fields)
     if isinstance(obj, dict):
-        return sum(object_bytes(v, where, seen) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(object_bytes(v, where, seen) for v in obj)
+        return sum(object_bytes(v, where, seen) for v in obj.values() if not isinstance(v, _SCALARS))
+    if isinstance(obj, (list, tuple)):        # token lists: their ints skipped without a call each
+        return sum(object_bytes(v, where, seen) for v in obj if not isinstance(v, _SCALARS))
     return 0
 
 

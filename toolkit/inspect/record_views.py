@@ -132,6 +132,15 @@ def step_record_repr(rec: Any) -> str:
     return f"StepRecord({step_name(rec)} {rec.stage!r}: " + ", ".join(parts) + ")"
 
 
+def sampled_logprob(rec: Any, request_id: str):
+    """The row's sampled token's TokenLogprobs (what its request asked, else from the record's
+    logits), or None when the record has neither."""
+    try:
+        return rec.logprob_of(request_id)
+    except (KeyError, AttributeError):
+        return None
+
+
 def _batch_rows(rec: Any, decode: Callable[[list[int]], str] | None = None) -> list[list[str]]:
     lens = _prefill_lens(rec)
     rows = []
@@ -142,7 +151,7 @@ def _batch_rows(rec: Any, decode: Callable[[list[int]], str] | None = None) -> l
         shown = H.muted_none() if sampled is None else str(sampled)
         if sampled is not None and decode is not None:
             shown += " " + H.span(repr(decode([sampled])), H.SOFT)
-        lp = getattr(rec, "logprobs", {}).get(s.request_id)
+        lp = sampled_logprob(rec, s.request_id)
         rows.append([str(i), H.escape(s.request_id), H.escape(request_phase(s, lens.get(s.request_id))),
                      str(s.num_computed_before), str(s.num_tokens),
                      H.span("-", H.MUTED) if slot is None else str(slot),

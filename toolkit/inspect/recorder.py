@@ -83,14 +83,16 @@ def step_record(step: StepOutcome, backend: str, logits: torch.Tensor | None = N
     (inspection off): nothing is read from the device (a read would sync it), so speculative rows
     carry no state columns."""
     state = step.exec_state
+    host_bytes = [0]                # the snapshots' host bytes, for the trace's budget (record_sizes)
+    clones: dict = {}               # a view in both the batch and the metadata is cloned once
     return StepRecord(
         step_index=step.step_index, stage=step.stage, backend=backend,
         scheduled=scheduled_rows(state.input_batch) if state else [],
         graph=state.graph if state else "eager", padded_size=state.padded_size if state else None,
         preempted_request_ids=list(step.sched_out.preempted_req_ids),
         finished_request_ids=[r.request_id for r in step.finished],
-        input_batch=snapshot(state.input_batch) if state else None,
-        attn_metadata=snapshot(state.attn_metadata.groups) if state else [],
+        input_batch=snapshot(state.input_batch, host_bytes, clones) if state else None,
+        attn_metadata=snapshot(state.attn_metadata.groups, host_bytes, clones) if state else [],
         logits=logits if logits is not None else snapshot(state.logits) if state else None,
         sampled_token_ids=step.sampled, kept_token_ids=step.kept, outputs=list(step.outputs),
         timings={"schedule": step.timings["schedule"], **(state.timings if state else {}),
@@ -106,7 +108,8 @@ def step_record(step: StepOutcome, backend: str, logits: torch.Tensor | None = N
         checkpoint_copies=checkpoint_copies(state.checkpoint_copies) if state else [],
         spec=spec_rows(state, step.sampled, read_device) if state else {},
         proposed_drafts={rid: d for rid, d in state.proposed_drafts.items()        # for requests still running
-                         if rid not in {r.request_id for r in step.finished}} if state else {})
+                         if rid not in {r.request_id for r in step.finished}} if state else {},
+        snapshot_host_bytes=host_bytes[0])
 
 
 def spec_rows(state: ExecuteModelState, sampled: dict[str, int], read_device: bool = True) -> dict[str, SpecRow]:
@@ -327,8 +330,9 @@ class Recorder:
                        if g.kind == "mamba" and self.runner.block_tables.aligned[g.group_id]}
             record.violations += checks.check_metadata(record.attn_metadata, record.scheduled,
                                                        self._ledger_at_schedule, self.where, aligned)
-            if state.logits is not None:
-                record.violations += checks.check_logits(state.logits, state.input_batch.req_ids, self.where,
+            if state.logits is not None:      # the host copy when recorded (no device read, numpy-fast)
+                logits = record.logits if record.logits is not None else state.logits
+                record.violations += checks.check_logits(logits, state.input_batch.req_ids, self.where,
                                                           state.input_batch.cu_num_logits_np)
             if self.spec:
                 record.violations += checks.check_spec_columns(record.attn_metadata, record.scheduled,

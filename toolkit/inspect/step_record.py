@@ -26,20 +26,50 @@ TOP_K_LOGITS = 8
 DROPPED = "dropped: trace budget (LLM(trace_max_bytes=...))"   # what a view says of a dropped part
 
 
-def snapshot(obj: Any) -> Any:
-    """Deep copy that clones tensors and arrays (dataclasses, dicts, lists and tuples walked)."""
+_FIELDS: dict[type, tuple[str, ...]] = {}        # dataclass type -> its field names (dataclasses.fields is slow)
+
+
+def snapshot(obj: Any, host_bytes: list[int] | None = None, _clones: dict | None = None) -> Any:
+    """Deep copy that clones tensors and arrays (dataclasses, dicts, lists and tuples walked); a
+    tensor met twice (the same view, e.g. query_start_loc in the batch and in each group's common
+    metadata) is cloned once and shared. `host_bytes`: a one-element counter the bytes of the host
+    tensors and arrays made are added to (what the trace's byte budget counts, without walking the
+    copy again: `record_sizes`)."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
+        clones = {} if _clones is None else _clones
+        key = (obj.data_ptr(), obj.dtype, obj.shape, obj.stride(), obj.device)
+        out = clones.get(key)
+        if out is None:
+            out = clones[key] = obj.detach().clone()
+            if host_bytes is not None and out.device.type == "cpu":
+                host_bytes[0] += out.numel() * out.element_size()
+        return out
     if isinstance(obj, np.ndarray):
+        if host_bytes is not None:
+            host_bytes[0] += obj.nbytes
         return obj.copy()
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: snapshot(getattr(obj, f.name))
-                                           for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, _SCALARS):
+        return obj
+    if _clones is None:
+        _clones = {}
+    cls = type(obj)
+    names = _FIELDS.get(cls)
+    if names is None and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(obj))
+    if names is not None:
+        # a shallow copy with every field snapshot (no __init__: a builder's output is not revalidated)
+        out = copy.copy(obj)
+        for name in names:
+            object.__setattr__(out, name, snapshot(getattr(obj, name), host_bytes, _clones))
+        return out
     if isinstance(obj, dict):
-        return {k: snapshot(v) for k, v in obj.items()}
+        return {k: snapshot(v, host_bytes, _clones) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(snapshot(v) for v in obj)
+        return type(obj)(snapshot(v, host_bytes, _clones) for v in obj)
     return copy.copy(obj)
+
+
+_SCALARS = (int, float, str, bool, bytes, type(None), np.generic, torch.dtype, torch.device)
 
 
 @dataclass
@@ -201,9 +231,8 @@ class StepRecord:
     graph: str = "eager"                         # the forward: "eager", "padded eager" or "graph"
     padded_size: int | None = None               # rows it ran (a padded decode batch), else None
     dropped: list[str] = field(default_factory=list)  # parts the trace budget dropped: "states", "logits"
-    # per row (request id): its sampled token with that token's logprob and rank, and the top k its
-    # request asked for (SamplingParams.logprobs; none otherwise). Every row while recording
-    # (inspect "metadata" / "full"); with inspect="off" only the rows whose request asked.
+    # per row whose request asked (SamplingParams.logprobs): its sampled token with that token's
+    # logprob and rank, and the top k it asked for (`logprob_of` has the other rows' from the logits)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # per prefill row whose request asked (SamplingParams.prompt_logprobs): the prompt tokens its
     # chunk predicts, with their logprobs, ranks and top k
@@ -225,6 +254,9 @@ class StepRecord:
     # proposed after the step for each row's next step
     spec: dict[str, SpecRow] = field(default_factory=dict)
     proposed_drafts: dict[str, list[int]] = field(default_factory=dict)
+    # host bytes of the input_batch and attn_metadata snapshots, counted as they were taken (the
+    # trace's budget then need not walk them); None: not counted (a record loaded from a file)
+    snapshot_host_bytes: int | None = field(default=None, repr=False, compare=False)
 
     @property
     def is_warmup(self) -> bool:
@@ -265,14 +297,29 @@ class StepRecord:
         return self.logits[first:first + n]
 
     def logprob_of(self, request_id: str) -> TokenLogprobs:
-        """The sampled token of this request's row with its logprob, rank and top k (raw logprobs:
-        log_softmax of the fp32 logits)."""
-        if request_id not in self.logprobs:
-            why = ("its row was not in this step" if request_id not in self.request_ids else
-                   "logprobs are kept for every row only while recording (inspect='metadata' or "
-                   "'full'); with inspect='off', for requests with SamplingParams(logprobs=k)")
-            raise KeyError(f"no logprobs for request {request_id!r} in this step: {why}")
-        return self.logprobs[request_id]
+        """The sampled token of this request's row with its logprob and rank (raw logprobs:
+        log_softmax of the fp32 logits), and the top k its request asked for. A row whose request
+        asked nothing has them from the recorded logits, on demand (the runner computes logprobs
+        only for the rows that ask: recording costs no log_softmax per step)."""
+        if request_id in self.logprobs:
+            return self.logprobs[request_id]
+        if request_id not in self.request_ids:
+            why = "its row was not in this step"
+        elif self.logits is None:
+            why = (DROPPED if "logits" in self.dropped else "this record holds no logits (inspect='off' "
+                   "records only what requests asked for: SamplingParams(logprobs=k))")
+        else:
+            return self._logprobs_from_logits(request_id)
+        raise KeyError(f"no logprobs for request {request_id!r} in this step: {why}")
+
+    def _logprobs_from_logits(self, request_id: str) -> TokenLogprobs:
+        from toolkit.runner.sampler import compute_logprobs
+        row = self.input_batch.req_ids.index(request_id)
+        kept = (self.spec[request_id].target[:self.spec[request_id].num_accepted] if request_id in self.spec
+                else [self.sampled_token_ids[request_id]])
+        ids, values, ranks = compute_logprobs(self.kept_logits(request_id), torch.tensor(kept), 0)
+        first = int(self.input_batch.seq_lens_cpu_upper_bound[row]) - int(self.input_batch.num_drafts_np[row])
+        return TokenLogprobs(first, ids.numpy(), values.numpy(), ranks.numpy())
 
     def metadata(self, kind: str) -> GroupMetadata:
         """The first group of a kind ("attention" or "mamba")."""

@@ -14,6 +14,7 @@ request id and by stage.
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -30,11 +31,26 @@ STATES, LOGITS, REST = 0, 1, 2      # the parts of a record's size, in the order
 
 
 def record_sizes(record: StepRecord) -> list[int]:
-    """Host bytes of a record: [states, logits (with the top-k), the rest]."""
+    """Host bytes of a record: [states, logits (with the top-k), the rest]. The input batch and
+    metadata snapshots, most of the rest, were counted as they were taken (snapshot_host_bytes):
+    only the other fields are walked."""
     seen: set[int] = set()                 # one walk: the rest skips what states and logits counted
     states = object_bytes(record.states, "host", seen)
     logits = object_bytes([record.logits, record.top_logit_values, record.top_logit_ids], "host", seen)
-    return [states, logits, object_bytes(record, "host", seen)]
+    if record.snapshot_host_bytes is None:
+        return [states, logits, object_bytes(record, "host", seen)]
+    seen.update((id(record.input_batch), id(record.attn_metadata)))
+    rest = record.snapshot_host_bytes + sum(object_bytes(getattr(record, name), "host", seen)
+                                            for name in _WALKED if name not in _COUNTED)
+    return [states, logits, rest]
+
+
+_WALKED = tuple(f.name for f in dataclasses.fields(StepRecord))
+_COUNTED = {"input_batch", "attn_metadata", "states", "logits", "top_logit_values", "top_logit_ids",
+            "scheduled", "timings", "device_timings", "sampled_token_ids", "kept_token_ids",
+            "finished_request_ids", "preempted_request_ids", "prefix_hits", "proposed_drafts", "violations",
+            "dropped", "ledger", "state_copies", "checkpoint_copies", "spec",
+            "prefix_lookups"}          # counted above, or holding no tensor or array by their types
 
 
 class Trace:

@@ -319,15 +319,15 @@ class ModelRunner:
         return {rid: d for (rid, _), d in zip(rows, drafts) if d}
 
     def _logprobs(self, state: ExecuteModelState, sampled: torch.Tensor):
-        """Logprobs of the step's sampled tokens (rows that ask, or every row while an observer
-        records) and of the prompt tokens each prefill chunk predicts (rows that ask): computed on
+        """Logprobs of the step's sampled tokens and of the prompt tokens each prefill chunk
+        predicts, for the rows that ask (a recording reads the others from its logits): computed on
         the device, their host copies issued without blocking. Returns what `_logprobs_to_host`
         reads after the sync (None when nothing was asked)."""
         batch, sampler = state.input_batch, self.sampler
         idx = batch.idx_mapping_np
         want = sampler.num_logprobs[idx]
         sampled_part = prompt_part = None
-        if (want >= 0).any() or self.observer is not None:
+        if (want >= 0).any():
             tensors = compute_logprobs(state.logits, sampled, max(int(want.max()), 0))
             sampled_part = tuple(to_host(t) for t in tensors)
         # prompt logprobs: the chunk's token at position p predicts the prompt token at p + 1
@@ -362,12 +362,11 @@ class ModelRunner:
             ids, lps, ranks = (t.numpy() for t in sampled_part)
             want = sampler.num_logprobs[batch.idx_mapping_np]
             first = batch.cu_num_logits_np
-            every_row = self.observer is not None        # recording: every row shows its sampled token's
             state.sampled_logprobs = {
                 rid: TokenLogprobs(int(positions[row]), ids[a:b, :1 + max(int(want[row]), 0)].copy(),
                                    lps[a:b, :1 + max(int(want[row]), 0)].copy(), ranks[a:b].copy())
                 for row, rid, a, b in zip(range(batch.num_reqs), batch.req_ids, first, first[:-1] + num_kept)
-                if every_row or want[row] >= 0}
+                if want[row] >= 0}
         if prompt_part is not None:
             rows, starts, counts, tensors = prompt_part
             ids, lps, ranks = (t.numpy() for t in tensors)
