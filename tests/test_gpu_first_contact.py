@@ -4,7 +4,6 @@ sizes, the engine's device made current for its launches, and device stage times
 from __future__ import annotations
 
 import dataclasses
-
 import time
 import warnings
 
