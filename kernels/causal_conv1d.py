@@ -48,7 +48,7 @@ import triton.language as tl
 
 from .causal_conv1d_ref import conv_windows_at
 from .launcher_checks import check_checkpoints, check_verify_rows, verify_launch_args
-from .state_slots import verify_row
+from .state_slots import verify_row, zero_uncomputed_outputs
 from .state_slots_ref import Checkpoints, initial_states_at, write_states_at
 
 
@@ -63,12 +63,7 @@ def _conv_verify_row(x_ptr, state_ptr, idx_ptr, w_ptr, b_ptr, out_ptr, qsl_ptr, 
     replaces the oldest, row j % (K-1). The sums run in the plain kernel's order."""
     start, n_run, ids, src, zero_lo, zero_hi = verify_row(qsl_ptr, acc_ptr, idx_ptr, row, stride_ir, stride_ic, n_cols,
                                                           num_tokens)
-    # out rows no real row computes are zeros (state_slots.verify_row)
-    zero = tl.zeros([BLOCK_D], dtype=tl.float32).to(out_ptr.dtype.element_ty)
-    for t in range(zero_lo, start):
-        tl.store(out_ptr + t * stride_ob + d, zero, mask=mask)
-    for t in range(start + n_run, zero_hi):
-        tl.store(out_ptr + t * stride_ob + d, zero, mask=mask)
+    zero_uncomputed_outputs(out_ptr, stride_ob, d, mask, start, n_run, zero_lo, zero_hi)
     p = tl.arange(0, BLOCK_KM1)
     # scalar conditions enter masks as bounds (the interpreter cannot `&` a scalar bool into a block)
     win = tl.load(state_ptr + tl.maximum(src, 0) * stride_ss + p[:, None] * stride_sk + d[None, :],

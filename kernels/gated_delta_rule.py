@@ -54,7 +54,7 @@ import triton.language as tl
 
 from .gated_delta_rule_ref import L2NORM_EPS
 from .launcher_checks import check_checkpoints, check_chunk_layout, check_index, check_verify_rows, verify_launch_args
-from .state_slots import verify_row
+from .state_slots import verify_row, zero_uncomputed_outputs
 from .state_slots_ref import Checkpoints
 
 
@@ -70,6 +70,21 @@ def _prepared_qk(q_ptr, k_ptr, kk, mk, scale, eps, USE_L2NORM: tl.constexpr):
 
 
 @triton.jit
+def _delta_rule_token(s, q_tok, k_tok, v_tok, g_tok, beta_tok, kk, mk, vv, mv, scale, eps,
+                      USE_L2NORM: tl.constexpr):
+    """One token of the gated delta rule on a fp32 [BLOCK_V, K] state tile `s` (the *_tok pointers at
+    the token's q, k, v rows of its heads and its g, beta): s *= exp(g); s += beta (v - s k) (x) k.
+    Returns (the new tile, the token's prepared q)."""
+    q, k = _prepared_qk(q_tok, k_tok, kk, mk, scale, eps, USE_L2NORM)
+    v = tl.load(v_tok + vv, mask=mv, other=0.0).to(tl.float32)
+    decay = tl.exp(tl.load(g_tok).to(tl.float32))
+    beta = tl.load(beta_tok).to(tl.float32)
+    s = s * decay
+    delta = (v - tl.sum(s * k[None, :], axis=1)) * beta
+    return s + delta[:, None] * k[None, :], q
+
+
+@triton.jit
 def _gdn_verify_row(state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, idx_ptr, y_ptr, qsl_ptr, acc_ptr,
                     row, h, vv, kk, mv, mk, heads_per_k, v_dim, scale, eps, num_tokens, n_cols,
                     s_slot, s_head, s_v, q_b, q_h, k_b, k_h, v_b, v_h, g_b, g_h, b_b, b_h, y_b, y_h, idx_r, idx_c,
@@ -79,12 +94,7 @@ def _gdn_verify_row(state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, idx_ptr, y_
     carried on rounded to the cache dtype, as the one-token update leaves it. The plain kernel's math."""
     start, n_run, ids, src, zero_lo, zero_hi = verify_row(qsl_ptr, acc_ptr, idx_ptr, row, idx_r, idx_c, n_cols,
                                                           num_tokens)
-    # y rows no real row computes are zeros (state_slots.verify_row)
-    zero = tl.zeros([BLOCK_V], dtype=tl.float32)
-    for t in range(zero_lo, start):
-        tl.store(y_ptr + t * y_b + h * y_h + vv, zero, mask=mv)
-    for t in range(start + n_run, zero_hi):
-        tl.store(y_ptr + t * y_b + h * y_h + vv, zero, mask=mv)
+    zero_uncomputed_outputs(y_ptr + h * y_h, y_b, vv, mv, start, n_run, zero_lo, zero_hi)
     hk = h // heads_per_k
     offs = h * s_head + vv[:, None] * s_v + kk[None, :]
     # scalar conditions folded into the V bound (the interpreter cannot AND a scalar into a mask)
@@ -92,14 +102,9 @@ def _gdn_verify_row(state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, idx_ptr, y_
                 mask=(vv < tl.where(src >= 0, v_dim, 0))[:, None] & mk[None, :], other=0.0).to(tl.float32)
     for j in range(0, n_run):
         t = start + j
-        q, k = _prepared_qk(q_ptr + t * q_b + hk * q_h, k_ptr + t * k_b + hk * k_h, kk, mk, scale, eps,
-                            USE_L2NORM)
-        v = tl.load(v_ptr + t * v_b + h * v_h + vv, mask=mv, other=0.0).to(tl.float32)
-        decay = tl.exp(tl.load(g_ptr + t * g_b + h * g_h).to(tl.float32))
-        beta = tl.load(beta_ptr + t * b_b + h * b_h).to(tl.float32)
-        s = s * decay
-        delta = (v - tl.sum(s * k[None, :], axis=1)) * beta
-        s = s + delta[:, None] * k[None, :]
+        s, q = _delta_rule_token(s, q_ptr + t * q_b + hk * q_h, k_ptr + t * k_b + hk * k_h, v_ptr + t * v_b + h * v_h,
+                                 g_ptr + t * g_b + h * g_h, beta_ptr + t * b_b + h * b_h, kk, mk, vv, mv, scale, eps,
+                                 USE_L2NORM)
         dst = tl.load(ids + j * idx_c).to(tl.int64)
         tl.store(state_ptr + tl.maximum(dst, 0) * s_slot + offs, s.to(state_ptr.dtype.element_ty),
                  mask=(vv < tl.where(dst >= 0, v_dim, 0))[:, None] & mk[None, :])
@@ -133,16 +138,11 @@ def _gdn_update_kernel(state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, idx_ptr,
         tl.store(y_ptr + row * y_b + h * y_h + vv, tl.zeros([BLOCK_V], dtype=tl.float32), mask=mv)
         return
     hk = h // heads_per_k
-    q, k = _prepared_qk(q_ptr + row * q_b + hk * q_h, k_ptr + row * k_b + hk * k_h, kk, mk, scale, eps,
-                        USE_L2NORM)
-    v = tl.load(v_ptr + row * v_b + h * v_h + vv, mask=mv, other=0.0).to(tl.float32)
-    decay = tl.exp(tl.load(g_ptr + row * g_b + h * g_h).to(tl.float32))
-    beta = tl.load(beta_ptr + row * b_b + h * b_h).to(tl.float32)
     tile = state_ptr + slot * s_slot + h * s_head + vv[:, None] * s_v + kk[None, :]
     m2 = mv[:, None] & mk[None, :]
-    s = tl.load(tile, mask=m2, other=0.0) * decay
-    delta = (v - tl.sum(s * k[None, :], axis=1)) * beta
-    s = s + delta[:, None] * k[None, :]
+    s, q = _delta_rule_token(tl.load(tile, mask=m2, other=0.0).to(tl.float32), q_ptr + row * q_b + hk * q_h,
+                             k_ptr + row * k_b + hk * k_h, v_ptr + row * v_b + h * v_h, g_ptr + row * g_b + h * g_h,
+                             beta_ptr + row * b_b + h * b_h, kk, mk, vv, mv, scale, eps, USE_L2NORM)
     tl.store(tile, s, mask=m2)
     tl.store(y_ptr + row * y_b + h * y_h + vv, tl.sum(s * q[None, :], axis=1), mask=mv)
 
@@ -174,14 +174,9 @@ def _gdn_prefill_kernel(state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr,
     s = tl.load(tile, mask=(vv < v_read)[:, None] & mk2, other=0.0)
     hk = h // heads_per_k
     for t in range(start, end):
-        q, k = _prepared_qk(q_ptr + t * q_t + hk * q_h, k_ptr + t * k_t + hk * k_h, kk, mk, scale, eps,
-                            USE_L2NORM)
-        v = tl.load(v_ptr + t * v_t + h * v_h + vv, mask=mv, other=0.0).to(tl.float32)
-        decay = tl.exp(tl.load(g_ptr + t * g_t + h * g_h).to(tl.float32))
-        beta = tl.load(beta_ptr + t * b_t + h * b_h).to(tl.float32)
-        s = s * decay
-        delta = (v - tl.sum(s * k[None, :], axis=1)) * beta
-        s = s + delta[:, None] * k[None, :]
+        s, q = _delta_rule_token(s, q_ptr + t * q_t + hk * q_h, k_ptr + t * k_t + hk * k_h, v_ptr + t * v_t + h * v_h,
+                                 g_ptr + t * g_t + h * g_h, beta_ptr + t * b_t + h * b_h, kk, mk, vv, mv, scale, eps,
+                                 USE_L2NORM)
         tl.store(y_ptr + t * y_t + h * y_h + vv, tl.sum(s * q[None, :], axis=1), mask=mv)
         if HAS_CKPT:
             save = tl.load(save_ptr + t).to(tl.int64)

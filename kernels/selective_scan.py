@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from .launcher_checks import check_checkpoints, check_verify_rows, verify_launch_args
-from .state_slots import verify_row
+from .state_slots import verify_row, zero_uncomputed_outputs
 from .state_slots_ref import Checkpoints
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -63,12 +63,7 @@ def _update_verify_row(state_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, idx
     carried on rounded to the cache dtype, as the one-token update leaves it. The plain kernel's math."""
     start, n_run, ids, src, zero_lo, zero_hi = verify_row(qsl_ptr, acc_ptr, idx_ptr, row, idx_r, idx_c, n_cols,
                                                           num_tokens)
-    # y rows no real row computes are zeros (state_slots.verify_row)
-    zero = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for t in range(zero_lo, start):
-        tl.store(y_ptr + t * y_b + d, zero, mask=md)
-    for t in range(start + n_run, zero_hi):
-        tl.store(y_ptr + t * y_b + d, zero, mask=md)
+    zero_uncomputed_outputs(y_ptr, y_b, d, md, start, n_run, zero_lo, zero_hi)
     A = tl.load(a_ptr + d[:, None] * a_d + n[None, :], mask=md[:, None] & mn[None, :], other=0.0).to(tl.float32)
     if HAS_D:
         Dv = tl.load(d_ptr + d, mask=md, other=0.0).to(tl.float32)

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .launcher_checks import check_verify_rows, rows_per_program, tile_warps, verify_launch_args
-from .state_slots import verify_row
+from .state_slots import verify_row, zero_uncomputed_outputs
 
 
 @triton.jit
@@ -63,12 +63,7 @@ def _ssu_verify_row(state_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, idx_pt
     kernel's math."""
     start, n_run, ids, src, zero_lo, zero_hi = verify_row(qsl_ptr, acc_ptr, idx_ptr, row, idx_r, idx_c, n_cols,
                                                           num_tokens)
-    # y rows no real row computes are zeros (state_slots.verify_row)
-    zero = tl.zeros([BLOCK_H, BLOCK_P], dtype=tl.float32)
-    for t in range(zero_lo, start):
-        tl.store(y_ptr + t * y_b + hp, zero, mask=m_hp)
-    for t in range(start + n_run, zero_hi):
-        tl.store(y_ptr + t * y_b + hp, zero, mask=m_hp)
+    zero_uncomputed_outputs(y_ptr, y_b, hp, m_hp, start, n_run, zero_lo, zero_hi)
     g = h // heads_per_group
     A = tl.load(a_ptr + h, mask=mh, other=0.0).to(tl.float32)
     if HAS_D:

@@ -27,3 +27,14 @@ def verify_row(qsl_ptr, acc_ptr, idx_ptr, row, idx_r, idx_c, n_cols, num_tokens)
     zero_lo = tl.where(row == 0, 0, start)
     zero_hi = tl.where(row == tl.num_programs(0) - 1, num_tokens, end)
     return start, n_run, ids, src, zero_lo, zero_hi
+
+
+@triton.jit
+def zero_uncomputed_outputs(out_ptr, stride_t, offs, mask, start, n_run, zero_lo, zero_hi):
+    """Zeros at out_ptr + t * stride_t + offs for the tokens t of [zero_lo, start) and
+    [start + n_run, zero_hi): the outputs a verify row's program owns but computes none of (verify_row)."""
+    zero = tl.zeros_like(offs).to(out_ptr.dtype.element_ty)
+    for t in range(zero_lo, start):
+        tl.store(out_ptr + t * stride_t + offs, zero, mask=mask)
+    for t in range(start + n_run, zero_hi):
+        tl.store(out_ptr + t * stride_t + offs, zero, mask=mask)

@@ -35,12 +35,13 @@ def snapshot(obj: Any, host_bytes: list[int] | None = None, _clones: dict | None
     metadata) is cloned once and shared. `host_bytes`: a one-element counter the bytes of the host
     tensors and arrays made are added to (what the trace's byte budget counts, without walking the
     copy again: `record_sizes`)."""
+    if _clones is None:
+        _clones = {}
     if isinstance(obj, torch.Tensor):
-        clones = {} if _clones is None else _clones
         key = (obj.data_ptr(), obj.dtype, obj.shape, obj.stride(), obj.device)
-        out = clones.get(key)
+        out = _clones.get(key)
         if out is None:
-            out = clones[key] = obj.detach().clone()
+            out = _clones[key] = obj.detach().clone()
             if host_bytes is not None and out.device.type == "cpu":
                 host_bytes[0] += out.numel() * out.element_size()
         return out
@@ -50,8 +51,6 @@ def snapshot(obj: Any, host_bytes: list[int] | None = None, _clones: dict | None
         return obj.copy()
     if isinstance(obj, _SCALARS):
         return obj
-    if _clones is None:
-        _clones = {}
     cls = type(obj)
     names = _FIELDS.get(cls)
     if names is None and dataclasses.is_dataclass(obj) and not isinstance(obj, type):

@@ -266,6 +266,7 @@ class ModelRunner:
         # a row whose chunk ends before its known tokens do (partial prefill) draws nothing
         draws = batch.num_computed_tokens_np + batch.num_scheduled_tokens >= batch.prefill_len_np
         positions_np = batch.seq_lens_cpu_upper_bound.numpy()[:batch.num_reqs]
+        kept_device = None
         if batch.num_draft_tokens is None:
             sampled = self.sampler(logits, batch.idx_mapping_np, batch.seq_lens, draws, positions_np,
                                    idx_mapping=batch.idx_mapping)
@@ -292,8 +293,6 @@ class ModelRunner:
             state.verify = verify(batch.req_ids, batch.draft_token_ids, batch.num_draft_tokens,
                                   batch.cu_num_logits_np, sampled_np)
             num_kept[batch.num_draft_tokens > 0] = state.verify.num_accepted
-        else:
-            kept_device = None
         self._logprobs_to_host(state, pending, num_kept)
         last_kept = self._post_update(batch, sampled, sampled_np, num_kept, kept_device)
         state.checkpoint_copies = self.model_state.postprocess_state(
