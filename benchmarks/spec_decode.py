@@ -14,8 +14,11 @@ lookup is for), greedy, --max-tokens output tokens each, all arriving together. 
 - decode speed: output tokens / seconds from the first token of every request to the last, the
   best of --repeats serves (one serve is about 0.2 s on a tiny model: a stall of the machine or a
   garbage collection can double it, and the best is what the engine does when nothing interferes).
---draft TARGET=DRAFT adds rows with method "draft_model" (DRAFT proposes k greedy tokens; it must
-share TARGET's vocabulary: the two demo models do). `bamba-300m-shape` has random weights
+--draft TARGET=DRAFT adds rows with method "draft_model" (DRAFT proposes k greedy tokens inside the
+target's step; it must share TARGET's vocabulary: the two demo models do). Their last column is the
+draft's host time over the time of its own forwards (k per target step at most): what the draft
+costs around its forwards (batches, metadata, the copy of its state to the scratch rows), 1.00x
+being none. `bamba-300m-shape` has random weights
 (shape-true: a real model's layer sizes): its outputs rarely repeat, so few drafts are proposed or
 accepted; the trained demo models are where prompt lookup works. CPU, fp32, inspect="off",
 prompt_lookup_min 2, prompt_lookup_max 5. Each engine serves the prompts once untimed first. On a
@@ -94,15 +97,18 @@ def main() -> None:
             tokens[label] = out
             after_first = sum(len(o) - 1 for o in out)          # the decode phase's tokens
             speed[label] = after_first / seconds
+            around = (f"{stats['draft_seconds'] / stats['draft_forward_seconds']:.2f}x "
+                      f"({stats['draft_forwards'] / stats['draft_steps']:.2f} fwd/step)"
+                      if method == "draft_model" else "")
             rows.append([preset, label, f"{after_first / max(decode_rows, 1):.2f}",
                          f"{stats['spec_acceptance_rate']:.1%}" if k else "",
                          f"{stats['spec_mean_accepted_length']:.2f}" if k else "",
-                         f"{speed[label]:.0f} tok/s", f"{speed[label] / speed['off']:.2f}x"])
+                         f"{speed[label]:.0f} tok/s", f"{speed[label] / speed['off']:.2f}x", around])
             assert out == tokens["off"], f"{preset}, {label}: outputs differ from plain decoding"
     print(f"\n### Speculative decoding: {args.requests} repetitive prompts together, "
           f"{args.max_tokens} greedy tokens each; {args.device} {args.dtype}\n")
     print_markdown_table(["preset", "speculation", "tokens per target forward", "acceptance",
-                          "mean accepted length", "decode speed", "vs off"], rows)
+                          "mean accepted length", "decode speed", "vs off", "draft time / its forwards"], rows)
 
 
 if __name__ == "__main__":

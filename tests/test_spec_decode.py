@@ -412,18 +412,20 @@ def test_ngram_pads_to_k_drafts_with_graphs():
 @pytest.mark.parametrize("caching", [False, True], ids=["no-caching", "prefix-caching"])
 @pytest.mark.parametrize("preset", FAMILY_PRESETS)
 def test_draft_model_tokens_equal_plain_decoding(preset, caching):
-    """method "draft_model": an attention-free draft (tiny-mamba2, the tiny presets' vocabulary) runs in
-    its own engine (its own state slots and KV blocks, prefix caching on) and proposes k greedy
-    tokens; the target's tokens equal plain decoding's, greedy and seeded, with chunked prefill, and
-    with the target's prefix caching off and on."""
+    """method "draft_model": an attention-free draft (tiny-mamba2, the tiny presets' vocabulary) runs
+    inside the target's step (runner/draft_model.py) and proposes k greedy tokens; the target's
+    tokens equal plain decoding's, greedy and seeded, with chunked prefill, and with the target's
+    prefix caching off and on. At most k draft forwards per target step; shutdown releases it."""
     llm = LLM(preset, inspect="metadata", **ENGINE, **(CACHED if caching else {}),
               speculative_config={"method": "draft_model", "model": "tiny-mamba2", "num_speculative_tokens": 3})
     assert generate(llm) == [list(t) for t in plain_tokens(preset)]
     stats = llm.stats()
     assert stats["spec_verify_rows"] > 5 and stats["spec_draft_tokens"] > 0
-    assert llm.draft.stats()["prompt_tokens_skipped"] > 0        # proposals reuse the draft's own cache
+    assert 0 < stats["draft_forwards"] <= 3 * stats["draft_steps"]
+    assert 0 < stats["draft_forward_seconds"] < stats["draft_seconds"]
+    runner = llm.model_runner
     llm.shutdown()
-    assert llm.draft._closed
+    assert runner.draft is None and "draft" in runner.release_log
 
 
 def test_a_draft_equal_to_the_target_is_always_accepted_on_greedy_rows():
@@ -435,6 +437,40 @@ def test_a_draft_equal_to_the_target_is_always_accepted_on_greedy_rows():
     stats = llm.stats()
     assert stats["spec_acceptance_rate"] == 1.0 and stats["spec_mean_accepted_length"] > 3
     llm.shutdown()
+
+
+@pytest.mark.parametrize("draft,caching", [("tiny-mamba2", False), ("tiny-jamba", False), ("tiny-mamba2", True)],
+                         ids=["tiny-mamba2", "tiny-jamba", "tiny-mamba2-prefix-hits"])
+def test_the_draft_in_the_step_proposes_its_own_greedy_continuation(draft, caching):
+    """Each row's k drafts are exactly what the draft model, run as an engine of its own, generates
+    greedily from the request's tokens so far: its committed rows hold the state of the verified
+    tokens only (a rejected guess never enters it), through chunked prefills, mixed batches and rows
+    taken over by new requests. tiny-jamba: attention and Mamba1 layers (KV pages and state slots);
+    tiny-mamba2: state slots only. With prefix caching the prompts run twice: the second time the
+    target hits its cache and the draft, which has none, catches up over the hit prefix itself."""
+    llm = LLM("tiny-bamba", inspect="off", **ENGINE, **(CACHED if caching else {}),
+              speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3})
+    runner, seen = llm.model_runner, []
+    propose = runner.proposer.propose_rows
+
+    def recording(req_states, req_ids, rows, decode_next):
+        drafts = propose(req_states, req_ids, rows, decode_next)
+        for rid, idx in zip(req_ids, rows.tolist()):
+            if rid in drafts:
+                seen.append((req_states.all_token_ids[idx, :int(req_states.total_len[idx])].tolist(), drafts[rid]))
+        return drafts
+    runner.proposer.propose_rows = recording
+    generate(llm)
+    if caching:
+        generate(llm)
+        assert llm.stats()["prompt_tokens_skipped"] > 0
+    llm.shutdown()
+    assert len(seen) > 10
+    alone = LLM(draft, inspect="off", **ENGINE)
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    want = alone.generate([{"prompt_token_ids": context} for context, _ in seen], greedy)
+    alone.shutdown()
+    assert [d for _, d in seen] == [list(o.outputs[0].token_ids) for o in want]
 
 
 @pytest.mark.slow          # Triton engines under the interpreter

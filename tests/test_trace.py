@@ -142,3 +142,29 @@ def test_memory_report_at_load_warmup_and_shutdown():
         assert after[cat] == 0, cat
     assert report.marks["warmup"]["trace_host"] > 0 and report.marks["warmup"]["trace_device"] == 0
     assert "state_cache" in repr(report) and "<table" in report._repr_html_()
+
+
+def test_memory_report_counts_the_draft_model_and_shutdown_frees_it():
+    """method "draft_model": the draft's weights, KV pages, state slots and buffers are the engine's
+    (named "draft.*"), warmup's profile run includes the draft, and shutdown frees all of it."""
+    spec = {"method": "draft_model", "model": "tiny-jamba", "num_speculative_tokens": 2}
+    llm = LLM("tiny-bamba", device="cpu", dtype="float32", max_num_seqs=2, max_num_batched_tokens=16,
+              max_model_len=64, inspect="off", speculative_config=spec)
+    plain = LLM("tiny-bamba", device="cpu", dtype="float32", max_num_seqs=2, max_num_batched_tokens=16,
+                max_model_len=64, inspect="off", speculative_config={**spec, "method": "ngram", "model": None})
+    names = [name for _, name, _ in llm._memory.watch.alive()]
+    assert any(n.startswith("draft.") and "layers" in n for n in names)          # weights and caches
+    assert any(n.startswith("draft.input_buffers.") for n in names)
+    with_draft, without = llm.memory_report().marks["load"], plain.memory_report().marks["load"]
+    plain.shutdown()
+    draft_weights = sum(p.numel() * 4 for p in llm.model_runner.draft.model.parameters())
+    assert with_draft["weights"] == without["weights"] + draft_weights
+    for cat in ("kv_cache", "state_cache", "persistent_buffers"):
+        assert with_draft[cat] > without[cat], cat
+    llm.warmup(progress=False)
+    assert llm.stats()["draft_forwards"] > 0          # warmup's real requests ran the draft too
+    llm.generate(PROMPTS, GREEDY)
+    llm.shutdown()
+    after = llm.memory_report().marks["shutdown"]
+    for cat in ("weights", "kv_cache", "state_cache", "persistent_buffers"):
+        assert after[cat] == 0, cat

@@ -46,7 +46,7 @@ from toolkit.runner.cudagraph import CaptureReport
 from toolkit.runner.cudagraph import resolve_mode as resolve_cudagraph_mode
 from toolkit.runner.executor import TPExecutor, check_no_engine_group
 from toolkit.runner.model_runner import ModelRunner
-from toolkit.runner.spec_decode import DraftModelProposer, SpecDecodeStats
+from toolkit.runner.spec_decode import SpecDecodeStats
 from toolkit.sampling import SamplingParams, check_seed, derive_seed
 from toolkit.scheduler import Scheduler
 from toolkit.tokenizer import collect_eos_token_ids, load_tokenizer
@@ -116,10 +116,9 @@ class LLM:
         self.tokenizer = load_tokenizer(loaded.tokenizer_dir, self.vocab_size)
         self.eos_token_ids = collect_eos_token_ids(loaded.config, loaded.source, self.tokenizer)
 
-        self.draft = None         # speculative_config method "draft_model": the draft engine
-        proposer = None
+        draft_model = None        # speculative_config method "draft_model": run inside rank 0's runner
         if self.speculative_config is not None and self.speculative_config.method == "draft_model":
-            self.draft, proposer = self._draft_engine(self.speculative_config, dev, dt, seed, backend)
+            draft_model = self._load_draft(self.speculative_config, dev, dt, seed)
         if self.tp is None:       # start ranks 1..N-1 (they load and shard their own copy)
             planted = faults.active()
             self._executor = TPExecutor(tensor_parallel_size, model, self.cfg, self.speculative_config,
@@ -127,7 +126,7 @@ class LLM:
                                         worker_context=functools.partial(faults.inject, *planted) if planted else None)
             self.tp = self._executor.group
         try:
-            self.model_runner = ModelRunner(loaded.model, self.cfg, self.speculative_config, proposer)
+            self.model_runner = ModelRunner(loaded.model, self.cfg, self.speculative_config, draft_model=draft_model)
         except BaseException:
             if self._executor is not None:
                 self._executor.shutdown()
@@ -144,6 +143,8 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, num_state_slots=self.cfg.state_pages,
             prefill_checkpoints=self.cfg.prefill_checkpoints, num_speculative_tokens=k)
         self.spec_stats = SpecDecodeStats()
+        # the draft model's host seconds (in all, and in its forwards), kept past shutdown
+        self._draft_stats = self.model_runner.draft.stats if self.model_runner.draft is not None else None
         self.limits = RequestLimits(self.vocab_size, self.cfg.max_model_len, block_size,
                                     self.scheduler.kv.kv_pool.num_total if attn else None)
         self._request_ids = RequestIds()
@@ -159,30 +160,16 @@ class LLM:
         self._memory = MemoryMarks(self.model_runner, self.trace, dev)
         self._memory.mark("load")
 
-    def _draft_engine(self, spec, device, dtype, seed: int, backend: str):
-        """The draft model's own engine (its KV blocks and state slots; prefix caching on, so that a
-        proposal recomputes only what follows its last cached checkpoint of the context) and the
-        proposer that runs it on all the step's contexts at once."""
-        draft = LLM(spec.model, device=device, dtype=dtype, max_num_seqs=self.cfg.max_num_seqs,
-                    max_num_batched_tokens=self.cfg.max_num_batched_tokens, block_size=self.cfg.block_size,
-                    seed=seed, inspect="off", checks=False, backend=backend, enforce_eager=True,
-                    enable_prefix_caching=True)
-        if draft.vocab_size != self.vocab_size:
-            draft.shutdown()
-            raise ValueError(f"speculative_config model={spec.model!r} has a vocabulary of {draft.vocab_size} "
-                             f"tokens, the target {self.model_name!r} {self.vocab_size}: a draft model must share "
+    def _load_draft(self, spec, device, dtype, seed: int) -> torch.nn.Module:
+        """The draft model (a preset or a folder, loaded whole, unsharded), checked against the
+        target's vocabulary; the runner runs it inside the step (runner/draft_model.py)."""
+        draft = load_model(spec.model, dtype=dtype, device=device, seed=seed)
+        vocab = int(draft.config.vocab_size)
+        if vocab != self.vocab_size:
+            raise ValueError(f"speculative_config model={spec.model!r} has a vocabulary of {vocab} tokens, "
+                             f"the target {self.model_name!r} {self.vocab_size}: a draft model must share "
                              "the target's vocabulary")
-        greedy = SamplingParams(max_tokens=spec.num_speculative_tokens, temperature=0.0, ignore_eos=True)
-        room = draft.cfg.max_model_len - spec.num_speculative_tokens
-
-        def generate(contexts: list[list[int]], k: int) -> list[list[int]]:
-            fits = [i for i, c in enumerate(contexts) if len(c) <= room]       # longer: no drafts
-            outs = draft.generate([{"prompt_token_ids": contexts[i]} for i in fits], greedy) if fits else []
-            drafts = [[] for _ in contexts]
-            for i, out in zip(fits, outs):
-                drafts[i] = list(out.outputs[0].token_ids)
-            return drafts
-        return draft, DraftModelProposer(generate, spec.num_speculative_tokens)
+        return draft.model
 
     @property
     def model(self) -> torch.nn.Module:
@@ -438,7 +425,8 @@ class LLM:
                 "runner_rows_in_use": self.model_runner.req_states.num_reqs if not self._closed else 0,
                 "model_state": type(self.model_runner.model_state).__name__ if not self._closed else None,
                 **(prefix_cache_stats(kv) if kv.caching else {}),
-                **(self.spec_stats.as_dict() if self.speculative_config else {})}
+                **(self.spec_stats.as_dict() if self.speculative_config else {}),
+                **(self._draft_stats.as_dict() if self._draft_stats is not None else {})}
 
     def shutdown(self) -> None:
         """Free the runner (graphs, caches, model state, model, buffers). Safe to call twice.
@@ -446,8 +434,6 @@ class LLM:
         if self._closed:
             return
         self._closed = True
-        if self.draft is not None:
-            self.draft.shutdown()
         runner = self.model_runner
         runner.shutdown(collect_garbage=False)
         if self._executor is not None:

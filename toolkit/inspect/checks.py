@@ -475,6 +475,10 @@ def check_shutdown(runner) -> list[Violation]:
         out.append(Violation("released_on_shutdown", "shutdown", "cudagraph_manager",
                              f"{type(manager).__name__} is still set after shutdown and holds "
                              f"{len(held)} tensor(s), {size / 2**20:.2f} MiB (caches and buffers)"))
+    draft = getattr(runner, "draft", None)
+    if draft is not None:
+        out.append(Violation("released_on_shutdown", "shutdown", "runner.draft",
+                             "the draft model's speculator is still set after shutdown"))
     for attr in ("kv_caches", "model", "model_state", "input_buffers", "block_tables", "staging", "req_states"):
         if hasattr(runner, attr):
             out.append(Violation("released_on_shutdown", "shutdown", f"runner.{attr}",

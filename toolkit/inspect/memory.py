@@ -35,24 +35,33 @@ class TensorWatch:
 
     @classmethod
     def of_runner(cls, runner) -> TensorWatch:
+        """The runner's tensors, and those of its draft model (method "draft_model"), named "draft.*"."""
         watch = cls()
+        watch._add_runner(runner, "")
+        if getattr(runner, "draft", None) is not None:
+            watch._add_runner(runner.draft, "draft.")
+        return watch
+
+    def _add_runner(self, runner, prefix: str) -> None:
         for name, p in list(runner.model.named_parameters()) + list(runner.model.named_buffers()):
-            watch.add("weights", name, p)
+            self.add("weights", prefix + name, p)
         for group in runner.kv_cache_groups:
             category = "kv_cache" if group.kind == "attention" else "state_cache"
             for name in group.layer_names:
                 value = runner.kv_caches[name]
                 for i, t in enumerate(value if isinstance(value, tuple) else (value,)):
-                    watch.add(category, f"{name}[{i}]", t)
-        for owner, obj in (("input_buffers", runner.input_buffers), ("req_states", runner.req_states)):
+                    self.add(category, f"{prefix}{name}[{i}]", t)
+        owners = [("input_buffers", runner.input_buffers)]
+        if hasattr(runner, "req_states"):
+            owners.append(("req_states", runner.req_states))
+        for owner, obj in owners:
             for attr, value in vars(obj).items():
                 if isinstance(value, torch.Tensor):
-                    watch.add("persistent_buffers", f"{owner}.{attr}", value)
+                    self.add("persistent_buffers", f"{prefix}{owner}.{attr}", value)
         bt = runner.block_tables
         for i, t in enumerate(bt.input_block_tables):
-            watch.add("persistent_buffers", f"block_tables.input_block_tables[{i}]", t)
-        watch.add("persistent_buffers", "block_tables.slot_mappings", bt.slot_mappings)
-        return watch
+            self.add("persistent_buffers", f"{prefix}block_tables.input_block_tables[{i}]", t)
+        self.add("persistent_buffers", f"{prefix}block_tables.slot_mappings", bt.slot_mappings)
 
     def alive(self) -> list[tuple[str, str, torch.Tensor]]:
         out = []

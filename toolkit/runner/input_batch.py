@@ -187,7 +187,7 @@ def prepare_inputs(buffers: InputBuffers, req_states: RequestStates, req_ids: li
             rows = to_device(idx_np[token_rows[from_sampled]], d.input_ids.device)
             d.input_ids[tok_idx] = req_states.last_sampled_tokens[rows].to(torch.int32)
     stage.put("positions", positions.astype(np.int64))
-    _stage_rows(stage, qsl, seq_lens, num_drafts)
+    stage_rows(stage, qsl, seq_lens, num_drafts)
 
     return InputBatch(
         req_ids=list(req_ids), num_reqs=b, num_tokens=t, max_query_len=int(q.max()) if b else 0,
@@ -204,7 +204,7 @@ def prepare_inputs(buffers: InputBuffers, req_states: RequestStates, req_ids: li
         draft_ids=None if is_draft is None else d.draft_ids[:t + 1])
 
 
-def _stage_rows(stage: Staging, qsl: np.ndarray, seq_lens: np.ndarray, num_drafts: np.ndarray | None = None
+def stage_rows(stage: Staging, qsl: np.ndarray, seq_lens: np.ndarray, num_drafts: np.ndarray | None = None
                 ) -> None:
     """query_start_loc, seq_lens and logits_indices of B rows (qsl int32 [B+1], seq_lens [B];
     `num_drafts` [B]: a verify row samples at its last 1 + d tokens). The whole regions are
@@ -253,7 +253,7 @@ def make_dummy(buffers: InputBuffers, num_reqs: int, num_tokens: int, num_drafts
     d.input_ids[:num_tokens] = 0
     stage.put("positions", np.zeros(num_tokens, dtype=np.int64))
     drafts = np.full(num_reqs, num_drafts, dtype=np.int32) if num_drafts else None
-    _stage_rows(stage, qsl, q, drafts)
+    stage_rows(stage, qsl, q, drafts)
     stage.put("idx_mapping", np.zeros(num_reqs, dtype=np.int64))
     zeros = np.zeros(num_reqs, dtype=np.int32)
     num_logits = num_reqs * (1 + num_drafts)

@@ -26,6 +26,7 @@ from toolkit.runner.block_table import BlockTables
 from toolkit.runner.block_table import staging_regions as table_regions
 from toolkit.runner.cudagraph import CHECK_TOLERANCE, CudaGraphManager
 from toolkit.runner.device import StageClock, on_device
+from toolkit.runner.draft_model import DraftModelSpeculator
 from toolkit.runner.input_batch import (
     InputBatch,
     InputBuffers,
@@ -88,12 +89,15 @@ class StepObserver(Protocol):
 
 class ModelRunner:
     def __init__(self, model: nn.Module, cfg: RunnerConfig, speculative_config: SpeculativeConfig | None = None,
-                 proposer: Any = None):
-        """`proposer`: what proposes drafts (speculative decoding), a spec_decode.Proposer:
-        `propose_many(contexts, req_ids)` -> drafts per context; None: the n-gram proposer of
-        `speculative_config` (method "ngram")."""
+                 proposer: Any = None, draft_model: nn.Module | None = None):
+        """`proposer`: what proposes drafts (speculative decoding), a spec_decode.Proposer; None:
+        with `draft_model` (method "draft_model"), that model run inside the step
+        (draft_model.DraftModelSpeculator), else the n-gram proposer of `speculative_config`."""
         self.cfg = cfg
         self.speculative_config = speculative_config
+        self.draft: DraftModelSpeculator | None = None
+        if proposer is None and draft_model is not None:
+            proposer = self.draft = DraftModelSpeculator(draft_model, cfg, speculative_config.num_speculative_tokens)
         # with decode graphs, MRV2's rule: always k drafts (padded with the last token), so that decode
         # batches are uniform 1 + k rows a graph can replay
         if proposer is None and speculative_config is not None:
@@ -307,15 +311,12 @@ class ModelRunner:
     def _propose(self, batch: InputBatch) -> dict[str, list[int]]:
         """Drafts for the next step of each row that consumed all its known tokens (its next step
         is a decode), from the request's own tokens (the proposer: n-gram or a draft model)."""
-        rs = self.req_states
+        rs, idx = self.req_states, batch.idx_mapping_np
         # a row whose next token is still a prompt token (a prefill chunk that stopped before the
         # prompt's last token) gets none: its next step is a prefill chunk, not a verify row
-        rows = [(rid, idx) for rid, idx in zip(batch.req_ids, batch.idx_mapping_np)
-                if rs.num_computed_tokens[idx] == rs.total_len[idx] - 1
-                and rs.num_computed_tokens[idx] >= rs.prefill_len[idx]]
-        contexts = [rs.all_token_ids[idx, :int(rs.total_len[idx])].numpy() for _, idx in rows]
-        drafts = self.proposer.propose_many(contexts, [rid for rid, _ in rows])
-        return {rid: d for (rid, _), d in zip(rows, drafts) if d}
+        computed = rs.num_computed_tokens[idx]
+        decode_next = (computed == rs.total_len[idx] - 1) & (computed >= rs.prefill_len[idx])
+        return self.proposer.propose_rows(rs, batch.req_ids, idx, decode_next)
 
     def _logprobs(self, state: ExecuteModelState, sampled: torch.Tensor):
         """Logprobs of the step's sampled tokens and of the prompt tokens each prefill chunk
@@ -416,6 +417,8 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, None)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         logits.argmax(dim=-1)
+        if self.draft is not None:
+            self.draft.profile_run()
         return ExecuteModelState(batch, AttnMetadata([], {}), hidden, logits)
 
     @on_device
@@ -511,6 +514,10 @@ class ModelRunner:
             self.kv_caches.clear()
             self.model.unbind_kv_cache()
         release("kv_caches", "kv_caches")
+        if self.draft is not None:       # its caches, model and buffers (the proposer is the draft)
+            self.draft.release()
+            self.draft = self.proposer = None
+            self.release_log.append("draft")
         if hasattr(self, "attn_groups"):
             self.attn_groups.clear()
         release("attn_groups", "attn_groups")

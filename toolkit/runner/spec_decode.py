@@ -12,7 +12,6 @@ which includes the target's own token) picks the state column the row's next ste
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +30,16 @@ class Proposer(ABC):
 
     def forget(self, req_ids) -> None:
         """Nothing kept per request: nothing to drop."""
+
+    def propose_rows(self, req_states, req_ids: list[str], rows: np.ndarray, decode_next: np.ndarray
+                     ) -> dict[str, list[int]]:
+        """After a step (its books updated): drafts for the step's rows `req_ids` (request rows
+        `rows` of the runner's `req_states`) whose next step is a decode (`decode_next`), from each
+        request's tokens so far. A draft model overrides it: it consumes every row's new tokens."""
+        picked = [(rid, idx) for rid, idx, nxt in zip(req_ids, rows.tolist(), decode_next.tolist()) if nxt]
+        contexts = [req_states.all_token_ids[idx, :int(req_states.total_len[idx])].numpy() for _, idx in picked]
+        drafts = self.propose_many(contexts, [rid for rid, _ in picked])
+        return {rid: d for (rid, _), d in zip(picked, drafts) if d}
 
 
 class NgramIndex:
@@ -112,24 +121,6 @@ class NgramProposer(Proposer):
     def forget(self, req_ids) -> None:
         for req_id in req_ids:
             self.indexes.pop(req_id, None)
-
-
-class DraftModelProposer(Proposer):
-    """A smaller model with the same vocabulary proposes k tokens greedily (vLLM's "draft_model",
-    `StandaloneARSpeculator`). `generate(contexts, k)` runs the draft engine -- an LLM of its own, with
-    its own KV blocks and state slots, built by the facade (the runner does not import it) -- on every
-    context at once and returns its k greedy tokens per context. The draft engine caches prefixes,
-    so each step recomputes only what follows its last checkpoint of the context (a recurrent draft
-    model needs no rollback: every proposal starts from a cached state of verified tokens)."""
-
-    def __init__(self, generate: Callable[[list[list[int]], int], list[list[int]]], k: int):
-        self.generate, self.k = generate, k
-
-    def propose(self, context: np.ndarray) -> list[int]:
-        return self.propose_many([context])[0]
-
-    def propose_many(self, contexts: list[np.ndarray], req_ids: list[str] | None = None) -> list[list[int]]:
-        return self.generate([c.tolist() for c in contexts], self.k) if contexts else []
 
 
 class RankZeroProposes(Proposer):

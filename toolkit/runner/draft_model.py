@@ -1,0 +1,251 @@
+"""The draft model inside the step (vLLM's "draft_model" method, MRV2's `StandaloneARSpeculator`).
+
+A smaller model with the target's vocabulary proposes k greedy tokens per decode row, run by the
+target's runner right after the step's sampling: no second engine, scheduler, prefix cache or
+request ids. The draft keeps one row per target request row (the same index `r`):
+
+- its **committed** row r holds the draft's KV and recurrent state over the tokens it has
+  consumed (`num_computed[r]`), all verified: the target's computed tokens and the token the step
+  just sampled;
+- its **scratch** row S + r (S = the target's max_num_seqs) shares row r's KV pages and has a
+  state slot of its own: the draft's own guesses run there, so nothing the target may reject ever
+  enters the committed state. A recurrent draft needs no rollback: the next step starts again from
+  the committed row. (vLLM's draft is attention-only and writes rejected positions' KV that a later
+  round overwrites; the scratch row is what lets a Mamba draft do the same.)
+
+Per target step, k draft forwards at most:
+  1. catch-up: every row of the step consumes its new verified tokens (a prefill chunk's tokens, or
+     a decode row's kept tokens and its new sample) from `num_computed[r]` on, as one mixed batch
+     of committed rows (decodes first, as the Mamba builders want); a row whose next target step
+     is a decode samples draft 1 from its last token's logits;
+  2. those rows' committed states are copied to their scratch slots (one index copy per state
+     tensor), and k - 1 one-token decode steps on the scratch rows feed each draft back in.
+The drafts reach the host in one copy after the last forward (vLLM's sync mode fetches them in
+`post_step` too); the scheduler puts them in the next step's SchedulerOutput as n-gram drafts.
+
+Pages: the draft's KV is dense per row (row r owns pages 1 + r * W .. (r + 1) * W, W pages of
+`block_size` tokens covering max_model_len + k positions), as the target's own pool is by default;
+it does not share the target's block ids (a limitation: vLLM's draft layers join the target's pool).
+A preempted, finished or new request's row starts over from token 0 (prefix-cache hits of the target
+are recomputed by the draft in its catch-up, at most `max_num_batched_tokens + S` tokens per step).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+from toolkit.config import RunnerConfig
+from toolkit.host import copy_to, to_device
+from toolkit.layers.ops import TORCH_OPS, set_ops, triton_ops
+from toolkit.runner.attn_utils import init_attn_groups
+from toolkit.runner.block_table import BlockTables
+from toolkit.runner.block_table import staging_regions as table_regions
+from toolkit.runner.input_batch import InputBatch, InputBuffers, make_dummy, sort_batch, stage_rows
+from toolkit.runner.input_batch import staging_regions as input_regions
+from toolkit.runner.kv_cache import allocate_kv_caches, make_kv_cache_groups
+from toolkit.runner.model_states import init_model_state
+from toolkit.runner.request_states import RequestStates
+from toolkit.runner.spec_decode import Proposer
+from toolkit.runner.staging import Staging
+
+
+def draft_runner_config(target: RunnerConfig, k: int) -> RunnerConfig:
+    """The draft's configuration: 2 S rows (committed and scratch), the target's token budget plus
+    one token per row (a decode row's new sample), k positions past the target's max_model_len (a
+    row's guesses), dense KV pages for the S committed rows, eager, no prefix caching."""
+    s = target.max_num_seqs
+    width = -(-(target.max_model_len + k) // target.block_size)
+    return dataclasses.replace(
+        target, max_num_seqs=2 * s, max_num_batched_tokens=target.max_num_batched_tokens + s,
+        max_model_len=target.max_model_len + k, num_kv_blocks=s * width + 1, cudagraph_mode="none",
+        enable_prefix_caching=False, num_state_pages=None, mamba_cache_mode="none", num_speculative_tokens=0)
+
+
+@dataclasses.dataclass
+class DraftStats:
+    """Host seconds the draft took (`LLM.stats()`): `seconds` in all, `forward_seconds` in its model
+    forwards and greedy picks (what the acceptance compares: the rest is engine work around them)."""
+    steps: int = 0                  # target steps the draft ran on
+    forwards: int = 0
+    tokens: int = 0                 # tokens the draft's forwards consumed
+    seconds: float = 0.0
+    forward_seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"draft_steps": self.steps, "draft_forwards": self.forwards, "draft_tokens": self.tokens,
+                "draft_seconds": self.seconds, "draft_forward_seconds": self.forward_seconds}
+
+
+class DraftModelSpeculator(Proposer):
+    """See the module docstring. Built by the target's runner, which calls `propose_rows` after
+    each step with its own RequestStates (the draft reads each row's token history and computed
+    count there) and `forget` when it releases rows."""
+
+    def __init__(self, model: nn.Module, target_cfg: RunnerConfig, k: int):
+        if k < 1:
+            raise ValueError(f"num_speculative_tokens={k}: a draft model proposes at least 1 token")
+        self.k = k
+        self.num_rows = s = target_cfg.max_num_seqs
+        self.cfg = cfg = draft_runner_config(target_cfg, k)
+        self.device = cfg.device
+        self.model = model
+        set_ops(model, TORCH_OPS if cfg.backend == "torch" else triton_ops(cfg.device))
+        self.model_state = init_model_state(model, cfg)
+        self.kv_cache_groups = make_kv_cache_groups(model.kv_cache_specs(), cfg)
+        self.kv_caches = allocate_kv_caches(self.kv_cache_groups, cfg.device)
+        model.bind_kv_cache(self.kv_caches)
+        self.model_state.initialize_kv_cache(self.kv_cache_groups, self.kv_caches)
+        self.attn_groups = init_attn_groups(self.kv_cache_groups)
+        self.state_tensors = [t for g in self.kv_cache_groups if g.kind == "mamba"
+                              for name in g.layer_names for t in self.kv_caches[name]]
+        widths = [g.width for g in self.kv_cache_groups]
+        inputs32, inputs64 = input_regions(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        tables32, tables64 = table_regions(widths, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.staging = Staging({**inputs32, **tables32}, {**inputs64, **tables64}, cfg.device)
+        self.block_tables = BlockTables([g.block_size for g in self.kv_cache_groups], widths, cfg.max_num_seqs,
+                                        self.staging)
+        for g, group in enumerate(self.kv_cache_groups):      # the rows never change: set once
+            table = self.block_tables.tables[g]
+            if group.kind == "attention":        # committed row r and scratch row S + r: row r's pages
+                pages = 1 + np.arange(s)[:, None] * group.width + np.arange(group.width)
+                table[:s] = table[s:] = pages
+            else:                                 # a state slot each
+                table[:, 0] = 1 + np.arange(2 * s)
+        self.input_buffers = InputBuffers(self.staging, cfg.max_num_batched_tokens, cfg.device)
+        self.num_computed = np.zeros(s, dtype=np.int64)      # tokens of row r the committed row has consumed
+        self.owner: list[str | None] = [None] * s             # the request each row's tokens belong to
+        self.row_of: dict[str, int] = {}
+        self.stats = DraftStats()
+
+    # ---- the Proposer interface -------------------------------------------------------------
+    def propose_many(self, contexts, req_ids=None):
+        raise NotImplementedError("the draft model proposes from the runner's rows: propose_rows")
+
+    def forget(self, req_ids) -> None:
+        for req_id in req_ids:
+            idx = self.row_of.pop(req_id, None)
+            if idx is not None and self.owner[idx] == req_id:
+                self.owner[idx] = None
+
+    @torch.inference_mode()
+    def propose_rows(self, req_states: RequestStates, req_ids: list[str], rows: np.ndarray,
+                     decode_next: np.ndarray) -> dict[str, list[int]]:
+        """After the target's step (its books updated): the step's rows `req_ids` (target request
+        rows `rows`) consume their new tokens; those whose next step is a decode (`decode_next`)
+        and that caught up get k drafts."""
+        start_time = time.perf_counter()
+        rs, budget = req_states, self.cfg.max_num_batched_tokens
+        plan: list[tuple[str, int, int, int, bool]] = []     # (req id, row, start, count, samples drafts)
+        for rid, r, nxt in zip(req_ids, rows.tolist(), decode_next.tolist()):
+            if self.owner[r] != rid:                           # a new request in this row: from token 0
+                self.owner[r], self.num_computed[r] = rid, 0
+                self.row_of[rid] = r
+            end = int(rs.num_computed_tokens[r]) + int(nxt)    # + the token the step sampled
+            start = int(self.num_computed[r])
+            count = min(end - start, budget)
+            if count > 0:
+                budget -= count
+                plan.append((rid, r, start, count, bool(nxt) and start + count == end))
+        drafts: dict[str, list[int]] = {}
+        if plan:
+            drafts = self._run(plan, rs.all_token_ids)
+        self.stats.steps += 1
+        self.stats.seconds += time.perf_counter() - start_time
+        return drafts
+
+    def _run(self, plan: list[tuple[str, int, int, int, bool]], history: torch.Tensor) -> dict[str, list[int]]:
+        order = sort_batch(list(range(len(plan))), {i: p[3] for i, p in enumerate(plan)},
+                           {i: p[2] for i, p in enumerate(plan)})
+        plan = [plan[i] for i in order]
+        rows = np.array([p[1] for p in plan], dtype=np.int64)
+        starts = np.array([p[2] for p in plan], dtype=np.int64)
+        counts = np.array([p[3] for p in plan], dtype=np.int32)
+        fresh = rows[starts == 0]
+        if len(fresh) and self.state_tensors:            # a row starting over: its state slot from zero
+            index = to_device(fresh + 1, self.device)
+            for t in self.state_tensors:
+                t.index_fill_(0, index, 0)
+        ids = torch.cat([history[r, a:a + n] for r, a, n in zip(rows.tolist(), starts.tolist(), counts.tolist())])
+        logits = self._forward(rows, starts, counts, ids)
+        self.num_computed[rows] = starts + counts
+        want = np.array([p[4] for p in plan])
+        if not want.any():
+            return {}
+        sampled = [logits[torch.from_numpy(np.nonzero(want)[0])].argmax(-1)]
+        rows, ends = rows[want], (starts + counts)[want]
+        if self.k > 1:
+            if self.state_tensors:                     # committed -> scratch, one copy per state tensor
+                index = to_device(np.stack([rows + 1, rows + 1 + self.num_rows]), self.device)
+                for t in self.state_tensors:
+                    t.index_copy_(0, index[1], t.index_select(0, index[0]))
+            ones = np.ones(len(rows), dtype=np.int32)
+            for j in range(1, self.k):                 # draft j + 1 from draft j, at position end - 1 + j
+                logits = self._forward(rows + self.num_rows, ends - 1 + j, ones, sampled[-1])
+                sampled.append(logits.argmax(-1))
+        out = torch.stack(sampled, dim=1).cpu().tolist()    # the drafts' one copy to the host
+        return {p[0]: d for p, d in zip((p for p in plan if p[4]), out, strict=True)}
+
+    def _forward(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, ids: torch.Tensor
+                 ) -> torch.Tensor:
+        """One draft forward: draft rows `rows` consume `counts` tokens `ids` (host or device) from
+        position `starts`. Returns float logits [B] rows: each row's last token's."""
+        batch = self._batch(rows, starts, counts)
+        tables = self.block_tables.gather_block_tables(rows)
+        slots = self.block_tables.compute_slot_mappings(rows, batch.query_start_loc_np, batch.num_computed_tokens_np)
+        self.staging.flush()
+        copy_to(self.input_buffers.input_ids[:batch.num_tokens], ids.to(torch.int32))
+        metadata = self.model_state.prepare_attn(batch, tables, slots, self.attn_groups)
+        start = time.perf_counter()
+        hidden = self.model(batch.input_ids, batch.positions, metadata.by_layer,
+                            **self.model_state.prepare_inputs(batch))
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        self.stats.forward_seconds += time.perf_counter() - start
+        self.stats.forwards += 1
+        self.stats.tokens += batch.num_tokens
+        return logits
+
+    def _batch(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> InputBatch:
+        """The draft's InputBatch of `rows` (sorted: decodes first), staged: a row of one token on
+        top of consumed tokens is a decode, any other a prefill chunk."""
+        b = len(rows)
+        qsl = np.zeros(b + 1, dtype=np.int32)
+        np.cumsum(counts, out=qsl[1:])
+        t = int(qsl[-1])
+        seq_lens = (starts + counts).astype(np.int32)
+        decode = (counts == 1) & (starts > 0)
+        stage, d = self.staging, self.input_buffers
+        stage.put("idx_mapping", rows)
+        stage.put("positions", np.repeat(starts - qsl[:-1], counts) + np.arange(t))
+        stage_rows(stage, qsl, seq_lens)
+        return InputBatch(
+            req_ids=[f"draft-{r}" for r in rows.tolist()], num_reqs=b, num_tokens=t, max_query_len=int(counts.max()),
+            idx_mapping=d.idx_mapping[:b], idx_mapping_np=rows, num_scheduled_tokens=counts,
+            num_computed_tokens_np=starts.astype(np.int32), prefill_len_np=np.where(decode, 0, seq_lens),
+            is_prefilling_np=~decode, query_start_loc=d.query_start_loc[:b + 1], query_start_loc_np=qsl,
+            seq_lens=d.seq_lens[:b], seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens),
+            input_ids=d.input_ids[:t], positions=d.positions[:t], logits_indices=d.logits_indices[:b])
+
+    # ---- warmup and shutdown ----------------------------------------------------------------
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """The draft's share of warmup's profile run: its largest batch, no metadata."""
+        cfg = self.cfg
+        batch = make_dummy(self.input_buffers, min(self.num_rows, cfg.max_num_batched_tokens),
+                           cfg.max_num_batched_tokens)
+        self.staging.flush()
+        hidden = self.model(batch.input_ids, batch.positions, None)
+        self.model.compute_logits(hidden[batch.logits_indices]).argmax(dim=-1)
+
+    def release(self) -> None:
+        """Drop the caches, the model and the buffers (the runner's shutdown calls it)."""
+        self.kv_caches.clear()
+        self.model.unbind_kv_cache()
+        self.attn_groups.clear()
+        self.state_tensors.clear()
+        for attr in ("kv_caches", "model_state", "model", "input_buffers", "block_tables", "staging"):
+            if hasattr(self, attr):
+                delattr(self, attr)
