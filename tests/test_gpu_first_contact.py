@@ -261,6 +261,41 @@ def test_a_verify_step_copies_its_host_data_in_two_transfers(mode):
         assert transfers in ({}, {"to_device": 1}), (mode, name, transfers)     # the torch attention's
 
 
+def draft_step_transfers(mode: str, params: SamplingParams) -> tuple[dict[str, int], int]:
+    """The transfers of the first decode step with drafts from a draft model (tiny-mamba2 drafting
+    for tiny-bamba, k = 3, torch) -- the target's verify forward and the draft's k forwards inside
+    the same step -- and the drafts it verified."""
+    from toolkit.host import TRANSFERS
+    spec = {"method": "draft_model", "model": "tiny-mamba2", "num_speculative_tokens": 3}
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8, 9]]
+    with LLM("tiny-bamba", **F32, cudagraph_mode=mode, inspect="off", speculative_config=spec, **SMALL) as llm:
+        for prompt in prompts:
+            llm.add_request({"prompt_token_ids": prompt}, dataclasses.replace(params, max_tokens=16))
+        while llm.has_unfinished_requests():
+            TRANSFERS.clear()
+            forwards = llm.stats()["draft_forwards"]
+            llm.step()
+            batch = llm.model_runner.execute_state.input_batch
+            guessed = llm.stats()["draft_forwards"] - forwards == 3          # the catch-up and 2 guesses
+            if not batch.has_prefill and batch.num_drafts_np.sum() > 0 and guessed:
+                return dict(TRANSFERS), int(batch.num_drafts_np.sum())
+    return {}, 0
+
+
+@pytest.mark.parametrize("mode", ["none", "padded_eager"])
+def test_a_draft_model_step_copies_its_host_data_in_four_transfers(mode):
+    """A step with the draft model inside: the target's verify step stages its data in two copies
+    (as above), and the draft's k forwards (its catch-up and its k - 1 guesses: every forward's
+    batch, block tables, slot mappings, token ids and state slots to copy, each in a bank of one
+    staging) in two more, one flush per step, however large k is. Not yet the 2 of MRV2, whose
+    draft builds its inputs from the target's on the device."""
+    for name, params in SAMPLING_MODES.items():
+        transfers, drafts = draft_step_transfers(mode, params)
+        assert drafts > 0, (mode, name, "the step verified no drafts: the test checks nothing")
+        assert transfers.pop("copy_pinned") == 4, (mode, name, transfers)
+        assert transfers in ({}, {"to_device": 1}), (mode, name, transfers)     # the torch attention's
+
+
 @pytest.mark.slow          # Triton engines under the interpreter
 def test_a_decode_step_on_the_triton_backend_makes_two_transfers():
     assert decode_step_transfers("tiny-bamba", "triton", "padded_eager") == {"copy_pinned": 2}

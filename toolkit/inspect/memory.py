@@ -51,17 +51,22 @@ class TensorWatch:
                 value = runner.kv_caches[name]
                 for i, t in enumerate(value if isinstance(value, tuple) else (value,)):
                     self.add(category, f"{prefix}{name}[{i}]", t)
-        owners = [("input_buffers", runner.input_buffers)]
+        # the draft keeps a list of input buffers and block tables (one per forward of a step)
+        many = isinstance(runner.input_buffers, list)
+        owners = ([(f"input_buffers[{j}]", b) for j, b in enumerate(runner.input_buffers)] if many
+                  else [("input_buffers", runner.input_buffers)])
         if hasattr(runner, "req_states"):
             owners.append(("req_states", runner.req_states))
         for owner, obj in owners:
             for attr, value in vars(obj).items():
                 if isinstance(value, torch.Tensor):
                     self.add("persistent_buffers", f"{prefix}{owner}.{attr}", value)
-        bt = runner.block_tables
-        for i, t in enumerate(bt.input_block_tables):
-            self.add("persistent_buffers", f"{prefix}block_tables.input_block_tables[{i}]", t)
-        self.add("persistent_buffers", f"{prefix}block_tables.slot_mappings", bt.slot_mappings)
+        tables = runner.block_tables if many else [runner.block_tables]
+        for j, bt in enumerate(tables):
+            name = f"{prefix}block_tables{f'[{j}]' if many else ''}"
+            for i, t in enumerate(bt.input_block_tables):
+                self.add("persistent_buffers", f"{name}.input_block_tables[{i}]", t)
+            self.add("persistent_buffers", f"{name}.slot_mappings", bt.slot_mappings)
 
     def alive(self) -> list[tuple[str, str, torch.Tensor]]:
         out = []

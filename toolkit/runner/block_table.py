@@ -13,7 +13,7 @@ import torch
 
 from toolkit.kv_cache_manager import RowTail
 from toolkit.kv_cache_spec import PAD_SLOT_ID
-from toolkit.runner.staging import Staging
+from toolkit.runner.staging import Staging, StagingBank
 
 
 def staging_regions(widths: list[int], max_num_reqs: int, max_num_tokens: int) -> tuple[dict, dict]:
@@ -25,7 +25,7 @@ def staging_regions(widths: list[int], max_num_reqs: int, max_num_tokens: int) -
 
 
 class BlockTables:
-    def __init__(self, block_sizes: list[int], widths: list[int], max_num_reqs: int, staging: Staging,
+    def __init__(self, block_sizes: list[int], widths: list[int], max_num_reqs: int, staging: Staging | StagingBank,
                  aligned: list[bool] | None = None):
         self.block_sizes = block_sizes
         # per group: a Mamba row of prefix caching's "align" mode, position-indexed (0: no page); the

@@ -39,7 +39,6 @@ import torch
 from torch import nn
 
 from toolkit.config import RunnerConfig
-from toolkit.host import copy_to, to_device
 from toolkit.layers.ops import TORCH_OPS, set_ops, triton_ops
 from toolkit.runner.attn_utils import init_attn_groups
 from toolkit.runner.block_table import BlockTables
@@ -50,7 +49,7 @@ from toolkit.runner.kv_cache import allocate_kv_caches, make_kv_cache_groups
 from toolkit.runner.model_states import init_model_state
 from toolkit.runner.request_states import RequestStates
 from toolkit.runner.spec_decode import Proposer
-from toolkit.runner.staging import Staging
+from toolkit.runner.staging import Staging, StagingBank, banked_regions
 
 
 def draft_runner_config(target: RunnerConfig, k: int) -> RunnerConfig:
@@ -102,20 +101,34 @@ class DraftModelSpeculator(Proposer):
         self.attn_groups = init_attn_groups(self.kv_cache_groups)
         self.state_tensors = [t for g in self.kv_cache_groups if g.kind == "mamba"
                               for name in g.layer_names for t in self.kv_caches[name]]
+        # one staging, k banks: bank 0 the catch-up forward's inputs, bank j the j-th guess forward's,
+        # all written before the first forward and sent by one flush (one copy per dtype)
         widths = [g.width for g in self.kv_cache_groups]
-        inputs32, inputs64 = input_regions(cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        tables32, tables64 = table_regions(widths, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.staging = Staging({**inputs32, **tables32}, {**inputs64, **tables64}, cfg.device)
-        self.block_tables = BlockTables([g.block_size for g in self.kv_cache_groups], widths, cfg.max_num_seqs,
-                                        self.staging)
+        int32, int64 = {}, {}
+        for j in range(k):
+            rows, tokens = (s, cfg.max_num_batched_tokens) if j == 0 else (s, s)
+            inputs32, inputs64 = input_regions(rows, tokens)
+            tables32, tables64 = table_regions(widths, rows, tokens)
+            int32 |= banked_regions({**inputs32, **tables32}, f"#{j}")
+            int64 |= banked_regions({**inputs64, **tables64}, f"#{j}")
+        int32["token_ids"] = (cfg.max_num_batched_tokens,)          # the catch-up's tokens (host history)
+        int64["scratch_copy"] = (2, s)                                # committed -> scratch state slots
+        int64["fresh_rows"] = (s,)                                    # state slots to zero (rows starting over)
+        self.staging = Staging(int32, int64, cfg.device)
+        self.banks = [StagingBank(self.staging, f"#{j}") for j in range(k)]
+        self.block_tables = [BlockTables([g.block_size for g in self.kv_cache_groups], widths, 2 * s, bank)
+                             for bank in self.banks]
+        tables = self.block_tables[0].tables
         for g, group in enumerate(self.kv_cache_groups):      # the rows never change: set once
-            table = self.block_tables.tables[g]
             if group.kind == "attention":        # committed row r and scratch row S + r: row r's pages
                 pages = 1 + np.arange(s)[:, None] * group.width + np.arange(group.width)
-                table[:s] = table[s:] = pages
+                tables[g][:s] = tables[g][s:] = pages
             else:                                 # a state slot each
-                table[:, 0] = 1 + np.arange(2 * s)
-        self.input_buffers = InputBuffers(self.staging, cfg.max_num_batched_tokens, cfg.device)
+                tables[g][:, 0] = 1 + np.arange(2 * s)
+        for bt in self.block_tables[1:]:
+            bt.tables = tables
+        self.input_buffers = [InputBuffers(bank, cfg.max_num_batched_tokens if j == 0 else s, cfg.device)
+                              for j, bank in enumerate(self.banks)]
         self.num_computed = np.zeros(s, dtype=np.int64)      # tokens of row r the committed row has consumed
         self.owner: list[str | None] = [None] * s             # the request each row's tokens belong to
         self.row_of: dict[str, int] = {}
@@ -164,77 +177,89 @@ class DraftModelSpeculator(Proposer):
         rows = np.array([p[1] for p in plan], dtype=np.int64)
         starts = np.array([p[2] for p in plan], dtype=np.int64)
         counts = np.array([p[3] for p in plan], dtype=np.int32)
-        fresh = rows[starts == 0]
-        if len(fresh) and self.state_tensors:            # a row starting over: its state slot from zero
-            index = to_device(fresh + 1, self.device)
+        want = np.array([p[4] for p in plan])
+        # every forward's host data first (the catch-up's in bank 0, guess j's in bank j), one flush
+        stage = self.staging
+        ids = torch.cat([history[r, a:a + n] for r, a, n in zip(rows.tolist(), starts.tolist(), counts.tolist())])
+        stage.put("token_ids", ids.numpy())
+        forwards = [self._stage_batch(0, rows, starts, counts)]
+        fresh = rows[starts == 0] + 1              # a row starting over: its state slot from zero
+        stage.put("fresh_rows", fresh)
+        drafting, ends = rows[want], (starts + counts)[want]
+        guessing = self.k > 1 and len(drafting) > 0
+        if guessing:
+            copy = stage.host("scratch_copy")
+            copy[0, :len(drafting)], copy[1, :len(drafting)] = drafting + 1, drafting + 1 + self.num_rows
+            stage.written("scratch_copy")
+            ones = np.ones(len(drafting), dtype=np.int32)
+            forwards += [self._stage_batch(j, drafting + self.num_rows, ends - 1 + j, ones) for j in range(1, self.k)]
+        stage.flush()
+
+        if len(fresh) and self.state_tensors:
+            index = stage.device("fresh_rows")[:len(fresh)]
             for t in self.state_tensors:
                 t.index_fill_(0, index, 0)
-        ids = torch.cat([history[r, a:a + n] for r, a, n in zip(rows.tolist(), starts.tolist(), counts.tolist())])
-        logits = self._forward(rows, starts, counts, ids)
+        logits = self._forward(0, *forwards[0], stage.device("token_ids")[:len(ids)])
         self.num_computed[rows] = starts + counts
-        want = np.array([p[4] for p in plan])
         if not want.any():
             return {}
         sampled = [logits[torch.from_numpy(np.nonzero(want)[0])].argmax(-1)]
-        rows, ends = rows[want], (starts + counts)[want]
-        if self.k > 1:
+        if guessing:
             if self.state_tensors:                     # committed -> scratch, one copy per state tensor
-                index = to_device(np.stack([rows + 1, rows + 1 + self.num_rows]), self.device)
+                index = stage.device("scratch_copy")[:, :len(drafting)]
                 for t in self.state_tensors:
                     t.index_copy_(0, index[1], t.index_select(0, index[0]))
-            ones = np.ones(len(rows), dtype=np.int32)
-            for j in range(1, self.k):                 # draft j + 1 from draft j, at position end - 1 + j
-                logits = self._forward(rows + self.num_rows, ends - 1 + j, ones, sampled[-1])
-                sampled.append(logits.argmax(-1))
+            for j in range(1, self.k):                 # draft j + 1 from draft j
+                sampled.append(self._forward(j, *forwards[j], sampled[-1]).argmax(-1))
         out = torch.stack(sampled, dim=1).cpu().tolist()    # the drafts' one copy to the host
         return {p[0]: d for p, d in zip((p for p in plan if p[4]), out, strict=True)}
 
-    def _forward(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, ids: torch.Tensor
-                 ) -> torch.Tensor:
-        """One draft forward: draft rows `rows` consume `counts` tokens `ids` (host or device) from
-        position `starts`. Returns float logits [B] rows: each row's last token's."""
-        batch = self._batch(rows, starts, counts)
-        tables = self.block_tables.gather_block_tables(rows)
-        slots = self.block_tables.compute_slot_mappings(rows, batch.query_start_loc_np, batch.num_computed_tokens_np)
-        self.staging.flush()
-        copy_to(self.input_buffers.input_ids[:batch.num_tokens], ids.to(torch.int32))
-        metadata = self.model_state.prepare_attn(batch, tables, slots, self.attn_groups)
-        start = time.perf_counter()
-        hidden = self.model(batch.input_ids, batch.positions, metadata.by_layer,
-                            **self.model_state.prepare_inputs(batch))
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
-        self.stats.forward_seconds += time.perf_counter() - start
-        self.stats.forwards += 1
-        self.stats.tokens += batch.num_tokens
-        return logits
-
-    def _batch(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> InputBatch:
-        """The draft's InputBatch of `rows` (sorted: decodes first), staged: a row of one token on
-        top of consumed tokens is a decode, any other a prefill chunk."""
+    def _stage_batch(self, bank: int, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray
+                     ) -> tuple[InputBatch, tuple[torch.Tensor, ...], torch.Tensor]:
+        """Write one forward's inputs into bank `bank` (not flushed): draft rows `rows` (sorted:
+        decodes first) consume `counts` tokens from position `starts`; a row of one token on top of
+        consumed tokens is a decode, any other a prefill chunk. Returns (batch, block tables, slot
+        mappings), device views."""
         b = len(rows)
         qsl = np.zeros(b + 1, dtype=np.int32)
         np.cumsum(counts, out=qsl[1:])
         t = int(qsl[-1])
         seq_lens = (starts + counts).astype(np.int32)
         decode = (counts == 1) & (starts > 0)
-        stage, d = self.staging, self.input_buffers
+        stage, d = self.banks[bank], self.input_buffers[bank]
         stage.put("idx_mapping", rows)
         stage.put("positions", np.repeat(starts - qsl[:-1], counts) + np.arange(t))
         stage_rows(stage, qsl, seq_lens)
-        return InputBatch(
+        batch = InputBatch(
             req_ids=[f"draft-{r}" for r in rows.tolist()], num_reqs=b, num_tokens=t, max_query_len=int(counts.max()),
             idx_mapping=d.idx_mapping[:b], idx_mapping_np=rows, num_scheduled_tokens=counts,
             num_computed_tokens_np=starts.astype(np.int32), prefill_len_np=np.where(decode, 0, seq_lens),
             is_prefilling_np=~decode, query_start_loc=d.query_start_loc[:b + 1], query_start_loc_np=qsl,
             seq_lens=d.seq_lens[:b], seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens),
             input_ids=d.input_ids[:t], positions=d.positions[:t], logits_indices=d.logits_indices[:b])
+        tables = self.block_tables[bank].gather_block_tables(rows)
+        slots = self.block_tables[bank].compute_slot_mappings(rows, qsl, batch.num_computed_tokens_np)
+        return batch, tables, slots
+
+    def _forward(self, bank: int, batch: InputBatch, tables: tuple[torch.Tensor, ...], slots: torch.Tensor,
+                 input_ids: torch.Tensor) -> torch.Tensor:
+        """One draft forward on a flushed bank's batch, reading `input_ids` (device int [T]).
+        Returns float logits [B]: each row's last token's."""
+        metadata = self.model_state.prepare_attn(batch, tables, slots, self.attn_groups)
+        start = time.perf_counter()
+        hidden = self.model(input_ids, batch.positions, metadata.by_layer, **self.model_state.prepare_inputs(batch))
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        self.stats.forward_seconds += time.perf_counter() - start
+        self.stats.forwards += 1
+        self.stats.tokens += batch.num_tokens
+        return logits
 
     # ---- warmup and shutdown ----------------------------------------------------------------
     @torch.inference_mode()
     def profile_run(self) -> None:
         """The draft's share of warmup's profile run: its largest batch, no metadata."""
         cfg = self.cfg
-        batch = make_dummy(self.input_buffers, min(self.num_rows, cfg.max_num_batched_tokens),
+        batch = make_dummy(self.input_buffers[0], min(self.num_rows, cfg.max_num_batched_tokens),
                            cfg.max_num_batched_tokens)
         self.staging.flush()
         hidden = self.model(batch.input_ids, batch.positions, None)

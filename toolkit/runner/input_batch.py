@@ -21,7 +21,7 @@ import torch
 
 from toolkit.host import copy_to, to_device
 from toolkit.runner.request_states import RequestStates
-from toolkit.runner.staging import Staging
+from toolkit.runner.staging import Staging, StagingBank
 
 STAGED_INT32 = ("query_start_loc", "seq_lens")                        # staging regions of InputBuffers
 STAGED_INT64 = ("idx_mapping", "logits_indices", "positions")
@@ -46,7 +46,7 @@ def verify_staging_regions(max_num_tokens: int) -> dict:
 
 
 class InputBuffers:
-    def __init__(self, staging: Staging, max_num_tokens: int, device: torch.device):
+    def __init__(self, staging: Staging | StagingBank, max_num_tokens: int, device: torch.device):
         self.staging = staging
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
         self.positions = staging.device("positions")

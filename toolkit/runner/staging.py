@@ -106,3 +106,36 @@ class Staging:
 
     def flush(self) -> int:
         return sum(arena.flush() for arena in self.arenas.values())
+
+
+class StagingBank:
+    """One of several sets of the same regions in a Staging, seen under their plain names: region
+    `name` of bank `suffix` is `name + suffix` in the staging (`banked_regions` makes them). Several
+    forwards' inputs (the draft model's k per step) are written each into its own bank and sent
+    together by one `flush()` of the staging, one copy per dtype."""
+
+    def __init__(self, staging: Staging, suffix: str):
+        self.staging, self.suffix = staging, suffix
+
+    def host(self, name: str) -> np.ndarray:
+        return self.staging.host(name + self.suffix)
+
+    def written(self, name: str, rows: int | None = None, elements: int | None = None) -> None:
+        self.staging.written(name + self.suffix, rows, elements)
+
+    def put(self, name: str, values: np.ndarray, rows: int | None = None) -> None:
+        self.staging.put(name + self.suffix, values, rows)
+
+    def device(self, name: str) -> torch.Tensor:
+        return self.staging.device(name + self.suffix)
+
+    def has(self, name: str) -> bool:
+        return self.staging.has(name + self.suffix)
+
+    def flush(self) -> int:
+        return self.staging.flush()
+
+
+def banked_regions(regions: dict[str, tuple[int, ...]], suffix: str) -> dict[str, tuple[int, ...]]:
+    """`regions` renamed for the bank `suffix` (StagingBank)."""
+    return {name + suffix: shape for name, shape in regions.items()}
