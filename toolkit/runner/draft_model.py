@@ -2,28 +2,31 @@
 
 A smaller model with the target's vocabulary proposes k greedy tokens per decode row, run by the
 target's runner right after the step's sampling: no second engine, scheduler, prefix cache or
-request ids. The draft keeps one row per target request row (the same index `r`):
+request ids. For each target request row r (S = the target's max_num_seqs) the draft keeps:
 
-- its **committed** row r holds the draft's KV and recurrent state over the tokens it has
-  consumed (`num_computed[r]`), all verified: the target's computed tokens and the token the step
-  just sampled;
-- its **scratch** row S + r (S = the target's max_num_seqs) shares row r's KV pages and has a
-  state slot of its own: the draft's own guesses run there, so nothing the target may reject ever
-  enters the committed state. A recurrent draft needs no rollback: the next step starts again from
-  the committed row. (vLLM's draft is attention-only and writes rejected positions' KV that a later
-  round overwrites; the scratch row is what lets a Mamba draft do the same.)
+- its KV pages and `num_computed[r]`, the tokens it has consumed, all verified (the target's
+  computed tokens and the token the step just sampled);
+- k state slots `slots[r]`: one holds the recurrent state over those tokens (the committed slot),
+  the other k - 1 take the draft's guesses, each the state after one more guess. Nothing the target
+  may reject enters the committed slot, so a recurrent draft needs no rollback; and when the next
+  verified tokens begin with m of the guesses, the slot of guess m becomes the committed one and
+  the draft continues after them (kept by value: a token equal to a guess leaves the same state).
+  (vLLM's draft is attention-only and writes rejected positions' KV that a later round overwrites;
+  the guess slots are what let a Mamba draft do the same.)
 
-Per target step, k draft forwards at most:
-  1. catch-up: every row of the step consumes its new verified tokens (a prefill chunk's tokens, or
-     a decode row's kept tokens and its new sample) from `num_computed[r]` on, as one mixed batch
-     of committed rows (decodes first, as the Mamba builders want); a row whose next target step
-     is a decode samples draft 1 from its last token's logits;
-  2. those rows' committed states are copied to their scratch slots (one index copy per state
-     tensor), and k - 1 one-token decode steps on the scratch rows feed each draft back in.
+Per target step, k draft forwards at most, their inputs staged in one flush (a StagingBank each):
+  1. catch-up: every row of the step consumes its new verified tokens not yet in its state (a
+     prefill chunk's tokens, or a decode row's new sample after the guesses that came true: one
+     token, two when every guess and the k-th draft were accepted) as one mixed batch (decodes
+     first, as the Mamba builders want; row r is draft row r); a row whose next target step is a
+     decode samples draft 1 from its last token's logits;
+  2. k - 1 one-token decode forwards (draft row j S + r in the j-th): the state is copied from the
+     slot before in the chain to guess j's slot (one index copy per state tensor), which the
+     forward then advances by draft j, giving draft j + 1.
 The drafts reach the host in one copy after the last forward (vLLM's sync mode fetches them in
 `post_step` too); the scheduler puts them in the next step's SchedulerOutput as n-gram drafts.
 
-Pages: the draft's KV is dense per row (row r owns pages 1 + r * W .. (r + 1) * W, W pages of
+Pages: the draft's KV is dense per target row (draft rows j S + r all use pages 1 + r W .. (r + 1) W, W of
 `block_size` tokens covering max_model_len + k positions), as the target's own pool is by default;
 it does not share the target's block ids (a limitation: vLLM's draft layers join the target's pool).
 A preempted, finished or new request's row starts over from token 0 (prefix-cache hits of the target
@@ -53,13 +56,14 @@ from toolkit.runner.staging import Staging, StagingBank, banked_regions
 
 
 def draft_runner_config(target: RunnerConfig, k: int) -> RunnerConfig:
-    """The draft's configuration: 2 S rows (committed and scratch), the target's token budget plus
-    one token per row (a decode row's new sample), k positions past the target's max_model_len (a
-    row's guesses), dense KV pages for the S committed rows, eager, no prefix caching."""
+    """The draft's configuration: k S rows (row j S + r: target row r in the step's j-th forward),
+    so k S state slots, the target's token budget plus one token per row (a decode row's new
+    sample), k positions past the target's max_model_len (a row's guesses), dense KV pages for the
+    S target rows, eager, no prefix caching."""
     s = target.max_num_seqs
     width = -(-(target.max_model_len + k) // target.block_size)
     return dataclasses.replace(
-        target, max_num_seqs=2 * s, max_num_batched_tokens=target.max_num_batched_tokens + s,
+        target, max_num_seqs=k * s, max_num_batched_tokens=target.max_num_batched_tokens + s,
         max_model_len=target.max_model_len + k, num_kv_blocks=s * width + 1, cudagraph_mode="none",
         enable_prefix_caching=False, num_state_pages=None, mamba_cache_mode="none", num_speculative_tokens=0)
 
@@ -112,21 +116,28 @@ class DraftModelSpeculator(Proposer):
             int32 |= banked_regions({**inputs32, **tables32}, f"#{j}")
             int64 |= banked_regions({**inputs64, **tables64}, f"#{j}")
         int32["token_ids"] = (cfg.max_num_batched_tokens,)          # the catch-up's tokens (host history)
-        int64["scratch_copy"] = (2, s)                                # committed -> scratch state slots
+        int64["guess_copies"] = (max(k - 1, 1), 2, s)                  # per guess: state slots from -> to
         int64["fresh_rows"] = (s,)                                    # state slots to zero (rows starting over)
         self.staging = Staging(int32, int64, cfg.device)
         self.banks = [StagingBank(self.staging, f"#{j}") for j in range(k)]
-        self.block_tables = [BlockTables([g.block_size for g in self.kv_cache_groups], widths, 2 * s, bank)
+        self.block_tables = [BlockTables([g.block_size for g in self.kv_cache_groups], widths, k * s, bank)
                              for bank in self.banks]
         tables = self.block_tables[0].tables
-        for g, group in enumerate(self.kv_cache_groups):      # the rows never change: set once
-            if group.kind == "attention":        # committed row r and scratch row S + r: row r's pages
+        for g, group in enumerate(self.kv_cache_groups):
+            if group.kind == "attention":        # row j S + r, every j: target row r's pages (never change)
                 pages = 1 + np.arange(s)[:, None] * group.width + np.arange(group.width)
-                tables[g][:s] = tables[g][s:] = pages
-            else:                                 # a state slot each
-                tables[g][:, 0] = 1 + np.arange(2 * s)
+                tables[g][:] = np.tile(pages, (k, 1))
         for bt in self.block_tables[1:]:
             bt.tables = tables
+        # target row r owns the k state slots slots[r]; one holds its committed state (`committed[r]`,
+        # an index into them), the others take its guesses; the step writes each forward's slot
+        # into its rows' state column (Mamba groups' tables)
+        self.slots = 1 + np.arange(k * s, dtype=np.int64).reshape(s, k)
+        self.committed = np.zeros(s, dtype=np.int64)
+        self.mamba_tables = [tables[g] for g, group in enumerate(self.kv_cache_groups) if group.kind == "mamba"]
+        # the drafts each row proposed last, and the slot that holds the state after each guess
+        self.last_drafts: list[list[int] | None] = [None] * s
+        self.guess_slots = np.zeros((s, max(k - 1, 1)), dtype=np.int64)
         self.input_buffers = [InputBuffers(bank, cfg.max_num_batched_tokens if j == 0 else s, cfg.device)
                               for j, bank in enumerate(self.banks)]
         self.num_computed = np.zeros(s, dtype=np.int64)      # tokens of row r the committed row has consumed
@@ -157,8 +168,12 @@ class DraftModelSpeculator(Proposer):
             if self.owner[r] != rid:                           # a new request in this row: from token 0
                 self.owner[r], self.num_computed[r] = rid, 0
                 self.row_of[rid] = r
+                self.last_drafts[r], self.committed[r] = None, 0
             end = int(rs.num_computed_tokens[r]) + int(nxt)    # + the token the step sampled
             start = int(self.num_computed[r])
+            if self.last_drafts[r] is not None:               # guesses that came true: their state is kept
+                self._take_guesses(r, rs.all_token_ids[r, start:end - 1].tolist())
+                start = int(self.num_computed[r])
             count = min(end - start, budget)
             if count > 0:
                 budget -= count
@@ -182,17 +197,30 @@ class DraftModelSpeculator(Proposer):
         stage = self.staging
         ids = torch.cat([history[r, a:a + n] for r, a, n in zip(rows.tolist(), starts.tolist(), counts.tolist())])
         stage.put("token_ids", ids.numpy())
+        committed = self.slots[rows, self.committed[rows]]
+        for table in self.mamba_tables:
+            table[rows, 0] = committed
         forwards = [self._stage_batch(0, rows, starts, counts)]
-        fresh = rows[starts == 0] + 1              # a row starting over: its state slot from zero
+        fresh = committed[starts == 0]               # a row starting over: its state slot from zero
         stage.put("fresh_rows", fresh)
         drafting, ends = rows[want], (starts + counts)[want]
         guessing = self.k > 1 and len(drafting) > 0
-        if guessing:
-            copy = stage.host("scratch_copy")
-            copy[0, :len(drafting)], copy[1, :len(drafting)] = drafting + 1, drafting + 1 + self.num_rows
-            stage.written("scratch_copy")
+        slots = self.slots[drafting]                        # [W, k]
+        if guessing:          # guess j runs in the j-th slot that is not the committed one, from guess j - 1's
+            others = np.argsort(np.arange(self.k)[None, :] == self.committed[drafting][:, None], axis=1,
+                                kind="stable")[:, :self.k - 1]
+            chain = np.concatenate([self.committed[drafting][:, None], others], axis=1)     # [W, k]
+            chain = np.take_along_axis(slots, chain, axis=1)
+            self.guess_slots[drafting] = chain[:, 1:]
+            copies = stage.host("guess_copies")
+            copies[:self.k - 1, 0, :len(drafting)] = chain[:, :-1].T
+            copies[:self.k - 1, 1, :len(drafting)] = chain[:, 1:].T
+            stage.written("guess_copies")
             ones = np.ones(len(drafting), dtype=np.int32)
-            forwards += [self._stage_batch(j, drafting + self.num_rows, ends - 1 + j, ones) for j in range(1, self.k)]
+            for j in range(1, self.k):
+                for table in self.mamba_tables:
+                    table[j * self.num_rows + drafting, 0] = chain[:, j]
+                forwards.append(self._stage_batch(j, drafting + j * self.num_rows, ends - 1 + j, ones))
         stage.flush()
 
         if len(fresh) and self.state_tensors:
@@ -205,14 +233,30 @@ class DraftModelSpeculator(Proposer):
             return {}
         sampled = [logits[torch.from_numpy(np.nonzero(want)[0])].argmax(-1)]
         if guessing:
-            if self.state_tensors:                     # committed -> scratch, one copy per state tensor
-                index = stage.device("scratch_copy")[:, :len(drafting)]
-                for t in self.state_tensors:
-                    t.index_copy_(0, index[1], t.index_select(0, index[0]))
-            for j in range(1, self.k):                 # draft j + 1 from draft j
+            copies = stage.device("guess_copies")
+            for j in range(1, self.k):                 # draft j + 1 from draft j, in the next slot of the chain
+                if self.state_tensors:
+                    index = copies[j - 1, :, :len(drafting)]
+                    for t in self.state_tensors:
+                        t.index_copy_(0, index[1], t.index_select(0, index[0]))
                 sampled.append(self._forward(j, *forwards[j], sampled[-1]).argmax(-1))
         out = torch.stack(sampled, dim=1).cpu().tolist()    # the drafts' one copy to the host
+        for r, drafts in zip(drafting.tolist(), out, strict=True):
+            self.last_drafts[r] = drafts if guessing else None
         return {p[0]: d for p, d in zip((p for p in plan if p[4]), out, strict=True)}
+
+    def _take_guesses(self, r: int, new_tokens: list[int]) -> None:
+        """Row r's new verified tokens (all but the last) begin with m of its last guesses: the state
+        after them is in the slot guess m ran in, which becomes the committed one (its KV pages are
+        written too), and the row continues after them. Guesses are kept by value: a token equal to a
+        guess leaves the same state whether the target verified the guess or sampled it itself."""
+        drafts, self.last_drafts[r] = self.last_drafts[r], None
+        m = 0
+        while m < min(len(new_tokens), self.k - 1) and new_tokens[m] == drafts[m]:
+            m += 1
+        if m:
+            self.committed[r] = int(np.nonzero(self.slots[r] == self.guess_slots[r, m - 1])[0][0])
+            self.num_computed[r] += m
 
     def _stage_batch(self, bank: int, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray
                      ) -> tuple[InputBatch, tuple[torch.Tensor, ...], torch.Tensor]:
