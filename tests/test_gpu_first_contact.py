@@ -230,20 +230,28 @@ def test_a_decode_step_copies_its_host_data_in_two_transfers(preset):
             assert transfers in ({}, {"to_device": 1}), (mode, name, transfers)
 
 
-def verify_step_transfers(mode: str, params: SamplingParams) -> tuple[dict[str, int], int]:
-    """The transfers of the first decode step that verifies drafts (n-gram, tiny-bamba, torch), and
-    the drafts it verified (0: no step did)."""
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# tiny-mamba2 drafting for tiny-bamba, k = 3
+DRAFT_MODEL = {"method": "draft_model", "model": "tiny-mamba2", "num_speculative_tokens": 3}
+
+
+def verify_step_transfers(mode: str, params: SamplingParams, spec: dict = NGRAM) -> tuple[dict[str, int], int]:
+    """The transfers of the first decode step that verifies drafts (tiny-bamba, torch), and the
+    drafts it verified (0: no step did). A draft model's step must also have run all k of its
+    forwards (the target's verify forward and the draft's catch-up and k - 1 guesses)."""
     from toolkit.host import TRANSFERS
-    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8, 9]]
     with LLM("tiny-bamba", **F32, cudagraph_mode=mode, inspect="off", speculative_config=spec, **SMALL) as llm:
+        draft = llm.model_runner.draft
         for prompt in prompts:
-            llm.add_request({"prompt_token_ids": prompt}, dataclasses.replace(params, max_tokens=32))
+            llm.add_request({"prompt_token_ids": prompt}, dataclasses.replace(params, max_tokens=24))
         while llm.has_unfinished_requests():
             TRANSFERS.clear()
+            forwards = draft.stats.forwards if draft else 0
             llm.step()
             batch = llm.model_runner.execute_state.input_batch
-            if not batch.has_prefill and batch.num_drafts_np.sum() > 0:
+            all_forwards = draft is None or draft.stats.forwards - forwards == spec["num_speculative_tokens"]
+            if not batch.has_prefill and batch.num_drafts_np.sum() > 0 and all_forwards:
                 return dict(TRANSFERS), int(batch.num_drafts_np.sum())
     return {}, 0
 
@@ -261,27 +269,6 @@ def test_a_verify_step_copies_its_host_data_in_two_transfers(mode):
         assert transfers in ({}, {"to_device": 1}), (mode, name, transfers)     # the torch attention's
 
 
-def draft_step_transfers(mode: str, params: SamplingParams) -> tuple[dict[str, int], int]:
-    """The transfers of the first decode step with drafts from a draft model (tiny-mamba2 drafting
-    for tiny-bamba, k = 3, torch) -- the target's verify forward and the draft's k forwards inside
-    the same step -- and the drafts it verified."""
-    from toolkit.host import TRANSFERS
-    spec = {"method": "draft_model", "model": "tiny-mamba2", "num_speculative_tokens": 3}
-    prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8, 9]]
-    with LLM("tiny-bamba", **F32, cudagraph_mode=mode, inspect="off", speculative_config=spec, **SMALL) as llm:
-        for prompt in prompts:
-            llm.add_request({"prompt_token_ids": prompt}, dataclasses.replace(params, max_tokens=16))
-        while llm.has_unfinished_requests():
-            TRANSFERS.clear()
-            forwards = llm.stats()["draft_forwards"]
-            llm.step()
-            batch = llm.model_runner.execute_state.input_batch
-            guessed = llm.stats()["draft_forwards"] - forwards == 3          # the catch-up and 2 guesses
-            if not batch.has_prefill and batch.num_drafts_np.sum() > 0 and guessed:
-                return dict(TRANSFERS), int(batch.num_drafts_np.sum())
-    return {}, 0
-
-
 @pytest.mark.parametrize("mode", ["none", "padded_eager"])
 def test_a_draft_model_step_copies_its_host_data_in_four_transfers(mode):
     """A step with the draft model inside: the target's verify step stages its data in two copies
@@ -290,7 +277,7 @@ def test_a_draft_model_step_copies_its_host_data_in_four_transfers(mode):
     staging) in two more, one flush per step, however large k is. Not yet the 2 of MRV2, whose
     draft builds its inputs from the target's on the device."""
     for name, params in SAMPLING_MODES.items():
-        transfers, drafts = draft_step_transfers(mode, params)
+        transfers, drafts = verify_step_transfers(mode, params, DRAFT_MODEL)
         assert drafts > 0, (mode, name, "the step verified no drafts: the test checks nothing")
         assert transfers.pop("copy_pinned") == 4, (mode, name, transfers)
         assert transfers in ({}, {"to_device": 1}), (mode, name, transfers)     # the torch attention's
