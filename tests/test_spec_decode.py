@@ -473,6 +473,22 @@ def test_the_draft_in_the_step_proposes_its_own_greedy_continuation(draft, cachi
     assert [d for _, d in seen] == [list(o.outputs[0].token_ids) for o in want]
 
 
+def test_a_draft_model_fits_a_budget_smaller_than_its_rows():
+    """The draft holds k rows per target row (one per forward of a step): with a token budget below
+    k * max_num_seqs (here 2 tokens, 2 rows, k = 3) it still builds and keeps plain decoding's tokens
+    (found by the property suite: the draft's RunnerConfig refused the budget)."""
+    engine = dict(device="cpu", max_num_seqs=2, max_num_batched_tokens=2)
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    plain = LLM("tiny-mamba", inspect="off", **engine)
+    want = generate(plain, PROMPTS[1:], [greedy] * 2)
+    plain.shutdown()
+    llm = LLM("tiny-mamba", inspect="off", **engine,
+              speculative_config={"method": "draft_model", "model": "tiny-mamba", "num_speculative_tokens": 3})
+    assert generate(llm, PROMPTS[1:], [greedy] * 2) == want
+    assert llm.stats()["spec_acceptance_rate"] == 1.0
+    llm.shutdown()
+
+
 @pytest.mark.slow          # Triton engines under the interpreter
 @pytest.mark.parametrize("caching", [False, True], ids=["no-caching", "prefix-caching"])
 def test_replaying_the_warmup_verify_forward_equals_eager(monkeypatch, caching):

@@ -57,13 +57,13 @@ from toolkit.runner.staging import Staging, StagingBank, banked_regions
 
 def draft_runner_config(target: RunnerConfig, k: int) -> RunnerConfig:
     """The draft's configuration: k S rows (row j S + r: target row r in the step's j-th forward),
-    so k S state slots, the target's token budget plus one token per row (a decode row's new
-    sample), k positions past the target's max_model_len (a row's guesses), dense KV pages for the
-    S target rows, eager, no prefix caching."""
+    so k S state slots; the target's token budget plus one token per row (a decode row's new
+    sample), at least k S (RunnerConfig asks that of k S rows); k positions past the target's
+    max_model_len (a row's guesses); dense KV pages for the S target rows; eager, no prefix caching."""
     s = target.max_num_seqs
     width = -(-(target.max_model_len + k) // target.block_size)
     return dataclasses.replace(
-        target, max_num_seqs=k * s, max_num_batched_tokens=target.max_num_batched_tokens + s,
+        target, max_num_seqs=k * s, max_num_batched_tokens=max(target.max_num_batched_tokens + s, k * s),
         max_model_len=target.max_model_len + k, num_kv_blocks=s * width + 1, cudagraph_mode="none",
         enable_prefix_caching=False, num_state_pages=None, mamba_cache_mode="none", num_speculative_tokens=0)
 
@@ -166,6 +166,7 @@ class DraftModelSpeculator(Proposer):
         plan: list[tuple[str, int, int, int, bool]] = []     # (req id, row, start, count, samples drafts)
         for rid, r, nxt in zip(req_ids, rows.tolist(), decode_next.tolist()):
             if self.owner[r] != rid:                           # a new request in this row: from token 0
+                self.row_of.pop(self.owner[r], None)
                 self.owner[r], self.num_computed[r] = rid, 0
                 self.row_of[rid] = r
                 self.last_drafts[r], self.committed[r] = None, 0
