@@ -119,7 +119,8 @@ def test_then_logits_then_whole_records_go(unbounded):
     tiny = full(trace_max_bytes=max(rest) + 1)             # one record's metadata, not two
     run(tiny)
     assert len(tiny.trace) == 1 and tiny.trace.num_dropped == len(ref.trace) - 1
-    for engine in (llm, tiny):
+    for engine in (llm, tiny):        # the running total equals the records' sizes after drops and pops
+        assert engine.trace.host_bytes == sum(sum(size) for size in engine.trace._sizes) > 0
         engine.shutdown()
 
 

@@ -64,6 +64,7 @@ class Trace:
         self.max_bytes = max_bytes
         self._records: deque[StepRecord] = deque(records, maxlen=capacity)
         self._sizes: deque[list[int]] = deque((record_sizes(r) for r in self._records), maxlen=capacity)
+        self._total = sum(sum(size) for size in self._sizes)     # host_bytes, kept as records come and go
         self.num_dropped = 0            # whole records dropped (by the capacity, or the budget)
         self.num_trimmed = 0            # records whose states or logits the budget dropped
         self._checked = [0, 0]          # per part: the leading records whose part is already gone
@@ -71,14 +72,16 @@ class Trace:
 
     @property
     def host_bytes(self) -> int:
-        """Host bytes the records hold (what `max_bytes` bounds)."""
-        return sum(sum(size) for size in self._sizes)
+        """Host bytes the records hold (what `max_bytes` bounds); a running total, so an append costs
+        the same however many records the trace holds."""
+        return self._total
 
     def append(self, record: StepRecord) -> None:
         if self.capacity is not None and len(self._records) == self.capacity:
             self._pop_oldest()
         self._records.append(record)
         self._sizes.append(record_sizes(record))
+        self._total += sum(self._sizes[-1])
         if record.dropped:                      # its states were not even gathered (see reserve)
             self.num_trimmed += 1
         if self.max_bytes is not None and self.host_bytes > self.max_bytes:
@@ -86,7 +89,7 @@ class Trace:
 
     def _pop_oldest(self) -> None:
         self._records.popleft()
-        self._sizes.popleft()
+        self._total -= sum(self._sizes.popleft())
         self.num_dropped += 1
         self._checked = [max(0, c - 1) for c in self._checked]
 
@@ -144,6 +147,7 @@ class Trace:
         freed = self._sizes[i][part]
         self._drop_part(self._records[i], name)
         self._sizes[i][part] = 0
+        self._total -= freed
         dropped[name] = dropped.get(name, 0) + 1
         return freed
 
@@ -177,6 +181,7 @@ class Trace:
     def clear(self) -> None:
         self._records.clear()
         self._sizes.clear()
+        self._total = 0
         self._checked = [0, 0]
 
     def __len__(self) -> int:
