@@ -26,6 +26,7 @@ from toolkit.errors import NotSupportedYetError
 from toolkit.inspect.prefix_views import prefix_cache_step_html
 from toolkit.inspect.record_views import step_record_html
 from toolkit.inspect.spec_views import spec_step_html
+from toolkit.kv_cache_manager import CacheGroupKind, KVCacheManager
 from toolkit.runner.spec_decode import NgramProposer
 from toolkit.widgets.views import view_names
 
@@ -439,17 +440,25 @@ def test_a_draft_equal_to_the_target_is_always_accepted_on_greedy_rows():
     llm.shutdown()
 
 
-@pytest.mark.parametrize("draft,caching", [("tiny-mamba2", False), ("tiny-jamba", False), ("tiny-mamba2", True)],
-                         ids=["tiny-mamba2", "tiny-jamba", "tiny-mamba2-prefix-hits"])
-def test_the_draft_in_the_step_proposes_its_own_greedy_continuation(draft, caching):
+@pytest.mark.parametrize("target,draft,caching", [("tiny-bamba", "tiny-mamba2", False),
+                                                  ("tiny-bamba", "tiny-jamba", False),
+                                                  ("tiny-bamba", "tiny-jamba", True),
+                                                  ("tiny-mamba2", "tiny-jamba", False)],
+                         ids=["state-only-draft", "shared-kv-pool", "shared-kv-pool-prefix-hits", "dense-kv-pages"])
+def test_the_draft_in_the_step_proposes_its_own_greedy_continuation(target, draft, caching):
     """Each row's k drafts are exactly what the draft model, run as an engine of its own, generates
-    greedily from the request's tokens so far: its committed rows hold the state of the verified
-    tokens only (a rejected guess never enters it), through chunked prefills, mixed batches and rows
-    taken over by new requests. tiny-jamba: attention and Mamba1 layers (KV pages and state slots);
-    tiny-mamba2: state slots only. With prefix caching the prompts run twice: the second time the
-    target hits its cache and the draft, which has none, catches up over the hit prefix itself."""
-    llm = LLM("tiny-bamba", inspect="off", **ENGINE, **(CACHED if caching else {}),
+    greedily from the request's tokens so far: its committed state slots hold the state of verified
+    tokens only (a rejected guess never enters them), through chunked prefills, mixed batches and
+    rows taken over by new requests. tiny-mamba2: state slots only; tiny-jamba: attention and Mamba1
+    layers, its KV at the target's block ids (the scheduler holding k lookahead slots per request)
+    or, for a target without attention layers, in dense pages of its own. With prefix caching the
+    prompts run twice: the second time the target hits its cache and the draft, which has none,
+    catches up over the hit prefix itself (rewriting the shared blocks' draft KV)."""
+    llm = LLM(target, inspect="off", **ENGINE, **(CACHED if caching else {}),
               speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3})
+    shared = llm.model_runner.draft.target_kv_table is not None
+    assert shared == (draft == "tiny-jamba" and target == "tiny-bamba")
+    assert llm.scheduler.kv.num_lookahead_tokens == (3 if shared else 0)
     runner, seen = llm.model_runner, []
     propose = runner.proposer.propose_rows
 
@@ -473,10 +482,22 @@ def test_the_draft_in_the_step_proposes_its_own_greedy_continuation(draft, cachi
     assert [d for _, d in seen] == [list(o.outputs[0].token_ids) for o in want]
 
 
+def test_lookahead_slots_cover_a_draft_models_guesses_up_to_max_model_len():
+    """vLLM's num_lookahead_tokens: with k = 3 a request holds KV slots for 3 tokens past its
+    scheduled ones (where the draft writes its guesses), never past max_model_len."""
+    kv = KVCacheManager([CacheGroupKind("attention", 4)], num_kv_blocks=32, num_state_slots=0,
+                        num_lookahead_tokens=3, max_model_len=14)
+    assert [len(ids) for ids in kv.allocate("a", 0, 5)] == [2]           # 5 + 3 tokens: 2 blocks
+    assert [len(ids) for ids in kv.allocate("a", 5, 6)] == [1]           # 9 tokens: a third
+    assert [len(ids) for ids in kv.allocate("a", 6, 13)] == [1]          # 16, capped to 14: a fourth
+    plain = KVCacheManager([CacheGroupKind("attention", 4)], num_kv_blocks=32, num_state_slots=0)
+    assert [len(ids) for ids in plain.allocate("a", 0, 5)] == [2] and plain.allocate("a", 5, 8) == ([],)
+
+
 def test_a_draft_model_fits_a_budget_smaller_than_its_rows():
-    """The draft holds k rows per target row (one per forward of a step): with a token budget below
-    k * max_num_seqs (here 2 tokens, 2 rows, k = 3) it still builds and keeps plain decoding's tokens
-    (found by the property suite: the draft's RunnerConfig refused the budget)."""
+    """The draft's k state slots per row and its k forwards' buffers with the smallest budget (2
+    tokens, 2 rows, k = 3): it builds and keeps plain decoding's tokens (found by the property
+    suite: a draft RunnerConfig of k S rows once refused such a budget)."""
     engine = dict(device="cpu", max_num_seqs=2, max_num_batched_tokens=2)
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     plain = LLM("tiny-mamba", inspect="off", **engine)

@@ -285,9 +285,15 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, groups: list[CacheGroupKind], num_kv_blocks: int, num_state_slots: int,
-                 enable_prefix_caching: bool = False, state_columns: int = 1):
+                 enable_prefix_caching: bool = False, state_columns: int = 1,
+                 num_lookahead_tokens: int = 0, max_model_len: int | None = None):
         self.groups = groups
         self.caching = enable_prefix_caching
+        # KV slots a request holds past its scheduled tokens (vLLM's num_lookahead_tokens: a draft
+        # model's guesses are written there, in its own KV at the target's block ids), up to
+        # max_model_len
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.max_model_len = max_model_len
         # slots per request without caching (1 + k with spec decoding); with caching, an aligned row's
         # running column and the k spec columns after it
         self.state_columns = state_columns
@@ -365,7 +371,10 @@ class KVCacheManager:
         plan = []
         for g, (group, ids) in enumerate(zip(self.groups, self.block_ids(req_id))):
             if group.kind == "attention":
-                plan.append((max(-(-num_after // group.block_size) - len(ids), 0), []))
+                tokens = num_after + self.num_lookahead_tokens
+                if self.num_lookahead_tokens and self.max_model_len is not None:
+                    tokens = max(min(tokens, self.max_model_len), num_after)
+                plan.append((max(-(-tokens // group.block_size) - len(ids), 0), []))
             elif not self.aligned(g):
                 plan.append((0 if ids else self.state_columns, []))
             else:

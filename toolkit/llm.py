@@ -141,7 +141,9 @@ class LLM:
             groups=[CacheGroupKind(g.kind, g.block_size) for g in groups],
             num_kv_blocks=attn[0].num_blocks if attn else 0, decode=self.tokenizer.decode,
             enable_prefix_caching=enable_prefix_caching, num_state_slots=self.cfg.state_pages,
-            prefill_checkpoints=self.cfg.prefill_checkpoints, num_speculative_tokens=k)
+            prefill_checkpoints=self.cfg.prefill_checkpoints, num_speculative_tokens=k,
+            # a draft model's guesses are written at the target's block ids, past the scheduled tokens
+            num_lookahead_tokens=self.model_runner.draft.num_lookahead_tokens if self.model_runner.draft else 0)
         self.spec_stats = SpecDecodeStats()
         # the draft model's host seconds (in all, and in its forwards), kept past shutdown
         self._draft_stats = self.model_runner.draft.stats if self.model_runner.draft is not None else None

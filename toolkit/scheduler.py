@@ -87,7 +87,8 @@ class Scheduler:
                  groups: list[CacheGroupKind], num_kv_blocks: int,
                  decode: Callable[[list[int]], str] | None = None,
                  enable_prefix_caching: bool = False, num_state_slots: int | None = None,
-                 prefill_checkpoints: bool = False, num_speculative_tokens: int = 0):
+                 prefill_checkpoints: bool = False, num_speculative_tokens: int = 0,
+                 num_lookahead_tokens: int = 0):
         self.decode = decode                # token ids -> text, for stop strings
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -100,7 +101,8 @@ class Scheduler:
         self.kv = KVCacheManager(groups, num_kv_blocks,
                                  num_state_slots or max_num_seqs * (2 + state_columns if enable_prefix_caching
                                                                     else state_columns),
-                                 enable_prefix_caching=enable_prefix_caching, state_columns=state_columns)
+                                 enable_prefix_caching=enable_prefix_caching, state_columns=state_columns,
+                                 num_lookahead_tokens=num_lookahead_tokens, max_model_len=max_model_len)
         self.caching = enable_prefix_caching
         self.block_size = groups[0].block_size if groups else 1
         # "align": prefill chunks end on block boundaries, so Mamba states land on checkpoints;

@@ -18,19 +18,22 @@ Per target step, k draft forwards at most, their inputs staged in one flush (a S
   1. catch-up: every row of the step consumes its new verified tokens not yet in its state (a
      prefill chunk's tokens, or a decode row's new sample after the guesses that came true: one
      token, two when every guess and the k-th draft were accepted) as one mixed batch (decodes
-     first, as the Mamba builders want; row r is draft row r); a row whose next target step is a
+     first, as the Mamba builders want); a row whose next target step is a
      decode samples draft 1 from its last token's logits;
-  2. k - 1 one-token decode forwards (draft row j S + r in the j-th): the state is copied from the
+  2. k - 1 one-token decode forwards: the state is copied from the
      slot before in the chain to guess j's slot (one index copy per state tensor), which the
      forward then advances by draft j, giving draft j + 1.
 The drafts reach the host in one copy after the last forward (vLLM's sync mode fetches them in
 `post_step` too); the scheduler puts them in the next step's SchedulerOutput as n-gram drafts.
 
-Pages: the draft's KV is dense per target row (draft rows j S + r all use pages 1 + r W .. (r + 1) W, W of
-`block_size` tokens covering max_model_len + k positions), as the target's own pool is by default;
-it does not share the target's block ids (a limitation: vLLM's draft layers join the target's pool).
-A preempted, finished or new request's row starts over from token 0 (prefix-cache hits of the target
-are recomputed by the draft in its catch-up, at most `max_num_batched_tokens + S` tokens per step).
+Pages: a draft with attention layers writes its KV at the target's block ids (its own tensors, as
+many blocks as the target's pool: vLLM's draft layers join the target's KV cache groups), and the
+scheduler holds k lookahead slots per request for its guesses (`num_lookahead_tokens`; guesses past
+max_model_len write the null page, and the scheduler never sends them). A target without attention
+layers has no block ids to share: the draft's KV then lies in dense pages per row. A preempted,
+finished or new request's row starts over from token 0: the draft has no prefix cache, so a target's
+prefix hit is recomputed in its catch-up (at most `max_num_batched_tokens + S` tokens per step),
+rewriting the hit blocks' draft KV with the same values.
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ import torch
 from torch import nn
 
 from toolkit.config import RunnerConfig
+from toolkit.kv_cache_spec import AttentionSpec
 from toolkit.layers.ops import TORCH_OPS, set_ops, triton_ops
 from toolkit.runner.attn_utils import init_attn_groups
 from toolkit.runner.block_table import BlockTables
@@ -55,17 +59,20 @@ from toolkit.runner.spec_decode import Proposer
 from toolkit.runner.staging import Staging, StagingBank, banked_regions
 
 
-def draft_runner_config(target: RunnerConfig, k: int) -> RunnerConfig:
-    """The draft's configuration: k S rows (row j S + r: target row r in the step's j-th forward),
-    so k S state slots; the target's token budget plus one token per row (a decode row's new
-    sample), at least k S (RunnerConfig asks that of k S rows); k positions past the target's
-    max_model_len (a row's guesses); dense KV pages for the S target rows; eager, no prefix caching."""
+def draft_runner_config(target: RunnerConfig, k: int, shared_kv_blocks: int | None = None) -> RunnerConfig:
+    """The draft's configuration: a row per target row (each forward of a step uses row r for target
+    row r) and k state slots per row; the target's token budget plus one token per row (a decode
+    row's new sample); k positions past the target's max_model_len (a row's guesses past it go to the
+    null page); KV pages: the target's block ids (`shared_kv_blocks`, the target's pool size), else
+    dense pages per row; eager, no prefix caching."""
     s = target.max_num_seqs
     width = -(-(target.max_model_len + k) // target.block_size)
     return dataclasses.replace(
-        target, max_num_seqs=k * s, max_num_batched_tokens=max(target.max_num_batched_tokens + s, k * s),
-        max_model_len=target.max_model_len + k, num_kv_blocks=s * width + 1, cudagraph_mode="none",
-        enable_prefix_caching=False, num_state_pages=None, mamba_cache_mode="none", num_speculative_tokens=0)
+        target, max_num_seqs=s, max_num_batched_tokens=target.max_num_batched_tokens + s,
+        max_model_len=target.max_model_len + k,
+        num_kv_blocks=shared_kv_blocks if shared_kv_blocks is not None else s * width + 1,
+        cudagraph_mode="none", enable_prefix_caching=False, num_state_pages=k * s, mamba_cache_mode="none",
+        num_speculative_tokens=0)
 
 
 @dataclasses.dataclass
@@ -88,12 +95,22 @@ class DraftModelSpeculator(Proposer):
     each step with its own RequestStates (the draft reads each row's token history and computed
     count there) and `forget` when it releases rows."""
 
-    def __init__(self, model: nn.Module, target_cfg: RunnerConfig, k: int):
+    def __init__(self, model: nn.Module, target_cfg: RunnerConfig, k: int,
+                 target_kv_table: np.ndarray | None = None, target_kv_blocks: int | None = None):
+        """`target_kv_table`: the target's KV block table (its attention group's host table
+        [S, W], the runner's authority) and `target_kv_blocks` its pool size: the draft's attention
+        layers then use the target's block ids, as vLLM's draft layers join the target's KV cache
+        groups, and the scheduler holds k lookahead slots per request for its guesses
+        (`num_lookahead_tokens`). None (a target without attention layers): dense pages per row."""
         if k < 1:
             raise ValueError(f"num_speculative_tokens={k}: a draft model proposes at least 1 token")
         self.k = k
         self.num_rows = s = target_cfg.max_num_seqs
-        self.cfg = cfg = draft_runner_config(target_cfg, k)
+        shared = target_kv_table is not None and any(isinstance(spec, AttentionSpec)
+                                                      for spec in model.kv_cache_specs().values())
+        self.target_kv_table = target_kv_table if shared else None
+        self.num_lookahead_tokens = k if shared else 0
+        self.cfg = cfg = draft_runner_config(target_cfg, k, target_kv_blocks if shared else None)
         self.device = cfg.device
         self.model = model
         set_ops(model, TORCH_OPS if cfg.backend == "torch" else triton_ops(cfg.device))
@@ -120,21 +137,26 @@ class DraftModelSpeculator(Proposer):
         int64["fresh_rows"] = (s,)                                    # state slots to zero (rows starting over)
         self.staging = Staging(int32, int64, cfg.device)
         self.banks = [StagingBank(self.staging, f"#{j}") for j in range(k)]
-        self.block_tables = [BlockTables([g.block_size for g in self.kv_cache_groups], widths, k * s, bank)
+        self.block_tables = [BlockTables([g.block_size for g in self.kv_cache_groups], widths, s, bank)
                              for bank in self.banks]
-        tables = self.block_tables[0].tables
+        # every bank's rows are the target's rows r: the banks share the KV table (the target's block
+        # ids copied in each step, or dense pages) and each has its own state column (the slot its
+        # forward runs in). Target row r owns the k state slots slots[r]; one holds its committed
+        # state (`committed[r]`, an index into them), the others take its guesses.
+        self.kv_table: np.ndarray | None = None
+        self.bank_state_tables: list[list[np.ndarray]] = [[] for _ in range(k)]
         for g, group in enumerate(self.kv_cache_groups):
-            if group.kind == "attention":        # row j S + r, every j: target row r's pages (never change)
-                pages = 1 + np.arange(s)[:, None] * group.width + np.arange(group.width)
-                tables[g][:] = np.tile(pages, (k, 1))
-        for bt in self.block_tables[1:]:
-            bt.tables = tables
-        # target row r owns the k state slots slots[r]; one holds its committed state (`committed[r]`,
-        # an index into them), the others take its guesses; the step writes each forward's slot
-        # into its rows' state column (Mamba groups' tables)
+            if group.kind == "attention":
+                self.kv_table = self.block_tables[0].tables[g]
+                if not shared:
+                    self.kv_table[:] = 1 + np.arange(s)[:, None] * group.width + np.arange(group.width)
+                for bt in self.block_tables[1:]:
+                    bt.tables[g] = self.kv_table
+            else:
+                for j, bt in enumerate(self.block_tables):
+                    self.bank_state_tables[j].append(bt.tables[g])
         self.slots = 1 + np.arange(k * s, dtype=np.int64).reshape(s, k)
         self.committed = np.zeros(s, dtype=np.int64)
-        self.mamba_tables = [tables[g] for g, group in enumerate(self.kv_cache_groups) if group.kind == "mamba"]
         # the drafts each row proposed last, and the slot that holds the state after each guess
         self.last_drafts: list[list[int] | None] = [None] * s
         self.guess_slots = np.zeros((s, max(k - 1, 1)), dtype=np.int64)
@@ -198,8 +220,10 @@ class DraftModelSpeculator(Proposer):
         stage = self.staging
         ids = torch.cat([history[r, a:a + n] for r, a, n in zip(rows.tolist(), starts.tolist(), counts.tolist())])
         stage.put("token_ids", ids.numpy())
+        if self.target_kv_table is not None:       # the target's block ids of these rows, as they are now
+            self.kv_table[rows, :self.target_kv_table.shape[1]] = self.target_kv_table[rows]
         committed = self.slots[rows, self.committed[rows]]
-        for table in self.mamba_tables:
+        for table in self.bank_state_tables[0]:
             table[rows, 0] = committed
         forwards = [self._stage_batch(0, rows, starts, counts)]
         fresh = committed[starts == 0]               # a row starting over: its state slot from zero
@@ -219,9 +243,9 @@ class DraftModelSpeculator(Proposer):
             stage.written("guess_copies")
             ones = np.ones(len(drafting), dtype=np.int32)
             for j in range(1, self.k):
-                for table in self.mamba_tables:
-                    table[j * self.num_rows + drafting, 0] = chain[:, j]
-                forwards.append(self._stage_batch(j, drafting + j * self.num_rows, ends - 1 + j, ones))
+                for table in self.bank_state_tables[j]:
+                    table[drafting, 0] = chain[:, j]
+                forwards.append(self._stage_batch(j, drafting, ends - 1 + j, ones))
         stage.flush()
 
         if len(fresh) and self.state_tensors:

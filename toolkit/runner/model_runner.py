@@ -96,11 +96,9 @@ class ModelRunner:
         self.cfg = cfg
         self.speculative_config = speculative_config
         self.draft: DraftModelSpeculator | None = None
-        if proposer is None and draft_model is not None:
-            proposer = self.draft = DraftModelSpeculator(draft_model, cfg, speculative_config.num_speculative_tokens)
         # with decode graphs, MRV2's rule: always k drafts (padded with the last token), so that decode
         # batches are uniform 1 + k rows a graph can replay
-        if proposer is None and speculative_config is not None:
+        if proposer is None and speculative_config is not None and draft_model is None:
             proposer = NgramProposer(speculative_config.num_speculative_tokens, speculative_config.prompt_lookup_min,
                                      speculative_config.prompt_lookup_max, pad=cfg.cudagraph_mode != "none")
         self.proposer = proposer
@@ -130,6 +128,13 @@ class ModelRunner:
                                         self.staging, aligned=[cfg.enable_prefix_caching and g.kind == "mamba"
                                                                for g in self.kv_cache_groups])
         self.input_buffers = InputBuffers(self.staging, cfg.max_num_batched_tokens, cfg.device)
+        if proposer is None and draft_model is not None:   # its attention layers use the target's block ids
+            attn = [g for g in self.kv_cache_groups if g.kind == "attention"]
+            proposer = self.draft = DraftModelSpeculator(
+                draft_model, cfg, speculative_config.num_speculative_tokens,
+                self.block_tables.tables[attn[0].group_id] if attn else None,
+                attn[0].num_blocks if attn else None)
+            self.proposer = proposer
         self.sampler = Sampler(cfg.max_num_seqs, cfg.device, self.ops.gumbel_argmax)
         # a padded decode batch of size rows holds size * (1 + k) tokens: at most the step's token
         # budget (the persistent buffers' size), and the model's own graph limit (a MoE layer's)
