@@ -283,6 +283,33 @@ def test_a_draft_model_step_copies_its_host_data_in_four_transfers(mode):
         assert transfers in ({}, {"to_device": 1}), (mode, name, transfers)     # the torch attention's
 
 
+@pytest.mark.parametrize("spec", [None, NGRAM], ids=["plain", "ngram"])
+def test_a_step_entering_a_new_block_with_prefix_caching_copies_in_two_transfers(spec):
+    """Prefix caching ("align"): a decode step whose rows enter a new block's state column copies
+    their states to the new pages before the forward; the page indices (and the rows whose accepted
+    count goes back to 1) are staged with the step's inputs (`ModelState.stage_state`), so the step
+    still makes two copies. With speculation: a verify step that enters a new block."""
+    from toolkit.host import TRANSFERS
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8, 9]]
+    seen = 0
+    with LLM("tiny-bamba", **F32, inspect="off", enable_prefix_caching=True, block_size=4,
+             speculative_config=spec, **SMALL) as llm:
+        for prompt in prompts:
+            llm.add_request({"prompt_token_ids": prompt}, dataclasses.replace(GREEDY, max_tokens=16))
+        while llm.has_unfinished_requests():
+            TRANSFERS.clear()
+            llm.step()
+            state = llm.model_runner.execute_state
+            batch = state.input_batch
+            if batch.has_prefill or state.state_copies is None or (spec and not batch.num_drafts_np.sum()):
+                continue
+            seen += 1
+            transfers = dict(TRANSFERS)
+            assert transfers.pop("copy_pinned") == 2, transfers
+            assert transfers in ({}, {"to_device": 1}), transfers     # the torch attention's
+    assert seen, "no decode step entered a new block: the test checks nothing"
+
+
 @pytest.mark.slow          # Triton engines under the interpreter
 def test_a_decode_step_on_the_triton_backend_makes_two_transfers():
     assert decode_step_transfers("tiny-bamba", "triton", "padded_eager") == {"copy_pinned": 2}

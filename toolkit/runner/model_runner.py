@@ -123,7 +123,8 @@ class ModelRunner:
         tables32, tables64 = table_regions(widths, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         # steps with drafts stage two regions more, last: a plain step's copy stops before them
         verify64 = verify_staging_regions(cfg.max_num_batched_tokens) if cfg.num_speculative_tokens else {}
-        self.staging = Staging({**inputs32, **tables32}, {**inputs64, **tables64, **verify64}, cfg.device)
+        state64 = self.model_state.staging_regions()      # prefix caching: a step's state page copies
+        self.staging = Staging({**inputs32, **tables32}, {**inputs64, **tables64, **state64, **verify64}, cfg.device)
         self.block_tables = BlockTables([g.block_size for g in self.kv_cache_groups], widths, cfg.max_num_seqs,
                                         self.staging, aligned=[cfg.enable_prefix_caching and g.kind == "mamba"
                                                                for g in self.kv_cache_groups])
@@ -224,6 +225,7 @@ class ModelRunner:
         slot_mappings = self.block_tables.compute_slot_mappings(
             input_batch.idx_mapping_np, input_batch.query_start_loc_np, input_batch.num_computed_tokens_np,
             None if padded is None else padded * graphs.tokens_per_row)
+        self.model_state.stage_state(input_batch, self.block_tables, self.staging)
         self.staging.flush()                    # the step's host data, one copy per dtype (staging.py)
         if input_batch.input_ids_sampled:
             gather_sampled_input_ids(self.input_buffers, self.req_states, input_batch)

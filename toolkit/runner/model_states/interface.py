@@ -1,8 +1,8 @@
 """`ModelState`: the per-model-kind hooks of the runner (vLLM `model_states/interface.py`).
 
 The runner calls, per step: add_request / remove_request while updating request states,
-preprocess_state before metadata, prepare_attn to build metadata, prepare_inputs for extra model
-kwargs, and postprocess_state after sampling.
+stage_state before the step's flush and preprocess_state after it (before metadata), prepare_attn
+to build metadata, prepare_inputs for extra model kwargs, and postprocess_state after sampling.
 """
 from __future__ import annotations
 
@@ -41,9 +41,19 @@ class ModelState(ABC):
     def remove_request(self, req_id: str) -> None:
         """A request finished or was preempted."""
 
+    def staging_regions(self) -> dict[str, tuple[int, ...]]:
+        """int64 staging regions this state writes each step (runner/staging.py), laid out by the
+        runner in its arena; none by default."""
+        return {}
+
+    def stage_state(self, input_batch: InputBatch, block_tables: BlockTables, staging) -> None:
+        """Before the step's flush: plan what `preprocess_state` will do and stage its indices, so
+        they reach the device with the step's other host data (no copy of their own)."""
+
     def preprocess_state(self, input_batch: InputBatch, block_tables: BlockTables):
-        """Before metadata is built (vLLM: Mamba align-mode state copies). Real rows only; returns
-        what it did, for the step's record (None: nothing)."""
+        """After the flush, before metadata is built (vLLM: Mamba align-mode state copies), as
+        `stage_state` planned. Real rows only; returns what it did, for the step's record (None:
+        nothing)."""
         return None
 
     def postprocess_state(self, input_batch: InputBatch, sampled: torch.Tensor,

@@ -9,7 +9,8 @@ What it adds over the default state (vLLM `model_states/mamba_hybrid.py`):
   page that holds it (the last step's running column, or with speculative decoding the spec column
   its accepted count points at; a checkpoint, or a prefix hit's page), or zeroed when it starts from
   scratch; its accepted count is then 1 (MRV2 `preprocess_state`; one batched copy per state tensor,
-  no host sync);
+  no host sync; the pages and rows are planned and staged by `stage_state` before the step's flush,
+  so they cost no copy of their own);
 - with prefix caching and speculative decoding, `postprocess_state`'s boundary copy: a verify row
   whose accepted tokens reached a block boundary left the state there in one of its state columns;
   it is copied into that block's column, the checkpoint a later request may hit (MRV2
@@ -76,6 +77,8 @@ class MambaHybridModelState(DefaultModelState):
         self.accepted_np = np.ones(cfg.max_num_seqs, dtype=np.int32)
         self.state_column = np.full(cfg.max_num_seqs, -1, dtype=np.int64)
         self._block_tables: BlockTables | None = None
+        self._planned = None          # what stage_state planned for preprocess_state, this step
+        self._staging = None
 
     def initialize_kv_cache(self, kv_cache_groups: list[KVCacheGroup], caches) -> None:
         self.mamba_groups = [g for g in kv_cache_groups if g.kind == "mamba"]
@@ -120,9 +123,22 @@ class MambaHybridModelState(DefaultModelState):
             else:
                 self.num_accepted_tokens[index] = to_device(values.astype(np.int32), self.device)
 
-    def preprocess_state(self, input_batch: InputBatch, block_tables: BlockTables) -> StateCopies | None:
+    def staging_regions(self) -> dict[str, tuple[int, ...]]:
+        """"align" mode: a step's page copies (source and destination), pages to zero and the rows
+        whose accepted count goes back to 1, staged with the step's inputs."""
         if not self.cfg.enable_prefix_caching or not self.mamba_groups:
-            return None
+            return {}
+        n = self.cfg.max_num_seqs
+        return {"state_copy_pages": (2, n), "state_zero_pages": (n,), "state_reset_rows": (n,)}
+
+    def stage_state(self, input_batch: InputBatch, block_tables: BlockTables, staging) -> None:
+        """"align" mode, before the flush: each row whose last scheduled token lies in a new column
+        gets its state there from the page that holds it (`src`), or a zeroed page; the host books
+        (running column, accepted count 1) move now, the indices are staged, and
+        `preprocess_state` makes the copies after the flush."""
+        self._planned = None
+        if not self.cfg.enable_prefix_caching or not self.mamba_groups:
+            return
         self._block_tables = block_tables
         group = self.mamba_groups[0]
         bs, table = group.block_size, block_tables.tables[group.group_id]
@@ -134,7 +150,7 @@ class MambaHybridModelState(DefaultModelState):
         self.state_column[idx] = new
         rows = np.nonzero(new != old)[0]
         if not len(rows):
-            return None
+            return
         idx = idx[rows]
         dst = table[idx, new[rows]].astype(np.int64)
         if (dst == 0).any():
@@ -146,13 +162,37 @@ class MambaHybridModelState(DefaultModelState):
         if (src[has_src] == 0).any():
             raise RuntimeError("prefix caching: a row's state to copy from has no page (rows "
                                f"{rows[has_src][src[has_src] == 0].tolist()})")
-        self._copy_pages(src[has_src], dst[has_src])
-        if (~has_src).any():
-            zero = to_device(dst[~has_src], self.device)
+        move = has_src & (src != dst)
+        copies = staging.host("state_copy_pages")
+        copies[0, :int(move.sum())], copies[1, :int(move.sum())] = src[move], dst[move]
+        staging.written("state_copy_pages")
+        staging.put("state_zero_pages", dst[~has_src])
+        staging.put("state_reset_rows", idx)
+        self.accepted_np[idx] = 1                 # the state is in column 0 now
+        self._staging = staging
+        record = StateCopies([input_batch.req_ids[r] for r in rows], np.where(has_src, start[rows], 0), src, dst)
+        self._planned = (int(move.sum()), int((~has_src).sum()), len(idx), record)
+
+    def preprocess_state(self, input_batch: InputBatch, block_tables: BlockTables) -> StateCopies | None:
+        """"align" mode, after the flush: the copies and zeroing `stage_state` planned (one batched
+        copy per state tensor, no host sync), and the accepted counts of the rows that moved set
+        to 1. Returns what it did."""
+        planned, self._planned = self._planned, None
+        if planned is None:
+            return None
+        moves, zeros, resets, copies = planned
+        staging = self._staging
+        if moves:
+            index = staging.device("state_copy_pages")[:, :moves]
+            for t in self.state_tensors:
+                t.index_copy_(0, index[1], t.index_select(0, index[0]))
+        if zeros:
+            zero = staging.device("state_zero_pages")[:zeros]
             for t in self.state_tensors:
                 t.index_fill_(0, zero, 0)
-        self._set_accepted(idx, np.ones(len(idx), dtype=np.int32))    # the state is in column 0 now
-        return StateCopies([input_batch.req_ids[r] for r in rows], np.where(has_src, start[rows], 0), src, dst)
+        if self.num_speculative_tokens:
+            self.num_accepted_tokens.index_fill_(0, staging.device("state_reset_rows")[:resets], 1)
+        return copies
 
     def postprocess_state(self, input_batch: InputBatch, sampled: torch.Tensor,
                           num_accepted: np.ndarray | None = None,
