@@ -1,0 +1,53 @@
+"""`check_ledger` tests each group's books whole (set and array operations) and walks them id by id
+only when that test fails: every corruption the walk names must fail the whole test too."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from toolkit.inspect import checks
+from toolkit.inspect.checks import _group_books_agree, check_ledger
+from toolkit.kv_cache_manager import CacheGroupKind, KVCacheManager
+
+
+def books(caching: bool) -> SimpleNamespace:
+    kv = KVCacheManager([CacheGroupKind("attention", 4)], num_kv_blocks=40, num_state_slots=0,
+                        enable_prefix_caching=caching)
+    for rid in ("a", "b", "c"):
+        kv.allocate(rid, 0, 10)                 # 3 blocks each
+    return SimpleNamespace(kv=kv, running=[])
+
+
+def swap_holders(s):            # the pool names b as the holder of a's first block and a of b's: counts agree
+    pool, (a0, b0) = s.kv.kv_pool, (s.kv.block_ids("a")[0][0], s.kv.block_ids("b")[0][0])
+    pool.holders[a0], pool.holders[b0] = {"b"}, {"a"}
+
+
+CORRUPTIONS = {
+    "null_id_not_live": (False, lambda s: s.kv.block_ids("a")[0].append(0)),
+    "no_shared_ids": (False, lambda s: s.kv.block_ids("a")[0].append(s.kv.block_ids("b")[0][0])),
+    "held_ids_not_free": (True, lambda s: s.kv.kv_pool._free.__setitem__(s.kv.block_ids("c")[0][1], None)),
+    "ref_counts_match_rows": (True, swap_holders),
+}
+
+
+@pytest.mark.parametrize("walk_below", [0, 2048], ids=["arrays-then-walk", "walk"])
+@pytest.mark.parametrize("check", list(CORRUPTIONS))
+def test_each_corruption_is_named(check, walk_below, monkeypatch):
+    monkeypatch.setattr(checks, "WALK_BELOW", walk_below)       # these books hold 9 ids
+    caching, corrupt = CORRUPTIONS[check]
+    s = books(caching)
+    assert check_ledger(s, None, "here") == [] and _group_books_agree(s.kv, 0, s.kv.holdings())
+    corrupt(s)
+    assert not _group_books_agree(s.kv, 0, s.kv.holdings())        # the whole test fails: the walk runs
+    assert check in {v.check for v in check_ledger(s, None, "here")}
+
+
+def test_a_holder_missing_from_the_pool_and_an_extra_one_are_named():
+    s = books(True)
+    pool, a0 = s.kv.kv_pool, s.kv.block_ids("a")[0][0]
+    pool.holders[a0] = set()                        # a holds it, the pool counts nobody
+    assert [v.check for v in check_ledger(s, None, "here")] == ["ref_counts_match_rows"]
+    pool.holders[a0] = {"a", "ghost"}               # the pool counts a request that holds nothing
+    assert "ghost" in check_ledger(s, None, "here")[0].message
