@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from toolkit.inspect import checks
-from toolkit.inspect.checks import _group_books_agree, check_ledger
+from toolkit.inspect.checks import _group_books_agree, check_held_not_free, check_ledger
 from toolkit.kv_cache_manager import CacheGroupKind, KVCacheManager
 
 
@@ -51,3 +51,11 @@ def test_a_holder_missing_from_the_pool_and_an_extra_one_are_named():
     assert [v.check for v in check_ledger(s, None, "here")] == ["ref_counts_match_rows"]
     pool.holders[a0] = {"a", "ghost"}               # the pool counts a request that holds nothing
     assert "ghost" in check_ledger(s, None, "here")[0].message
+
+
+def test_the_check_at_scheduling_names_a_held_page_in_the_free_queue_as_the_ledger_check_does():
+    s = books(True)
+    assert check_held_not_free(s, "here") == []
+    CORRUPTIONS["held_ids_not_free"][1](s)
+    want = [v for v in check_ledger(s, None, "here") if v.check == "held_ids_not_free"]
+    assert check_held_not_free(s, "here") == want and len(want) == 1

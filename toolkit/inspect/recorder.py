@@ -228,8 +228,7 @@ class Recorder:
             self._pending += checks.check_hits_backed(self.scheduler, sched_out, where)
             # a page held when the step runs must not wait in the free queue (the next allocation could
             # evict it): checked here too, as a hit's pages may be released again by the step's end
-            self._pending += [v for v in checks.check_ledger(self.scheduler, None, f"{where}, at scheduling")
-                              if v.check == "held_ids_not_free"]
+            self._pending += checks.check_held_not_free(self.scheduler, f"{where}, at scheduling")
         if self.spec and sched_out is not None:
             for rid in sched_out.finished_req_ids:
                 self._kept_last_step.pop(rid, None)
