@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from toolkit.inspect import checks
-from toolkit.inspect.checks import _group_books_agree, check_held_not_free, check_ledger
+from toolkit.inspect.checks import _group_books_agree, check_held_not_free, check_ledger, ledger_of
 from toolkit.kv_cache_manager import CacheGroupKind, KVCacheManager
 
 
@@ -59,3 +59,14 @@ def test_the_check_at_scheduling_names_a_held_page_in_the_free_queue_as_the_ledg
     CORRUPTIONS["held_ids_not_free"][1](s)
     want = [v for v in check_ledger(s, None, "here") if v.check == "held_ids_not_free"]
     assert check_held_not_free(s, "here") == want and len(want) == 1
+
+
+def test_a_records_ledger_shares_the_rows_that_did_not_change():
+    s = books(False)
+    first = ledger_of(s)
+    s.kv.allocate("b", 10, 14)                      # b grows by a block; a and c do not
+    second = ledger_of(s, first)
+    assert second.holdings["a"][0] is first.holdings["a"][0] and second.holdings["c"][0] is first.holdings["c"][0]
+    assert second.holdings["b"][0] is not first.holdings["b"][0] and len(second.holdings["b"][0]) == 4
+    assert second.holdings == {rid: [list(ids) for ids in held] for rid, held in s.kv.holdings().items()}
+    assert second.holdings["b"][0] is not s.kv.block_ids("b")[0]        # a copy, not the manager's own row

@@ -331,6 +331,10 @@ class KVCacheManager:
         columns without a page."""
         return {rid: tuple(list(ids) for ids in held) for rid, held in self._ids.items()}
 
+    def block_ids_by_request(self):
+        """(request id, its ids per group) for every holder, without a copy: read, never write."""
+        return self._ids.items()
+
     def released_columns(self, req_id: str) -> int:
         """Aligned Mamba rows: the columns before this one hold no page of the request any more
         (`_release_checkpoints`); the runner's row may still show the pages released there."""

@@ -43,10 +43,17 @@ from toolkit.inspect.step_record import CacheLedger, Violation
 from toolkit.kv_cache_spec import PAD_SLOT_ID
 
 
-def ledger_of(scheduler) -> CacheLedger:
+def ledger_of(scheduler, previous: CacheLedger | None = None) -> CacheLedger:
+    """The scheduler's holdings now. A request's row equal to its row in `previous` (the last
+    record's ledger) is that same list, shared: a trace of long requests holds each row once until
+    it changes, not once per record (the rows are read, never written)."""
     kv = scheduler.kv
-    return CacheLedger([g.kind for g in kv.groups],
-                       {rid: [list(ids) for ids in held] for rid, held in kv.holdings().items()})
+    before = previous.holdings if previous is not None else {}
+    holdings = {}
+    for rid, held in kv.block_ids_by_request():
+        old = before.get(rid)
+        holdings[rid] = [old[g] if old is not None and old[g] == ids else list(ids) for g, ids in enumerate(held)]
+    return CacheLedger([g.kind for g in kv.groups], holdings)
 
 
 def check_ledger(scheduler, runner, where: str) -> list[Violation]:

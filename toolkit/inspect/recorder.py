@@ -169,6 +169,7 @@ class Recorder:
         self.backend = backend
         self.where = ""
         self._ledger_at_schedule = None
+        self._last_ledger = None          # the last record's ledger: unchanged rows are shared with it
         self._rows: list[int] = []
         self._host_slots: dict[str, list[int]] = {}
         self._before: Captured | None = None
@@ -223,7 +224,7 @@ class Recorder:
         self.where, self._before, self._after, self._pending = where, None, None, []
         self._logits = self._top = None
         self._states_refused = False
-        self._ledger_at_schedule = checks.ledger_of(self.scheduler) if self.checks_on else None
+        self._ledger_at_schedule = checks.ledger_of(self.scheduler, self._last_ledger) if self.checks_on else None
         if self.checks_on and self.scheduler.kv.caching and sched_out is not None:
             self._pending += checks.check_hits_backed(self.scheduler, sched_out, where)
             # a page held when the step runs must not wait in the free queue (the next allocation could
@@ -316,7 +317,8 @@ class Recorder:
             after = {n: [kept[row].columns[kept[row].next_column] if row in kept and kept[row].columns else slot
                          for row, slot in zip(self._rows, slots)] for n, slots in self._host_slots.items()}
             self._after = gather_states(self.runner, step.exec_state, self.capture, self._rows, after)
-        record.ledger = checks.ledger_of(self.scheduler)
+        record.ledger = checks.ledger_of(self.scheduler, self._last_ledger)
+        self._last_ledger = record.ledger
         record.states = self._layer_states()
         if self._states_refused:
             record.dropped = ["states"]
