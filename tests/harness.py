@@ -33,7 +33,7 @@ from toolkit.inspect import check_logprobs_close
 from toolkit.models import DEMO_MODELS, model_folder, save_hf_folder
 from toolkit.models import PRESETS as PRESET_CONFIGS
 from toolkit.runner.model_states import MambaHybridModelState
-from toolkit.runner.spec_decode import Proposer
+from toolkit.runner.spec_decode import ContextProposer
 
 # The device the parity tests run on: CPU by default; RUNNERSCOPE_TEST_DEVICE=cuda on a GPU machine.
 DEVICE = os.environ.get("RUNNERSCOPE_TEST_DEVICE", "cpu")
@@ -364,7 +364,7 @@ def run_to_completion(llm: LLM) -> dict:
     return outs
 
 
-class ScriptedProposer(Proposer):
+class ScriptedProposer(ContextProposer):
     """Proposes the reference continuation of the request whose tokens the context starts with,
     with one draft made wrong on every `wrong_every`-th call (at a position that cycles; None:
     never), so that verify rows accept all, some and none of their drafts. A context no reference starts with

@@ -68,7 +68,7 @@ def check_ledger(scheduler, runner, where: str) -> list[Violation]:
     a few ids (WALK_BELOW) is walked at once."""
     out: list[Violation] = []
     kv = scheduler.kv
-    holdings = kv.holdings()
+    holdings = dict(kv.block_ids_by_request())        # read only: no copy of the rows
     running = {r.request_id for r in scheduler.running}
     for g in range(len(kv.groups)):
         # a few ids: the walk is the cheaper test (the arrays' fixed cost is about 50 us)
@@ -146,8 +146,9 @@ def check_held_not_free(scheduler, where: str) -> list[Violation]:
     the free queue), with the same messages, at the cost of one set intersection per group."""
     out: list[Violation] = []
     kv = scheduler.kv
+    holdings = dict(kv.block_ids_by_request())        # read only: no copy of the rows
     for g, group in enumerate(kv.groups):
-        rows = {rid: held[g] for rid, held in kv.holdings().items()}
+        rows = {rid: held[g] for rid, held in holdings.items()}
         bad = kv.pool(g)._free.keys() & {i for i in chain.from_iterable(rows.values()) if i}
         for i in sorted(bad):
             holders = sorted(rid for rid, ids in rows.items() if i in ids)

@@ -168,9 +168,6 @@ class DraftModelSpeculator(Proposer):
         self.stats = DraftStats()
 
     # ---- the Proposer interface -------------------------------------------------------------
-    def propose_many(self, contexts, req_ids=None):
-        raise NotImplementedError("the draft model proposes from the runner's rows: propose_rows")
-
     def forget(self, req_ids) -> None:
         for req_id in req_ids:
             idx = self.row_of.pop(req_id, None)

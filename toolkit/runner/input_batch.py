@@ -204,8 +204,8 @@ def prepare_inputs(buffers: InputBuffers, req_states: RequestStates, req_ids: li
         draft_ids=None if is_draft is None else d.draft_ids[:t + 1])
 
 
-def stage_rows(stage: Staging, qsl: np.ndarray, seq_lens: np.ndarray, num_drafts: np.ndarray | None = None
-                ) -> None:
+def stage_rows(stage: Staging | StagingBank, qsl: np.ndarray, seq_lens: np.ndarray,
+               num_drafts: np.ndarray | None = None) -> None:
     """query_start_loc, seq_lens and logits_indices of B rows (qsl int32 [B+1], seq_lens [B];
     `num_drafts` [B]: a verify row samples at its last 1 + d tokens). The whole regions are
     written, so the rows past B need no separate fill: query_start_loc repeats the total there,

@@ -20,22 +20,32 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 
 class Proposer(ABC):
-    """What proposes drafts for the runner's verify rows. `propose_many(contexts, req_ids)`: per row,
-    the request's tokens so far and its id -> up to k drafts per row; `forget(req_ids)`: the runner
-    released these rows (finished, aborted or preempted), so what a proposer keeps per request goes."""
+    """What proposes drafts for the runner's verify rows. `propose_rows`: after a step, drafts for
+    its rows; `forget(req_ids)`: the runner released these rows (finished, aborted or preempted), so
+    what a proposer keeps per request goes."""
+
+    @abstractmethod
+    def propose_rows(self, req_states, req_ids: list[str], rows: np.ndarray, decode_next: np.ndarray
+                     ) -> dict[str, list[int]]:
+        """After a step (its books updated): request id -> up to k drafts, for the step's rows
+        `req_ids` (request rows `rows` of the runner's `req_states`) whose next step is a decode
+        (`decode_next`)."""
+
+    def forget(self, req_ids) -> None:
+        """Nothing kept per request: nothing to drop."""
+
+
+class ContextProposer(Proposer):
+    """A proposer that reads each request's tokens so far: `propose_many(contexts, req_ids)` -> up
+    to k drafts per context (n-gram lookup; a draft model instead consumes every row's new tokens
+    itself, runner/draft_model.py)."""
 
     @abstractmethod
     def propose_many(self, contexts: list[np.ndarray], req_ids: list[str] | None = None) -> list[list[int]]:
         """Up to k drafts per context."""
 
-    def forget(self, req_ids) -> None:
-        """Nothing kept per request: nothing to drop."""
-
     def propose_rows(self, req_states, req_ids: list[str], rows: np.ndarray, decode_next: np.ndarray
                      ) -> dict[str, list[int]]:
-        """After a step (its books updated): drafts for the step's rows `req_ids` (request rows
-        `rows` of the runner's `req_states`) whose next step is a decode (`decode_next`), from each
-        request's tokens so far. A draft model overrides it: it consumes every row's new tokens."""
         picked = [(rid, idx) for rid, idx, nxt in zip(req_ids, rows.tolist(), decode_next.tolist()) if nxt]
         contexts = [req_states.all_token_ids[idx, :int(req_states.total_len[idx])].numpy() for _, idx in picked]
         drafts = self.propose_many(contexts, [rid for rid, _ in picked])
@@ -76,7 +86,7 @@ class NgramIndex:
         return []
 
 
-class NgramProposer(Proposer):
+class NgramProposer(ContextProposer):
     """Prompt lookup (vLLM V1's CPU `NgramProposer`): find the longest n-gram, n in [min_n, max_n],
     that ends the context and occurred earlier in it (the earliest such occurrence), and propose
     the up to k tokens that followed it. No match, or a context shorter than min_n: no drafts.
@@ -125,11 +135,12 @@ class NgramProposer(Proposer):
 
 class RankZeroProposes(Proposer):
     """The proposer of tensor-parallel ranks 1..N-1: none of their own. Rank 0 proposes (an n-gram
-    lookup, or a draft model that runs whole in rank 0's process, as vLLM V0's draft TP of 1), its
+    lookup, or a draft model that runs whole in rank 0's runner, as vLLM V0's draft TP of 1), its
     scheduler puts the drafts in the next SchedulerOutput, and every rank verifies the same ones."""
 
-    def propose_many(self, contexts: list[np.ndarray], req_ids: list[str] | None = None) -> list[list[int]]:
-        return [[] for _ in contexts]
+    def propose_rows(self, req_states, req_ids: list[str], rows: np.ndarray, decode_next: np.ndarray
+                     ) -> dict[str, list[int]]:
+        return {}
 
 
 @dataclass
