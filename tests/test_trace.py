@@ -168,3 +168,42 @@ def test_memory_report_counts_the_draft_model_and_shutdown_frees_it():
     after = llm.memory_report().marks["shutdown"]
     for cat in ("weights", "kv_cache", "state_cache", "persistent_buffers"):
         assert after[cat] == 0, cat
+
+
+def test_snapshot_copies_every_tensor_and_array_once_and_shares_views_met_twice():
+    """What a record holds is a copy: the runner rewrites its buffers in place next step."""
+    import dataclasses
+
+    import numpy as np
+
+    from toolkit.inspect.step_record import snapshot
+
+    @dataclasses.dataclass(frozen=True)
+    class Frozen:
+        t: torch.Tensor
+        scalar: np.int64
+
+        def __post_init__(self):            # a builder's validation: not run again by the copy
+            if self.t.numel() > 100:
+                raise AssertionError("revalidated")
+
+    @dataclasses.dataclass(slots=True)
+    class Slotted:
+        a: np.ndarray
+        names: list
+
+    buffer = torch.arange(10, dtype=torch.int32)
+    view = buffer[2:6]
+    array = np.arange(4)
+    obj = {"x": [Frozen(view, np.int64(3)), Frozen(view, np.int64(4))], "y": (Slotted(array, ["a"]), 7, None)}
+    counter = [0]
+    copy = snapshot(obj, counter)
+    buffer.zero_()
+    array[:] = -1
+    x0, x1 = copy["x"]
+    assert x0.t.tolist() == [2, 3, 4, 5] and x0.t is x1.t          # one clone for the view met twice
+    assert x0.scalar == 3 and type(x0) is Frozen
+    slotted, seven, none = copy["y"]
+    assert slotted.a.tolist() == [0, 1, 2, 3] and slotted.names == ["a"] and slotted.names is not obj["y"][0].names
+    assert (seven, none) == (7, None) and type(copy["y"]) is tuple
+    assert counter[0] == view.nbytes + array.nbytes

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import mmap
 from collections import Counter
 
@@ -72,7 +73,7 @@ def mapped_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     the heap, large blocks that live long between short-lived ones fragment it: the process then
     keeps memory it no longer uses (measured: 2 GiB over a 1 GiB trace budget), which a bound on
     the trace's bytes must not allow."""
-    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < MAPPED_MIN_BYTES:
         return torch.empty(shape, dtype=dtype)
     buffer = np.frombuffer(mmap.mmap(-1, nbytes, **_MAP_FLAGS), dtype=np.uint8)

@@ -32,6 +32,7 @@ Some checks read device tensors (a host sync): they run only when checks are on.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain, repeat
 
@@ -161,14 +162,19 @@ def check_held_not_free(scheduler, where: str) -> list[Violation]:
 def _block_tables_match(kv, g: int, running: set[str], runner, where: str) -> list[Violation]:
     """The runner's block-table row of each running request equals the scheduler's ledger."""
     out: list[Violation] = []
+    index, aligned = runner.req_states.req_id_to_index, kv.aligned(g)
+    table, num_blocks = runner.block_tables.tables[g], runner.block_tables.num_blocks[g]
     for rid in running:
-        idx = runner.req_states.req_id_to_index.get(rid)
+        idx = index.get(rid)
         if idx is None:
             continue                     # admitted this step by the scheduler, not yet run
-        n = int(runner.block_tables.num_blocks[g][idx])
-        row = runner.block_tables.tables[g][idx, :n].tolist()
-        want = list(kv.block_ids(rid)[g])
-        if kv.aligned(g):      # released checkpoint columns: the runner may still show their old pages
+        want = kv.block_ids(rid)[g]
+        n = int(num_blocks[idx])
+        row = table[idx, :n].tolist()
+        if not aligned and row == want:          # the common case: no copies
+            continue
+        want = list(want)
+        if aligned:      # released checkpoint columns: the runner may still show their old pages
             behind = min(kv.released_columns(rid), len(row), len(want))
             row, want = [0] * behind + row[behind:], [0] * behind + want[behind:]
         if row != want:
@@ -261,9 +267,10 @@ def check_metadata(groups, scheduled, ledger: CacheLedger, where: str,
                             "has_initial_states_p", f"is {flag} but the request had "
                             f"{s.num_computed_before} computed tokens (a fresh request starts from zero)"))
         else:
+            rows = table.numpy() if table.device.type == "cpu" else table.cpu().numpy()    # one read, not per row
             for row, rid in enumerate(rids):
                 want = ledger.holdings.get(rid, [[]] * len(ledger.group_kinds))[gm.group_id]
-                got = table[row, :len(want)].tolist()
+                got = rows[row, :len(want)].tolist()
                 if got != list(want):
                     out.append(Violation("block_table_matches_ledger", f"{label}, request {rid!r} (row {row})",
                                          "block_table_tensor", f"row starts {got}, ledger has {want}"))
@@ -526,12 +533,15 @@ def check_spec_checkpoints(runner, state, spec_rows: dict, where: str) -> list[V
 
 
 def check_logits(logits: torch.Tensor, req_ids: list[str], where: str,
-                 cu_num_logits: np.ndarray | None = None) -> list[Violation]:
-    """logits [L, V]: one row per sampled position; `cu_num_logits` [B+1] maps them to batch rows
-    (speculative decoding: a verify row has 1 + d), None for one row per request."""
+                 cu_num_logits: np.ndarray | Callable[[], np.ndarray] | None = None) -> list[Violation]:
+    """logits [L, V]: one row per sampled position; `cu_num_logits` [B+1] (or a function that makes
+    it, called only when a row is bad) maps them to batch rows (speculative decoding: a verify row
+    has 1 + d), None for one row per request."""
     if logits.device.type == "cpu" and np.isfinite(logits.numpy()).all():     # the common case, fast
         return []
     bad = ~torch.isfinite(logits).all(dim=-1)
+    if callable(cu_num_logits):
+        cu_num_logits = cu_num_logits()
     rows = (np.arange(len(logits)) if cu_num_logits is None
             else np.searchsorted(cu_num_logits, np.arange(len(logits)), side="right") - 1)
     return [Violation("logits_finite", f"{where}, request {req_ids[rows[i]]!r}", "logits",

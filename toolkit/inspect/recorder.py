@@ -333,8 +333,9 @@ class Recorder:
                                                        self._ledger_at_schedule, self.where, aligned)
             if state.logits is not None:      # the host copy when recorded (no device read, numpy-fast)
                 logits = record.logits if record.logits is not None else state.logits
-                record.violations += checks.check_logits(logits, state.input_batch.req_ids, self.where,
-                                                          state.input_batch.cu_num_logits_np)
+                batch = state.input_batch
+                record.violations += checks.check_logits(logits, batch.req_ids, self.where,
+                                                          lambda: batch.cu_num_logits_np)
             if self.spec:
                 record.violations += checks.check_spec_columns(record.attn_metadata, record.scheduled,
                                                                self._accepted_expected(record), self.where)

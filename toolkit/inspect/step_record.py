@@ -34,41 +34,64 @@ def snapshot(obj: Any, host_bytes: list[int] | None = None, _clones: dict | None
     tensor met twice (the same view, e.g. query_start_loc in the batch and in each group's common
     metadata) is cloned once and shared. `host_bytes`: a one-element counter the bytes of the host
     tensors and arrays made are added to (what the trace's byte budget counts, without walking the
-    copy again: `record_sizes`)."""
-    if _clones is None:
-        _clones = {}
+    copy again: `record_sizes`).
+
+    Runs on every recorded step, so it is written for speed (inspect="metadata" must cost little): a
+    leaf is told by its exact type (one set lookup) before any call, and a dataclass is copied through
+    its `__dict__` (no `copy.copy`, no `__init__`: a builder's output is not revalidated)."""
+    return _snap(obj, host_bytes if host_bytes is not None else [0], {} if _clones is None else _clones)
+
+
+def _snap(obj: Any, counter: list[int], clones: dict) -> Any:
+    cls = type(obj)
+    if cls in _LEAVES:
+        return obj
     if isinstance(obj, torch.Tensor):
         key = (obj.data_ptr(), obj.dtype, obj.shape, obj.stride(), obj.device)
-        out = _clones.get(key)
+        out = clones.get(key)
         if out is None:
-            out = _clones[key] = obj.detach().clone()
-            if host_bytes is not None and out.device.type == "cpu":
-                host_bytes[0] += out.numel() * out.element_size()
+            out = clones[key] = (obj.detach() if obj.requires_grad else obj).clone()
+            if out.device.type == "cpu":
+                counter[0] += out.nbytes
         return out
-    if isinstance(obj, np.ndarray):
-        if host_bytes is not None:
-            host_bytes[0] += obj.nbytes
+    if cls is np.ndarray:
+        counter[0] += obj.nbytes
         return obj.copy()
-    if isinstance(obj, _SCALARS):
-        return obj
-    cls = type(obj)
     names = _FIELDS.get(cls)
     if names is None and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(obj))
     if names is not None:
-        # a shallow copy with every field snapshot (no __init__: a builder's output is not revalidated)
-        out = copy.copy(obj)
+        values = getattr(obj, "__dict__", None)
+        if values is None:                      # a dataclass with __slots__: the slow, general way
+            out = copy.copy(obj)
+            for name in names:
+                object.__setattr__(out, name, _snap(getattr(obj, name), counter, clones))
+            return out
+        values = dict(values)
         for name in names:
-            object.__setattr__(out, name, snapshot(getattr(obj, name), host_bytes, _clones))
+            v = values[name]
+            if type(v) not in _LEAVES:
+                values[name] = _snap(v, counter, clones)
+        out = object.__new__(cls)
+        object.__setattr__(out, "__dict__", values)
         return out
+    if cls is list or cls is tuple:
+        items = [v if type(v) in _LEAVES else _snap(v, counter, clones) for v in obj]
+        return items if cls is list else tuple(items)
     if isinstance(obj, dict):
-        return {k: snapshot(v, host_bytes, _clones) for k, v in obj.items()}
+        return {k: v if type(v) in _LEAVES else _snap(v, counter, clones) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(snapshot(v, host_bytes, _clones) for v in obj)
+        return cls(_snap(v, counter, clones) for v in obj)
+    if isinstance(obj, np.ndarray):
+        counter[0] += obj.nbytes
+        return obj.copy()
+    if isinstance(obj, _SCALARS):
+        return obj
     return copy.copy(obj)
 
 
 _SCALARS = (int, float, str, bool, bytes, type(None), np.generic, torch.dtype, torch.device)
+_LEAVES = frozenset((int, float, str, bool, bytes, type(None), torch.dtype, torch.device))   # exact types
 
 
 @dataclass
@@ -83,9 +106,9 @@ class ScheduledRequest:
 
 def scheduled_rows(batch: InputBatch) -> list[ScheduledRequest]:
     """The batch's rows as the runner ran them (batch order)."""
-    return [ScheduledRequest(r, int(n), int(c), bool(p), bool(d)) for r, n, c, p, d in zip(
-        batch.req_ids, batch.num_scheduled_tokens, batch.num_computed_tokens_np, batch.is_prefilling_np,
-        batch.runs_as_decode_np)]
+    return [ScheduledRequest(r, n, c, p, d) for r, n, c, p, d in zip(         # tolist: Python ints and bools
+        batch.req_ids, batch.num_scheduled_tokens.tolist(), batch.num_computed_tokens_np.tolist(),
+        batch.is_prefilling_np.tolist(), batch.runs_as_decode_np.tolist())]
 
 
 @dataclass

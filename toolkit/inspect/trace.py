@@ -50,7 +50,7 @@ _COUNTED = {"input_batch", "attn_metadata", "states", "logits", "top_logit_value
             "scheduled", "timings", "device_timings", "sampled_token_ids", "kept_token_ids",
             "finished_request_ids", "preempted_request_ids", "prefix_hits", "proposed_drafts", "violations",
             "dropped", "ledger", "state_copies", "checkpoint_copies", "spec",
-            "prefix_lookups"}          # counted above, or holding no tensor or array by their types
+            "prefix_lookups", "outputs"}   # counted above, or holding no tensor or array by their types
 
 
 class Trace:
