@@ -64,11 +64,11 @@ CONDITIONED: list[str] = []       # prompt tokens compared with HF's chunked pre
 # The tiny preset of every architecture family (toolkit/models/<family>.py).
 TINY_PRESETS = ["tiny-llama", "tiny-mamba2", "tiny-bamba", "tiny-mamba", "tiny-falcon-mamba", "tiny-jamba",
                 "tiny-lfm2", "tiny-nemotron-h", "tiny-granite-hybrid", "tiny-zamba2", "tiny-falcon-h1",
-                "tiny-qwen3-next"]
+                "tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe"]
 # The seven that the slower engine-wide checks run on (outputs independent of scheduling, the
 # property programs, ...): every sequence mixer but Gated DeltaNet (attention; Mamba1, FalconMamba's
-# normed Mamba1; Mamba2; LFM2's short conv) and the Bamba and Jamba hybrids. The other five are
-# larger hybrids of the same mixers (and Qwen3-Next's Gated DeltaNet), checked per family.
+# normed Mamba1; Mamba2; LFM2's short conv) and the Bamba and Jamba hybrids. The others are larger
+# hybrids of the same mixers (and Gated DeltaNet: Qwen3-Next's, Qwen3.5's), checked per family.
 ENGINE_PRESETS = TINY_PRESETS[:7]
 # Hybrid configs with no attention layer at all (HF's cached generate crashes on them).
 NO_ATTENTION = {"tiny-jamba": dict(attn_layer_period=8, attn_layer_offset=5),

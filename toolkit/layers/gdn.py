@@ -14,6 +14,9 @@ K key head dim, V value head dim, Dc = conv_dim = 2*Hk*K + Hv*V, S sequences, C 
         o_t = S q_t
     out      = out_proj(rmsnorm(o) * silu(z))                 (per value head, norm before gate)
 
+Qwen3.5's GDN (`SplitGatedDeltaNet`, below) is the same mixer with one projection per input:
+in_proj_qkv gives [q | k | v] flat, in_proj_z, in_proj_b and in_proj_a the rest, nothing to reorder.
+
 State per request slot (vLLM's layout: `gated_delta_net_state_shape` in vLLM's mamba_utils):
     conv_state [K_conv-1, Dc] in the model dtype ("SD": the K_conv-1 conv inputs before the next token)
     ssm_state  [Hv, V, K] fp32: S above, vLLM's `(num_v_heads, head_v_dim, head_k_dim)` ("K-last").
@@ -106,12 +109,16 @@ class GatedDeltaNet(StateSlotMixer):
 
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, kernel_size=conv_kernel, groups=self.conv_dim,
                                 padding=conv_kernel - 1, bias=False)     # weight [Dc, 1, K] as in HF
-        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
+        self.make_projections()
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
         self.norm = RMSNormThenGate(head_v_dim, eps=norm_eps, cast_normed=True)   # HF Qwen3NextRMSNormGated
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+
+    def make_projections(self) -> None:
+        """HF Qwen3-Next's fused input projections, grouped per key head (see `project`)."""
+        self.in_proj_qkvz = nn.Linear(self.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(self.hidden_size, 2 * self.num_v_heads, bias=False)
 
     # -- tensor parallelism (vLLM `QwenGatedDeltaNetAttention`, interleaved layout) --------------
     tp: TPGroup = SINGLE
@@ -127,13 +134,10 @@ class GatedDeltaNet(StateSlotMixer):
         dt_bias per value head; the per-head gated norm whole; out_proj row-parallel (all-reduced)."""
         n, r = tp.world_size, tp.rank
         hk, hv, kd, vd = self.num_k_heads // n, self.num_v_heads // n, self.head_k_dim, self.head_v_dim
-        qkvz = self.in_proj_qkvz.out_features // n
-        keep_rows(self.in_proj_qkvz, torch.arange(r * qkvz, (r + 1) * qkvz))
-        ba = self.in_proj_ba.out_features // n
-        keep_rows(self.in_proj_ba, torch.arange(r * ba, (r + 1) * ba))
         q = torch.arange(r * hk * kd, (r + 1) * hk * kd)
         v = torch.arange(r * hv * vd, (r + 1) * hv * vd)
         conv = torch.cat([q, self.key_dim + q, 2 * self.key_dim + v])
+        self.shard_projections(tp, conv, v, torch.arange(r * hv, (r + 1) * hv))
         keep_rows(self.conv1d, conv)
         self.state_shards = (StateShard(1, conv, self.conv_dim),
                              StateShard(0, torch.arange(r * hv, (r + 1) * hv), self.num_v_heads))
@@ -146,6 +150,17 @@ class GatedDeltaNet(StateSlotMixer):
         self.conv1d.in_channels = self.conv1d.out_channels = self.conv1d.groups = self.conv_dim
         self.tp = tp
 
+    def shard_projections(self, tp: TPGroup, conv_rows: torch.Tensor, value_rows: torch.Tensor,
+                          value_heads: torch.Tensor) -> None:
+        """This rank's rows of the input projections: the fused ones hold whole key-head groups, so a
+        contiguous 1/tp of their rows (`conv_rows`: the rank's [q | k | v] channels; `value_rows`:
+        its value channels; `value_heads`: its value heads, for the split layout)."""
+        n, r = tp.world_size, tp.rank
+        qkvz = self.in_proj_qkvz.out_features // n
+        keep_rows(self.in_proj_qkvz, torch.arange(r * qkvz, (r + 1) * qkvz))
+        ba = self.in_proj_ba.out_features // n
+        keep_rows(self.in_proj_ba, torch.arange(r * ba, (r + 1) * ba))
+
     # -- cache plumbing (bind_kv_cache / unbind_kv_cache: StateSlotMixer) --------------------
     def prefill_checkpoint_alignment(self) -> int | None:
         return 1                      # its conv and its prefill kernels save the state after any token
@@ -157,7 +172,7 @@ class GatedDeltaNet(StateSlotMixer):
     def get_kv_cache_spec(self) -> MambaSpec:
         return MambaSpec(
             shapes=self.state_shapes(),
-            dtypes=(self.in_proj_qkvz.weight.dtype, torch.float32),
+            dtypes=(self.out_proj.weight.dtype, torch.float32),
             mamba_type="gdn",
             chunk_size=self.chunk_size,
         )
@@ -228,3 +243,29 @@ class GatedDeltaNet(StateSlotMixer):
     def extra_repr(self) -> str:
         return (f"layer_name={self.layer_name!r}, heads k/v={self.num_k_heads}/{self.num_v_heads}, "
                 f"head dims k/v={self.head_k_dim}/{self.head_v_dim}, chunk_size={self.chunk_size}")
+
+
+class SplitGatedDeltaNet(GatedDeltaNet):
+    """HF `Qwen3_5GatedDeltaNet`: the same mixer with one projection per input instead of Qwen3-Next's
+    per-key-head groups: in_proj_qkv [2*Hk*K + Hv*V, D] (the conv input [q | k | v], flat, as the
+    conv reads it), in_proj_z [Hv*V, D], in_proj_b and in_proj_a [Hv, D] (no reordering to undo)."""
+
+    def make_projections(self) -> None:
+        self.in_proj_qkv = nn.Linear(self.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(self.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(self.hidden_size, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(self.hidden_size, self.num_v_heads, bias=False)
+
+    def shard_projections(self, tp: TPGroup, conv_rows: torch.Tensor, value_rows: torch.Tensor,
+                          value_heads: torch.Tensor) -> None:
+        """in_proj_qkv section by section (the conv's channels), z by value channels, b and a by value heads."""
+        keep_rows(self.in_proj_qkv, conv_rows)
+        keep_rows(self.in_proj_z, value_rows)
+        keep_rows(self.in_proj_b, value_heads)
+        keep_rows(self.in_proj_a, value_heads)
+
+    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """hidden [T, D] -> (mixed_qkv [T, Dc], z [T, Hv, V], b [T, Hv], a [T, Hv])."""
+        t = hidden.shape[0]
+        return (self.in_proj_qkv(hidden), self.in_proj_z(hidden).view(t, self.num_v_heads, self.head_v_dim),
+                self.in_proj_b(hidden), self.in_proj_a(hidden))

@@ -86,6 +86,7 @@ class CausalLM(nn.Module, ABC):
     is_attention_free: ClassVar[bool] = False
     hf_architecture: ClassVar[str]
     hf_model_type: ClassVar[str]
+    hf_aliases: ClassVar[tuple[str, ...]] = ()   # other architectures whose checkpoints load as this one
     body_name: ClassVar[str] = "model"       # "backbone" for Mamba / Mamba2 checkpoints
 
     lm_head: nn.Linear
@@ -101,6 +102,12 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def build_body(self, config: PretrainedConfig) -> DecoderBody:
         """The model's DecoderBody, with the checkpoint's attribute names."""
+
+    @staticmethod
+    def language_config(config: PretrainedConfig) -> PretrainedConfig:
+        """The config this class is built from, given a checkpoint folder's (an alias architecture,
+        e.g. a vision-language model loaded text-only, returns its text config)."""
+        return config
 
     @property
     def body(self) -> DecoderBody:

@@ -181,6 +181,7 @@ def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device, tp: TPG
     (all of it unsharded)."""
     config = _read_config(folder)
     cls = get_model_class(config)
+    config = cls.language_config(config)
     files = _weight_files(folder)
 
     with torch.device("meta"):

@@ -366,6 +366,45 @@ def tiny_qwen3_next() -> PretrainedConfig:
 PRESETS["tiny-qwen3-next"] = tiny_qwen3_next
 
 
+def _tiny_qwen3_5_text(moe: bool) -> dict:
+    """Shared by tiny-qwen3.5 and tiny-qwen3.5-moe: Qwen3.5's default pattern of 3 GDN layers to 1
+    gated attention layer; attention 4 heads / 2 KV heads x 16, partial RoPE 0.25 written as the
+    released configs write it (interleaved mRoPE, mrope_section [1, 1, 0]: the rotary dims' 2
+    frequencies); GDN 2 key heads x 8, 4 value heads x 16, conv 4."""
+    return dict(
+        **_SHARED,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [1, 1, 0], "mrope_interleaved": True},
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        **(dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64)
+           if moe else dict(intermediate_size=128)),
+    )
+
+
+def tiny_qwen3_5() -> PretrainedConfig:
+    """Qwen3.5 (dense): see `_tiny_qwen3_5_text`; SwiGLU MLP 128 on every layer."""
+    from transformers import Qwen3_5TextConfig
+    return Qwen3_5TextConfig(**_tiny_qwen3_5_text(moe=False), architectures=["Qwen3_5ForCausalLM"])
+
+
+def tiny_qwen3_5_moe() -> PretrainedConfig:
+    """Qwen3.5-MoE: see `_tiny_qwen3_5_text`; on every layer 4 experts of 32, top-2 (always
+    renormalised), and a gated shared expert of 64."""
+    from transformers import Qwen3_5MoeTextConfig
+    return Qwen3_5MoeTextConfig(**_tiny_qwen3_5_text(moe=True), architectures=["Qwen3_5MoeForCausalLM"])
+
+
+PRESETS.update({"tiny-qwen3.5": tiny_qwen3_5, "tiny-qwen3.5-moe": tiny_qwen3_5_moe})
+
+
 def tiny_zamba2() -> PretrainedConfig:
     """Layers mamba, hybrid, hybrid, hybrid; 2 shared blocks (num_mem_blocks 2: hybrid layers 1 and
     3 share block 0, layer 2 has block 1) with per-layer adapters of rank 8 on q/k/v and gate_up

@@ -25,7 +25,8 @@ from toolkit.models.base import CausalLM
 # the architectures whose every layer has a shard_ method
 SHARDABLE = ("LlamaForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM",
              "BambaForCausalLM", "Lfm2ForCausalLM", "JambaForCausalLM", "GraniteMoeHybridForCausalLM",
-             "NemotronHForCausalLM", "FalconH1ForCausalLM", "Zamba2ForCausalLM", "Qwen3NextForCausalLM")
+             "NemotronHForCausalLM", "FalconH1ForCausalLM", "Zamba2ForCausalLM", "Qwen3NextForCausalLM",
+             "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 
 
 def check_tensor_parallel(model: CausalLM, tp_size: int) -> None:
