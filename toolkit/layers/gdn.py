@@ -90,6 +90,7 @@ class GatedDeltaNet(StateSlotMixer):
         norm_eps: float = 1e-6,
         activation: str = "silu",
         chunk_size: int = GDN_CHUNK_SIZE,
+        beta_scale: float = 1.0,
     ) -> None:
         super().__init__(layer_name)
         if num_v_heads % num_k_heads != 0:
@@ -104,6 +105,7 @@ class GatedDeltaNet(StateSlotMixer):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel = conv_kernel
         self.chunk_size = chunk_size
+        self.beta_scale = beta_scale        # OLMo Hybrid's allow_neg_eigval: 2 (beta in [0, 2])
         self.activation = activation
         get_activation(activation)  # validate early
 
@@ -112,8 +114,19 @@ class GatedDeltaNet(StateSlotMixer):
         self.make_projections()
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
-        self.norm = RMSNormThenGate(head_v_dim, eps=norm_eps, cast_normed=True)   # HF Qwen3NextRMSNormGated
-        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        # HF Qwen3NextRMSNormGated, and the output projection, under the checkpoint's names
+        self.add_module(self.norm_name, RMSNormThenGate(head_v_dim, eps=norm_eps, cast_normed=True))
+        self.add_module(self.out_proj_name, nn.Linear(self.value_dim, hidden_size, bias=False))
+
+    norm_name, out_proj_name = "norm", "out_proj"      # OLMo Hybrid: o_norm, o_proj
+
+    @property
+    def gated_norm(self) -> RMSNormThenGate:
+        return getattr(self, self.norm_name)
+
+    @property
+    def output_proj(self) -> nn.Linear:
+        return getattr(self, self.out_proj_name)
 
     def make_projections(self) -> None:
         """HF Qwen3-Next's fused input projections, grouped per key head (see `project`)."""
@@ -137,24 +150,24 @@ class GatedDeltaNet(StateSlotMixer):
         q = torch.arange(r * hk * kd, (r + 1) * hk * kd)
         v = torch.arange(r * hv * vd, (r + 1) * hv * vd)
         conv = torch.cat([q, self.key_dim + q, 2 * self.key_dim + v])
-        self.shard_projections(tp, conv, v, torch.arange(r * hv, (r + 1) * hv))
+        self.shard_projections(tp, q, v, torch.arange(r * hv, (r + 1) * hv))
         keep_rows(self.conv1d, conv)
         self.state_shards = (StateShard(1, conv, self.conv_dim),
                              StateShard(0, torch.arange(r * hv, (r + 1) * hv), self.num_v_heads))
         keep_entries(self, "dt_bias", torch.arange(r * hv, (r + 1) * hv))
         keep_entries(self, "A_log", torch.arange(r * hv, (r + 1) * hv))
-        shard_rows(self.out_proj, r * hv * vd, hv * vd, tp)
+        shard_rows(self.output_proj, r * hv * vd, hv * vd, tp)
         self.num_k_heads, self.num_v_heads = hk, hv
         self.key_dim, self.value_dim = hk * kd, hv * vd
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv1d.in_channels = self.conv1d.out_channels = self.conv1d.groups = self.conv_dim
         self.tp = tp
 
-    def shard_projections(self, tp: TPGroup, conv_rows: torch.Tensor, value_rows: torch.Tensor,
+    def shard_projections(self, tp: TPGroup, key_rows: torch.Tensor, value_rows: torch.Tensor,
                           value_heads: torch.Tensor) -> None:
-        """This rank's rows of the input projections: the fused ones hold whole key-head groups, so a
-        contiguous 1/tp of their rows (`conv_rows`: the rank's [q | k | v] channels; `value_rows`:
-        its value channels; `value_heads`: its value heads, for the split layout)."""
+        """This rank's rows of the input projections (called before the sizes shrink). The fused ones
+        hold whole key-head groups, so a contiguous 1/tp of their rows; the split layouts take the
+        rank's key channels (`key_rows`, of q and of k), value channels and value heads."""
         n, r = tp.world_size, tp.rank
         qkvz = self.in_proj_qkvz.out_features // n
         keep_rows(self.in_proj_qkvz, torch.arange(r * qkvz, (r + 1) * qkvz))
@@ -172,7 +185,7 @@ class GatedDeltaNet(StateSlotMixer):
     def get_kv_cache_spec(self) -> MambaSpec:
         return MambaSpec(
             shapes=self.state_shapes(),
-            dtypes=(self.out_proj.weight.dtype, torch.float32),
+            dtypes=(self.output_proj.weight.dtype, torch.float32),
             mamba_type="gdn",
             chunk_size=self.chunk_size,
         )
@@ -211,6 +224,8 @@ class GatedDeltaNet(StateSlotMixer):
         dtype = hidden.dtype
         mixed, z, b, a = self.project(hidden)
         g, beta = gdn_gating(a, b, self.A_log, self.dt_bias)
+        if self.beta_scale != 1.0:
+            beta = beta * self.beta_scale
         weight = self.conv1d.weight[:, 0, :]
 
         def decode(tok: slice, states: States, idx: torch.Tensor, **verify) -> torch.Tensor:
@@ -237,8 +252,8 @@ class GatedDeltaNet(StateSlotMixer):
 
         y = self.run_state_slots(attn_metadata, (t, self.num_v_heads, self.head_v_dim), torch.float32,
                                  decode, prefill)
-        out = self.norm(y.to(dtype), z)                        # per value head, over V
-        return self.tp.all_reduce(self.out_proj(out.reshape(t, self.value_dim)))
+        out = self.gated_norm(y.to(dtype), z)                  # per value head, over V
+        return self.tp.all_reduce(self.output_proj(out.reshape(t, self.value_dim)))
 
     def extra_repr(self) -> str:
         return (f"layer_name={self.layer_name!r}, heads k/v={self.num_k_heads}/{self.num_v_heads}, "
@@ -256,10 +271,10 @@ class SplitGatedDeltaNet(GatedDeltaNet):
         self.in_proj_b = nn.Linear(self.hidden_size, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(self.hidden_size, self.num_v_heads, bias=False)
 
-    def shard_projections(self, tp: TPGroup, conv_rows: torch.Tensor, value_rows: torch.Tensor,
+    def shard_projections(self, tp: TPGroup, key_rows: torch.Tensor, value_rows: torch.Tensor,
                           value_heads: torch.Tensor) -> None:
         """in_proj_qkv section by section (the conv's channels), z by value channels, b and a by value heads."""
-        keep_rows(self.in_proj_qkv, conv_rows)
+        keep_rows(self.in_proj_qkv, torch.cat([key_rows, self.key_dim + key_rows, 2 * self.key_dim + value_rows]))
         keep_rows(self.in_proj_z, value_rows)
         keep_rows(self.in_proj_b, value_heads)
         keep_rows(self.in_proj_a, value_heads)
@@ -269,3 +284,34 @@ class SplitGatedDeltaNet(GatedDeltaNet):
         t = hidden.shape[0]
         return (self.in_proj_qkv(hidden), self.in_proj_z(hidden).view(t, self.num_v_heads, self.head_v_dim),
                 self.in_proj_b(hidden), self.in_proj_a(hidden))
+
+
+class OlmoGatedDeltaNet(GatedDeltaNet):
+    """HF `OlmoHybridGatedDeltaNet`: the same mixer with a projection per input, q_proj / k_proj
+    [Hk*K, D], v_proj [Hv*V, D] (concatenated as the conv's [q | k | v] input), the output gate from
+    g_proj [Hv*V, D], a_proj / b_proj [Hv, D]; beta = beta_scale * sigmoid(b) (2 with
+    `linear_allow_neg_eigval`); the gated norm and output projection named o_norm / o_proj."""
+
+    norm_name, out_proj_name = "o_norm", "o_proj"
+
+    def make_projections(self) -> None:
+        self.q_proj = nn.Linear(self.hidden_size, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(self.hidden_size, self.key_dim, bias=False)
+        self.v_proj = nn.Linear(self.hidden_size, self.value_dim, bias=False)
+        self.a_proj = nn.Linear(self.hidden_size, self.num_v_heads, bias=False)
+        self.b_proj = nn.Linear(self.hidden_size, self.num_v_heads, bias=False)
+        self.g_proj = nn.Linear(self.hidden_size, self.value_dim, bias=False)
+
+    def shard_projections(self, tp: TPGroup, key_rows: torch.Tensor, value_rows: torch.Tensor,
+                          value_heads: torch.Tensor) -> None:
+        """q / k by key channels, v and the gate by value channels, a / b by value heads."""
+        for proj, rows in ((self.q_proj, key_rows), (self.k_proj, key_rows), (self.v_proj, value_rows),
+                           (self.g_proj, value_rows), (self.a_proj, value_heads), (self.b_proj, value_heads)):
+            keep_rows(proj, rows)
+
+    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """hidden [T, D] -> (mixed_qkv [T, Dc], gate [T, Hv, V], b [T, Hv], a [T, Hv])."""
+        t = hidden.shape[0]
+        mixed = torch.cat([self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)], dim=-1)
+        return (mixed, self.g_proj(hidden).view(t, self.num_v_heads, self.head_v_dim), self.b_proj(hidden),
+                self.a_proj(hidden))

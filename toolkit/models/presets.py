@@ -468,3 +468,28 @@ def tiny_falcon_h1() -> PretrainedConfig:
 
 
 PRESETS.update({"tiny-zamba2": tiny_zamba2, "tiny-falcon-h1": tiny_falcon_h1})
+
+
+def tiny_olmo_hybrid() -> PretrainedConfig:
+    """OLMo Hybrid's default pattern (3 GDN layers, then attention); GDN 4 key = 4 value heads (HF's
+    OLMo GDN has no grouped values), key dim 8, value dim 16 (2x, as released), conv 4, beta in
+    [0, 2]; post-norm attention 4 heads / 2 KV heads x 16 with whole-width q/k norms and no RoPE
+    (the released checkpoint's NoPE); MLP 128."""
+    from transformers import OlmoHybridConfig
+    return OlmoHybridConfig(
+        **_SHARED,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        linear_num_key_heads=4,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        linear_allow_neg_eigval=True,
+        rope_parameters={"rope_type": "default", "rope_theta": None},       # NoPE, as HF reads the release
+        architectures=["OlmoHybridForCausalLM"],
+    )
+
+
+PRESETS["tiny-olmo-hybrid"] = tiny_olmo_hybrid

@@ -15,6 +15,7 @@ from toolkit.models.llama import LlamaForCausalLM
 from toolkit.models.mamba import MambaForCausalLM
 from toolkit.models.mamba2 import Mamba2ForCausalLM
 from toolkit.models.nemotron_h import NemotronHForCausalLM
+from toolkit.models.olmo_hybrid import OlmoHybridForCausalLM
 from toolkit.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from toolkit.models.qwen3_next import Qwen3NextForCausalLM
 from toolkit.models.zamba2 import Zamba2ForCausalLM
@@ -31,7 +32,8 @@ MODEL_REGISTRY.update(
 )
 MODEL_REGISTRY[Qwen3NextForCausalLM.hf_architecture] = Qwen3NextForCausalLM
 MODEL_REGISTRY.update({cls.hf_architecture: cls for cls in (Zamba2ForCausalLM, FalconH1ForCausalLM)})
-MODEL_REGISTRY.update({cls.hf_architecture: cls for cls in (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM)})
+MODEL_REGISTRY.update({cls.hf_architecture: cls for cls in (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM,
+                                                             OlmoHybridForCausalLM)})
 # checkpoints of other architectures that load as one of ours (a vision-language model, text-only)
 MODEL_REGISTRY.update({alias: cls for cls in list(MODEL_REGISTRY.values()) for alias in cls.hf_aliases})
 
