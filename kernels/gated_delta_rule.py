@@ -71,15 +71,18 @@ def _prepared_qk(q_ptr, k_ptr, kk, mk, scale, eps, USE_L2NORM: tl.constexpr):
 
 @triton.jit
 def _delta_rule_token(s, q_tok, k_tok, v_tok, g_tok, beta_tok, kk, mk, vv, mv, scale, eps,
-                      USE_L2NORM: tl.constexpr):
+                      USE_L2NORM: tl.constexpr, G_PER_K: tl.constexpr):
     """One token of the gated delta rule on a fp32 [BLOCK_V, K] state tile `s` (the *_tok pointers at
     the token's q, k, v rows of its heads and its g, beta): s *= exp(g); s += beta (v - s k) (x) k.
-    Returns (the new tile, the token's prepared q)."""
+    G_PER_K (Kimi Delta Attention, kernels/kda.py): g is a row of K log decays, one per key channel
+    (the tile's columns), else one per head. Returns (the new tile, the token's prepared q)."""
     q, k = _prepared_qk(q_tok, k_tok, kk, mk, scale, eps, USE_L2NORM)
     v = tl.load(v_tok + vv, mask=mv, other=0.0).to(tl.float32)
-    decay = tl.exp(tl.load(g_tok).to(tl.float32))
     beta = tl.load(beta_tok).to(tl.float32)
-    s = s * decay
+    if G_PER_K:
+        s = s * tl.exp(tl.load(g_tok + kk, mask=mk, other=0.0).to(tl.float32))[None, :]
+    else:
+        s = s * tl.exp(tl.load(g_tok).to(tl.float32))
     delta = (v - tl.sum(s * k[None, :], axis=1)) * beta
     return s + delta[:, None] * k[None, :], q
 
@@ -88,7 +91,7 @@ def _delta_rule_token(s, q_tok, k_tok, v_tok, g_tok, beta_tok, kk, mk, vv, mv, s
 def _gdn_verify_row(state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, idx_ptr, y_ptr, qsl_ptr, acc_ptr,
                     row, h, vv, kk, mv, mk, heads_per_k, v_dim, scale, eps, num_tokens, n_cols,
                     s_slot, s_head, s_v, q_b, q_h, k_b, k_h, v_b, v_h, g_b, g_h, b_b, b_h, y_b, y_h, idx_r, idx_c,
-                    USE_L2NORM: tl.constexpr, BLOCK_V: tl.constexpr):
+                    USE_L2NORM: tl.constexpr, BLOCK_V: tl.constexpr, G_PER_K: tl.constexpr):
     """One verify row's tokens on a [BLOCK_V, K] state tile kept in registers (state_slots_ref.
     step_rows_at_columns): read from column num_accepted - 1, stored to column j after token j, and
     carried on rounded to the cache dtype, as the one-token update leaves it. The plain kernel's math."""
@@ -104,7 +107,7 @@ def _gdn_verify_row(state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, idx_ptr, y_
         t = start + j
         s, q = _delta_rule_token(s, q_ptr + t * q_b + hk * q_h, k_ptr + t * k_b + hk * k_h, v_ptr + t * v_b + h * v_h,
                                  g_ptr + t * g_b + h * g_h, beta_ptr + t * b_b + h * b_h, kk, mk, vv, mv, scale, eps,
-                                 USE_L2NORM)
+                                 USE_L2NORM, G_PER_K)
         dst = tl.load(ids + j * idx_c).to(tl.int64)
         tl.store(state_ptr + tl.maximum(dst, 0) * s_slot + offs, s.to(state_ptr.dtype.element_ty),
                  mask=(vv < tl.where(dst >= 0, v_dim, 0))[:, None] & mk[None, :])
@@ -118,7 +121,7 @@ def _gdn_update_kernel(state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, idx_ptr,
                        s_slot, s_head, s_v, q_b, q_h, k_b, k_h, v_b, v_h, g_b, g_h, b_b, b_h, y_b, y_h,
                        qsl_ptr, acc_ptr, num_tokens, n_cols, idx_r, idx_c,
                        USE_L2NORM: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-                       IS_VERIFY: tl.constexpr):
+                       IS_VERIFY: tl.constexpr, G_PER_K: tl.constexpr):
     """Program (row, value head, block of V): one token's delta-rule update of a [BLOCK_V, K] state tile.
     IS_VERIFY: program (verify row, value head, block of V), the row's tokens in a loop
     (_gdn_verify_row); qsl_ptr .. idx_c are the verify arguments (unused otherwise)."""
@@ -131,7 +134,7 @@ def _gdn_update_kernel(state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, idx_ptr,
         _gdn_verify_row(state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, idx_ptr, y_ptr, qsl_ptr, acc_ptr,
                         row, h, vv, kk, mv, mk, heads_per_k, v_dim, scale, eps, num_tokens, n_cols,
                         s_slot, s_head, s_v, q_b, q_h, k_b, k_h, v_b, v_h, g_b, g_h, b_b, b_h, y_b, y_h, idx_r,
-                        idx_c, USE_L2NORM, BLOCK_V)
+                        idx_c, USE_L2NORM, BLOCK_V, G_PER_K)
         return
     slot = tl.load(idx_ptr + row).to(tl.int64)
     if slot < 0:
@@ -142,7 +145,7 @@ def _gdn_update_kernel(state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, idx_ptr,
     m2 = mv[:, None] & mk[None, :]
     s, q = _delta_rule_token(tl.load(tile, mask=m2, other=0.0).to(tl.float32), q_ptr + row * q_b + hk * q_h,
                              k_ptr + row * k_b + hk * k_h, v_ptr + row * v_b + h * v_h, g_ptr + row * g_b + h * g_h,
-                             beta_ptr + row * b_b + h * b_h, kk, mk, vv, mv, scale, eps, USE_L2NORM)
+                             beta_ptr + row * b_b + h * b_h, kk, mk, vv, mv, scale, eps, USE_L2NORM, G_PER_K)
     tl.store(tile, s, mask=m2)
     tl.store(y_ptr + row * y_b + h * y_h + vv, tl.sum(s * q[None, :], axis=1), mask=mv)
 
@@ -152,7 +155,7 @@ def _gdn_prefill_kernel(state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr,
                         save_ptr, y_ptr, heads_per_k, v_dim, k_dim, scale, eps,
                         s_slot, s_head, s_v, q_t, q_h, k_t, k_h, v_t, v_h, g_t, g_h, b_t, b_h, y_t, y_h,
                         USE_L2NORM: tl.constexpr, HAS_CKPT: tl.constexpr,
-                        BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, G_PER_K: tl.constexpr):
     """Program (sequence, value head, block of V): the recurrence over the sequence's tokens, one at a
     time, on a [BLOCK_V, K] state tile in registers; initial state read first, final state written last.
     With HAS_CKPT, a token whose save slot (save_ptr [T]) is >= 0 also stores the tile there."""
@@ -176,7 +179,7 @@ def _gdn_prefill_kernel(state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr,
     for t in range(start, end):
         s, q = _delta_rule_token(s, q_ptr + t * q_t + hk * q_h, k_ptr + t * k_t + hk * k_h, v_ptr + t * v_t + h * v_h,
                                  g_ptr + t * g_t + h * g_h, beta_ptr + t * b_t + h * b_h, kk, mk, vv, mv, scale, eps,
-                                 USE_L2NORM)
+                                 USE_L2NORM, G_PER_K)
         tl.store(y_ptr + t * y_t + h * y_h + vv, tl.sum(s * q[None, :], axis=1), mask=mv)
         if HAS_CKPT:
             save = tl.load(save_ptr + t).to(tl.int64)
@@ -186,8 +189,10 @@ def _gdn_prefill_kernel(state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr,
 
 
 def _check_common(ssm_state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  g: torch.Tensor, beta: torch.Tensor, rows: str) -> tuple[int, int, int, int, int, int]:
-    """Shapes, dtypes and last-dim strides shared by both launchers -> (n, Hk, Hv, K, V, Hv // Hk)."""
+                  g: torch.Tensor, beta: torch.Tensor, rows: str, g_per_k: bool = False
+                  ) -> tuple[int, int, int, int, int, int]:
+    """Shapes, dtypes and last-dim strides shared by the launchers -> (n, Hk, Hv, K, V, Hv // Hk).
+    g_per_k (KDA): g is [n, Hv, K] with a contiguous last dim, else [n, Hv]."""
     if q.dim() != 3:
         raise ValueError(f"q must be [{rows}, Hk, K], got {tuple(q.shape)}")
     n, hk, kd = q.shape
@@ -202,7 +207,10 @@ def _check_common(ssm_state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         raise ValueError(f"ssm_state must be [S, Hv={hv}, V={vd}, K={kd}], got {tuple(ssm_state.shape)}")
     if ssm_state.dtype != torch.float32:
         raise ValueError(f"ssm_state must be float32 (the SSM state cache), got {ssm_state.dtype}")
-    for name, x in (("g", g), ("beta", beta)):
+    if g_per_k and (tuple(g.shape) != (n, hv, kd) or g.stride(-1) != 1):
+        raise ValueError(f"g must be [{rows}={n}, H={hv}, K={kd}] (one log decay per key channel), contiguous in "
+                         f"its last dimension, got {tuple(g.shape)} strides {tuple(g.stride())}")
+    for name, x in ((("beta", beta),) if g_per_k else (("g", g), ("beta", beta))):
         if tuple(x.shape) != (n, hv):
             raise ValueError(f"{name} must be [{rows}={n}, Hv={hv}], got {tuple(x.shape)}")
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
@@ -235,8 +243,17 @@ def gdn_update(ssm_state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     `ssm_state` in place at state_indices; returns y fp32 [B, Hv, V] (padded rows 0). With
     query_start_loc and num_accepted_tokens: the verify rows (q ... beta [T, ...], state_indices
     [R, J]), one launch; y fp32 [T, Hv, V]."""
+    return delta_rule_update(ssm_state, q, k, v, g, beta, state_indices, use_qk_l2norm, False,
+                             query_start_loc=query_start_loc, num_accepted_tokens=num_accepted_tokens)
+
+
+def delta_rule_update(ssm_state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      g: torch.Tensor, beta: torch.Tensor, state_indices: torch.Tensor, use_qk_l2norm: bool,
+                      g_per_k: bool, *, query_start_loc: torch.Tensor | None = None,
+                      num_accepted_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """`gdn_update`, and with g_per_k (g [n, Hv, K]) KDA's `kda_update`."""
     verify = check_verify_rows(state_indices, query_start_loc, num_accepted_tokens, v.device)
-    b, _, hv, kd, vd, r = _check_common(ssm_state, q, k, v, g, beta, "B" if verify is None else "T")
+    b, _, hv, kd, vd, r = _check_common(ssm_state, q, k, v, g, beta, "B" if verify is None else "T", g_per_k)
     if verify is None:
         check_index("state_indices", state_indices, b, f"B={b}")
     _check_devices(v.device, ssm_state=ssm_state, q=q, k=k, g=g, beta=beta, state_indices=state_indices)
@@ -255,7 +272,7 @@ def gdn_update(ssm_state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
         beta.stride(0), beta.stride(1), y.stride(0), y.stride(1), qsl, acc, b, n_cols, idx_r, idx_c,
         USE_L2NORM=bool(use_qk_l2norm), BLOCK_V=block_v, BLOCK_K=block_k, IS_VERIFY=verify is not None,
-        num_warps=4)
+        G_PER_K=g_per_k, num_warps=4)
     return y
 
 
@@ -271,7 +288,17 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     The chunks must tile [0, T) and a sequence's chunks be consecutive (the launcher cannot check
     tensor data without a host sync): tokens no sequence covers leave rows of y unwritten.
     """
-    t, _, hv, kd, vd, r = _check_common(ssm_state, q, k, v, g, beta, "T")
+    return delta_rule_prefill(q, k, v, g, beta, cu_chunk_seqlens, seq_idx, last_chunk_indices, chunk_size, ssm_state,
+                              state_indices, has_initial_state, use_qk_l2norm, False, checkpoints)
+
+
+def delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       cu_chunk_seqlens: torch.Tensor, seq_idx: torch.Tensor, last_chunk_indices: torch.Tensor,
+                       chunk_size: int, ssm_state: torch.Tensor, state_indices: torch.Tensor,
+                       has_initial_state: torch.Tensor, use_qk_l2norm: bool, g_per_k: bool,
+                       checkpoints: Checkpoints | None = None) -> torch.Tensor:
+    """`gdn_prefill`, and with g_per_k (g [T, Hv, K]) KDA's `kda_prefill`."""
+    t, _, hv, kd, vd, r = _check_common(ssm_state, q, k, v, g, beta, "T", g_per_k)
     nc, rows = check_chunk_layout(chunk_size, cu_chunk_seqlens, seq_idx, last_chunk_indices, state_indices,
                                   has_initial_state)
     _check_devices(v.device, ssm_state=ssm_state, q=q, k=k, g=g, beta=beta, cu_chunk_seqlens=cu_chunk_seqlens,
@@ -292,5 +319,6 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
         beta.stride(0), beta.stride(1), y.stride(0), y.stride(1),
-        USE_L2NORM=bool(use_qk_l2norm), HAS_CKPT=saving, BLOCK_V=block_v, BLOCK_K=block_k, num_warps=4)
+        USE_L2NORM=bool(use_qk_l2norm), HAS_CKPT=saving, BLOCK_V=block_v, BLOCK_K=block_k, G_PER_K=g_per_k,
+        num_warps=4)
     return y

@@ -48,13 +48,15 @@ def gdn_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
              beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One-token gated delta rule update on prepared inputs (see `gdn_prepare_qk`).
 
-    state [B, Hv, V, K]; q, k [B, Hv, K] (prepared, fp32); v [B, Hv, V]; g [B, Hv] (log decay, <= 0);
+    state [B, Hv, V, K]; q, k [B, Hv, K] (prepared, fp32); v [B, Hv, V]; g [B, Hv] (log decay, <= 0),
+    or [B, Hv, K] (Kimi Delta Attention: one log decay per key channel, the state's columns);
     beta [B, Hv].
         S = exp(g) S;  S = S + beta (v - S k) k^T;  y = S q
     Returns (y [B, Hv, V] fp32, new_state [B, Hv, V, K] fp32).
     """
     f32 = torch.float32
-    s = state.to(f32) * torch.exp(g.to(f32))[..., None, None]
+    decay = torch.exp(g.to(f32))
+    s = state.to(f32) * (decay[..., None, :] if g.dim() == state.dim() - 1 else decay[..., None, None])
     kv_mem = torch.einsum("bhvk,bhk->bhv", s, k)
     delta = (v.to(f32) - kv_mem) * beta.to(f32)[..., None]
     s = s + delta[..., :, None] * k[..., None, :]

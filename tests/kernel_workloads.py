@@ -193,6 +193,33 @@ def verify_rows_run() -> None:
             call(getattr(ops, name), state, inputs, idx, query_start_loc=qsl, num_accepted_tokens=accepted)
 
 
+def kda_run() -> None:
+    """Kimi Delta Attention (the delta-rule kernels with a log decay per key channel, G_PER_K), as a bf16
+    mixer would launch them before any model uses them: decode rows, verify rows, a prefill with
+    checkpoints; bf16 activations and beta, fp32 g and states."""
+    from test_kernel_kda import LENS, _inputs, _layout
+
+    from toolkit.kernels import kda
+    from toolkit.kernels.state_slots_ref import Checkpoints
+    gen = torch.Generator().manual_seed(0)
+    with recording("kda"):
+        h, kd, vd = 2, 16, 12
+        q, k, v, g, beta = _inputs(gen, torch.bfloat16, sum(LENS), h, kd, vd, DEVICE)
+        state = torch.zeros(12, h, vd, kd, device=DEVICE)
+        rows = torch.tensor([3, -1, 0, 6], dtype=torch.int32, device=DEVICE)
+        kda.kda_update(state, q[:4], k[:4], v[:4], g[:4], beta[:4], rows)
+        cols = torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32, device=DEVICE)
+        qsl, acc = (torch.tensor(x, dtype=torch.int32, device=DEVICE) for x in ([0, 3, 5], [2, 1]))
+        kda.kda_update(state, q[:5], k[:5], v[:5], g[:5], beta[:5], cols, query_start_loc=qsl, num_accepted_tokens=acc)
+        n = len(LENS)
+        idx = torch.arange(n, dtype=torch.int32, device=DEVICE)
+        flags = torch.ones(n, dtype=torch.bool, device=DEVICE)
+        ckpt = Checkpoints(torch.tensor([0, 3], device=DEVICE), torch.tensor([9, 10], dtype=torch.int32, device=DEVICE))
+        for checkpoints in (None, ckpt):
+            kda.kda_prefill(q, k, v, g, beta, *_layout(LENS, 16, DEVICE), 16, state, idx, flags,
+                            checkpoints=checkpoints)
+
+
 # bf16 (a GPU's default dtype) on every model; fp16 on a set that launches every kernel family
 # (attention and RoPE, Mamba1 and MoE, Mamba2 and the gated norm, short conv, Gated DeltaNet)
 BF16_MODELS = TINY_PRESETS + list(DEMO_MODELS)
@@ -201,6 +228,7 @@ BF16_WORKLOADS: dict[str, Callable[[], object]] = {
     **{f"engine:{m}:bfloat16": (lambda m=m: engine_run(m, "bfloat16")) for m in BF16_MODELS},
     "gumbel_debug": gumbel_debug_run,
     "verify_rows": verify_rows_run,
+    "kda": kda_run,
 }
 FP16_SHAPE_WORKLOADS: dict[str, Callable[[], object]] = {
     **{f"engine:{m}:float16": (lambda m=m: engine_run(m, "float16")) for m in FP16_MODELS},
