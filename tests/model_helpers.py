@@ -63,7 +63,8 @@ def allocate_caches(
     for name, spec in model.kv_cache_specs().items():
         if isinstance(spec, AttentionSpec):
             caches[name] = torch.full(
-                (num_blocks, 2, block_size, spec.num_kv_heads, spec.head_dim), fill, dtype=spec.dtype, device=device
+                (num_blocks, spec.kv_parts, block_size, spec.num_kv_heads, spec.head_dim), fill, dtype=spec.dtype,
+                device=device,
             )
         elif isinstance(spec, MambaSpec):
             caches[name] = tuple(

@@ -96,7 +96,8 @@ def run_ranks(tmp_path: Path, presets: list[str], world: int = 2, **engine) -> d
 # the trained demo models (HF folders; a vocabulary of 264 padded to 320)
 EVERY_MODEL = ["tiny-llama", "tiny-mamba", "tiny-falcon-mamba", "tiny-mamba2", "tiny-bamba", "tiny-lfm2", "tiny-jamba",
                "tiny-granite-hybrid", "tiny-nemotron-h", "tiny-falcon-h1", "tiny-zamba2", "tiny-qwen3-next",
-               "tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-olmo-hybrid", "demo-hybrid", "demo-mamba"]
+               "tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-olmo-hybrid", "tiny-kimi-linear",
+               "demo-hybrid", "demo-mamba"]
 
 
 @pytest.fixture(scope="module")

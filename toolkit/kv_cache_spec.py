@@ -16,10 +16,17 @@ PAD_SLOT_ID = -1   # a slot mapping / state index of a padded token or row: noth
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """Paged K/V: the runner allocates [num_blocks, 2, block_size, num_kv_heads, head_dim]."""
+    """Paged K/V: the runner allocates [num_blocks, kv_parts, block_size, num_kv_heads, head_dim].
+    kv_parts 2: a K and a V per token and KV head; 1: one vector per token (multi-head latent
+    attention caches the compressed latent, kv_lora_rank + rope dims, and expands it per step)."""
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    kv_parts: int = 2
+
+    def page_size_bytes(self, block_size: int) -> int:
+        """Bytes one block of one layer takes."""
+        return self.kv_parts * block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
 
 @dataclass(frozen=True)

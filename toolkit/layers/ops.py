@@ -37,6 +37,8 @@ a padded prefill sequence is computed from a zero state (the profile run relies 
                 has_initial_state [P], use_qk_l2norm=True, checkpoints=None) -> y fp32 [T, Hv, V]
         q, k raw (l2-normalised and q scaled inside the op); g is the fp32 log decay; checkpoints
         as for mamba1_scan (any token, chunk end or not)
+    kda_update, kda_prefill: as gdn_update / gdn_prefill, for Kimi Delta Attention: g [n, H, K] (a log
+        decay per key channel) and as many key heads as value heads (kda_ref.py)
     rms_norm(x [..., D], weight [D], eps) -> [..., D]                   (rms_norm_ref.rms_norm)
     rms_norm_gated(x [..., D], gate | None, weight [D], group_size, eps, norm_before_gate,
                    cast_normed, out_dtype | None) -> [..., D]           (rms_norm_ref.rms_norm_gated_op)
@@ -73,6 +75,7 @@ from toolkit.kernels import (
     causal_conv1d_ref,
     gated_delta_rule_ref,
     gumbel_ref,
+    kda_ref,
     kv_cache_ref,
     paged_attention_ref,
     rms_norm_ref,
@@ -97,6 +100,8 @@ class Ops:
     gumbel_argmax: Callable
     gdn_update: Callable
     gdn_prefill: Callable
+    kda_update: Callable
+    kda_prefill: Callable
     rms_norm: Callable
     rms_norm_gated: Callable
     mamba2_dt: Callable
@@ -117,6 +122,8 @@ TORCH_OPS = Ops(
     gumbel_argmax=gumbel_ref.gumbel_argmax_ref,
     gdn_update=gated_delta_rule_ref.gdn_update_at_slots,
     gdn_prefill=gated_delta_rule_ref.gdn_prefill_at_slots,
+    kda_update=kda_ref.kda_update_at_slots,
+    kda_prefill=kda_ref.kda_prefill_at_slots,
     rms_norm=rms_norm_ref.rms_norm,
     rms_norm_gated=rms_norm_ref.rms_norm_gated_op,
     mamba2_dt=selective_state_update_ref.mamba2_dt,
@@ -145,6 +152,7 @@ def triton_ops(device: torch.device) -> Ops:
         causal_conv1d,
         gated_delta_rule,
         gumbel,
+        kda,
         kv_cache,
         paged_attention,
         rms_norm,
@@ -166,6 +174,8 @@ def triton_ops(device: torch.device) -> Ops:
         gumbel_argmax=gumbel.gumbel_argmax,
         gdn_update=gated_delta_rule.gdn_update,
         gdn_prefill=gated_delta_rule.gdn_prefill,
+        kda_update=kda.kda_update,
+        kda_prefill=kda.kda_prefill,
         rms_norm=rms_norm.rms_norm,
         rms_norm_gated=rms_norm.rms_norm_gated,
         mamba2_dt=selective_state_update.mamba2_dt,

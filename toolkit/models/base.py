@@ -153,6 +153,11 @@ class CausalLM(nn.Module, ABC):
         limits = [m.graph_max_tokens for m in self.modules() if getattr(m, "graph_max_tokens", None)]
         return min(limits) if limits else None
 
+    def graph_unsafe_reason(self) -> str | None:
+        """Why a CUDA graph cannot hold this model's forward (a module's `graph_unsafe`), or None."""
+        return next((f"{name}: {m.graph_unsafe}" for name, m in self.named_modules()
+                     if getattr(m, "graph_unsafe", None)), None)
+
     def cache_layers(self) -> dict[str, nn.Module]:
         """layer_name -> cache-holding layer, in layer (module registration) order."""
         out: dict[str, nn.Module] = {}

@@ -493,3 +493,36 @@ def tiny_olmo_hybrid() -> PretrainedConfig:
 
 
 PRESETS["tiny-olmo-hybrid"] = tiny_olmo_hybrid
+
+
+def tiny_kimi_linear() -> PretrainedConfig:
+    """Kimi Linear: 3 Kimi Delta Attention layers (4 heads x 16, conv 4), then multi-head latent
+    attention (4 heads, latent 16 + rope dims 8 cached, nope 16, v 16, no q LoRA, NoPE); layer 0's FFN
+    a SwiGLU MLP of 128 (first_k_dense_replace 1), the others a DeepSeek-V3 MoE: 8 experts of 32 in
+    2 groups (1 kept), top-2, renormalised, scaled by 2.446, and one shared expert."""
+    from transformers import KimiLinearConfig
+    return KimiLinearConfig(
+        **_SHARED,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        linear_head_dim=16,
+        linear_num_heads=4,
+        linear_conv_kernel_dim=4,
+        architectures=["KimiLinearForCausalLM"],
+    )
+
+
+PRESETS["tiny-kimi-linear"] = tiny_kimi_linear

@@ -10,6 +10,7 @@ from toolkit.models.falcon_h1 import FalconH1ForCausalLM
 from toolkit.models.falcon_mamba import FalconMambaForCausalLM
 from toolkit.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from toolkit.models.jamba import JambaForCausalLM
+from toolkit.models.kimi_linear import KimiLinearForCausalLM
 from toolkit.models.lfm2 import Lfm2ForCausalLM
 from toolkit.models.llama import LlamaForCausalLM
 from toolkit.models.mamba import MambaForCausalLM
@@ -33,7 +34,7 @@ MODEL_REGISTRY.update(
 MODEL_REGISTRY[Qwen3NextForCausalLM.hf_architecture] = Qwen3NextForCausalLM
 MODEL_REGISTRY.update({cls.hf_architecture: cls for cls in (Zamba2ForCausalLM, FalconH1ForCausalLM)})
 MODEL_REGISTRY.update({cls.hf_architecture: cls for cls in (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM,
-                                                             OlmoHybridForCausalLM)})
+                                                             OlmoHybridForCausalLM, KimiLinearForCausalLM)})
 # checkpoints of other architectures that load as one of ours (a vision-language model, text-only)
 MODEL_REGISTRY.update({alias: cls for cls in list(MODEL_REGISTRY.values()) for alias in cls.hf_aliases})
 

@@ -26,7 +26,8 @@ from toolkit.models.base import CausalLM
 SHARDABLE = ("LlamaForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM",
              "BambaForCausalLM", "Lfm2ForCausalLM", "JambaForCausalLM", "GraniteMoeHybridForCausalLM",
              "NemotronHForCausalLM", "FalconH1ForCausalLM", "Zamba2ForCausalLM", "Qwen3NextForCausalLM",
-             "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "OlmoHybridForCausalLM")
+             "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "OlmoHybridForCausalLM",
+             "KimiLinearForCausalLM")
 
 
 def check_tensor_parallel(model: CausalLM, tp_size: int) -> None:

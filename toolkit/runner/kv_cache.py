@@ -89,13 +89,14 @@ def check_prefill_checkpoints(model: nn.Module, block_size: int) -> None:
 
 def allocate_kv_caches(groups: list[KVCacheGroup], device: torch.device
                        ) -> dict[str, torch.Tensor | tuple[torch.Tensor, ...]]:
-    """Zero-initialised cache tensors per layer: attention [N, 2, block_size, kv_heads, head_dim];
+    """Zero-initialised cache tensors per layer: attention [N, kv_parts (2: K and V; 1: an MLA latent),
+    block_size, kv_heads, head_dim];
     Mamba a tuple with one [num_slots, *shape] tensor per state (conv, ssm, ...)."""
     caches: dict[str, torch.Tensor | tuple[torch.Tensor, ...]] = {}
     for g in groups:
         for name in g.layer_names:
             if isinstance(g.spec, AttentionSpec):
-                caches[name] = torch.zeros(g.num_blocks, 2, g.block_size, g.spec.num_kv_heads,
+                caches[name] = torch.zeros(g.num_blocks, g.spec.kv_parts, g.block_size, g.spec.num_kv_heads,
                                            g.spec.head_dim, dtype=g.spec.dtype, device=device)
             else:
                 caches[name] = tuple(torch.zeros(g.num_blocks, *shape, dtype=dtype, device=device)

@@ -10,6 +10,7 @@ step's one sync, the copy of the sampled ids; they are read after it.
 from __future__ import annotations
 
 import gc
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -140,7 +141,12 @@ class ModelRunner:
         # a padded decode batch of size rows holds size * (1 + k) tokens: at most the step's token
         # budget (the persistent buffers' size), and the model's own graph limit (a MoE layer's)
         graph_tokens = min(model.max_graph_tokens() or cfg.max_num_batched_tokens, cfg.max_num_batched_tokens)
-        self.cudagraph_manager = CudaGraphManager(cfg.cudagraph_mode, cfg.max_num_seqs, cfg.device,
+        graph_mode, unsafe = cfg.cudagraph_mode, model.graph_unsafe_reason()
+        if graph_mode == "full_decode" and unsafe:      # the same padded batches, run eagerly
+            warnings.warn(f"CUDA graphs off for this model ({unsafe}): decode batches run padded, eagerly",
+                          stacklevel=2)
+            graph_mode = "padded_eager"
+        self.cudagraph_manager = CudaGraphManager(graph_mode, cfg.max_num_seqs, cfg.device,
                                                   graph_tokens, 1 + cfg.num_speculative_tokens)
         self.execute_state: ExecuteModelState | None = None
         self.observer: StepObserver | None = None
