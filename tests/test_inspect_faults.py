@@ -13,8 +13,12 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 FAULT_NAMES = [f.name for f in faults.catalogue()]
 # presets on which a fault is a fault (routing an attention-free model wrongly needs one; a hit
 # decided by attention alone needs attention layers)
+# the state faults also on a Kimi Delta Attention layer (Kimi Linear: KDA on the Gated DeltaNet builder)
+STATE_FAULT_PRESETS = ["tiny-bamba", "tiny-mamba2", "tiny-kimi-linear"]
 PRESETS = {"attention_free_default_state": ["tiny-mamba2", "tiny-mamba"],
-           "hit_counted_without_checkpoint": ["tiny-bamba", "tiny-lfm2"]}
+           "hit_counted_without_checkpoint": ["tiny-bamba", "tiny-lfm2"],
+           **{name: STATE_FAULT_PRESETS for name in ("state_index_off_by_one", "initial_state_flag_on_fresh_request",
+                                                      "slot_not_zeroed_on_reuse", "padded_row_on_real_slot")}}
 
 
 def workload(preset: str) -> None:
@@ -148,13 +152,14 @@ def test_workload_without_faults_raises_nothing(preset):
     workload(preset)
 
 
-@pytest.mark.parametrize("preset", ["tiny-bamba", "tiny-mamba2", "tiny-lfm2", "tiny-mamba", "tiny-qwen3-next"])
+@pytest.mark.parametrize("preset", ["tiny-bamba", "tiny-mamba2", "tiny-lfm2", "tiny-mamba", "tiny-qwen3-next",
+                                    "tiny-kimi-linear"])
 def test_prefix_workload_without_faults_raises_nothing_in_full_mode(preset):
     """Every prefix-caching check on, the cold-state oracle included, on each recurrent family."""
     prefix_workload(preset, inspect="full")
 
 
-@pytest.mark.parametrize("preset", ["tiny-bamba", "tiny-mamba", "tiny-lfm2", "tiny-qwen3-next"])
+@pytest.mark.parametrize("preset", ["tiny-bamba", "tiny-mamba", "tiny-lfm2", "tiny-qwen3-next", "tiny-kimi-linear"])
 def test_spec_workload_without_faults_raises_nothing_in_full_mode(preset):
     """Every speculative-decoding check on, the cold-state oracle of each verify row's start included."""
     spec_workload(preset, inspect="full")
@@ -207,7 +212,7 @@ def test_a_warmup_stage_that_raises_is_in_the_trace():
     llm.shutdown()
 
 
-@pytest.mark.parametrize("preset", ["tiny-bamba", "tiny-mamba", "tiny-lfm2", "tiny-qwen3-next"])
+@pytest.mark.parametrize("preset", ["tiny-bamba", "tiny-mamba", "tiny-lfm2", "tiny-qwen3-next", "tiny-kimi-linear"])
 def test_spec_cached_workload_without_faults_raises_nothing_in_full_mode(preset):
     """Speculation with prefix caching, every check on: the boundary copies' sources, and the state B
     starts from after its hit on a boundary copy's checkpoint (the cold-state oracle)."""

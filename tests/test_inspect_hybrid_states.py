@@ -88,33 +88,43 @@ def test_inspect_full_records_every_mamba2_state_matching_hf(arch, names, contin
 
 # ---- Qwen3-Next's Gated DeltaNet ------------------------------------------------------------------
 
-GDN_ARCH = "tiny-qwen3-next"
-GDN_LAYERS = ["model.layers.0.linear_attn", "model.layers.2.linear_attn"]
-# tiny-qwen3-next's GDN: 2 key heads x 8, 4 value heads x 16, conv 4 -> conv_dim 2*2*8 + 4*16 = 96
-HV, KD, VD, CONV_DIM = 4, 8, 16, 96
+# delta-rule layers per preset: (layer names, conv state [K-1, conv_dim], recurrent state [Hv, V, K])
+DELTA_RULE = {
+    # Qwen3-Next's GDN: 2 key heads x 8, 4 value heads x 16, conv 4 -> conv_dim 2*2*8 + 4*16 = 96
+    "tiny-qwen3-next": (["model.layers.0.linear_attn", "model.layers.2.linear_attn"], (3, 96), (4, 16, 8)),
+    # Qwen3.5's GDN (split projections): the same geometry, layers 0-2
+    "tiny-qwen3.5": ([f"model.layers.{i}.linear_attn" for i in range(3)], (3, 96), (4, 16, 8)),
+    # OLMo Hybrid's GDN: 4 heads, K 8, V 16 -> conv_dim 2*32 + 64 = 128; beta in [0, 2]
+    "tiny-olmo-hybrid": ([f"model.layers.{i}.linear_attn" for i in range(3)], (3, 128), (4, 16, 8)),
+    # Kimi Delta Attention (a decay per key channel): 4 heads x 16 -> conv_dim 3*64 = 192
+    "tiny-kimi-linear": ([f"model.layers.{i}.self_attn" for i in range(3)], (3, 192), (4, 16, 16)),
+}
 
 
-def hf_gdn_states(hf, tokens: list[int]) -> dict[str, dict[str, torch.Tensor]]:
+def hf_gdn_states(hf, tokens: list[int], layers: list[str]) -> dict[str, dict[str, torch.Tensor]]:
     """HF's cache after one fresh forward over `tokens`, in our layout: conv [K-1, conv_dim] (HF
     keeps K columns [1, conv_dim, K]), ssm [Hv, V, K] (HF: [1, Hv, K, V])."""
     cache = DynamicCache(config=hf.config)
     with torch.inference_mode():
         hf(torch.tensor([tokens]), cache=cache, use_cache=True)
     out = {}
-    for name in GDN_LAYERS:
+    for name in layers:
         i = int(name.split(".")[2])
         out[name] = {"conv_state": cache.get_conv_state(i)[0, :, 1:].transpose(0, 1),
                      "ssm_state": cache.get_recurrent_state(i)[0].transpose(-1, -2)}
     return out
 
 
-def test_inspect_full_records_gdn_states_matching_hf(tmp_path):
+@pytest.mark.parametrize("preset", list(DELTA_RULE))
+def test_inspect_full_records_gdn_states_matching_hf(preset, tmp_path):
     """Chunked prefill beside decode rows, a one-token prompt, a short prompt: every step records
-    both GDN layers' states for every row; a request's 'after' is its next 'before', its first
-    'before' is zero, and every 'after' equals HF's cache over the same tokens."""
+    every delta-rule layer's states (Gated DeltaNet, Kimi Delta Attention) for every row; a request's
+    'after' is its next 'before', its first 'before' is zero, and every 'after' equals HF's cache over
+    the same tokens."""
+    layers, conv_shape, ssm_shape = DELTA_RULE[preset]
     prompt_lens, max_tokens = (3, 11, 1, 7), 4
     engine = dict(F32, inspect="full", max_num_seqs=3, max_num_batched_tokens=8)
-    with LLM(GDN_ARCH, **engine) as llm:
+    with LLM(preset, **engine) as llm:
         prompts = [[(7 * i + 13 * j) % 317 + 3 for j in range(n)] for i, n in enumerate(prompt_lens)]
         records, tokens = serve_greedy(llm, prompts, max_tokens)
         save_hf_folder(llm, tmp_path)
@@ -124,17 +134,17 @@ def test_inspect_full_records_gdn_states_matching_hf(tmp_path):
     prev_after: dict[str, dict] = {}
     compared = 0
     for rec in records:
-        assert [s.layer_name for s in rec.states] == GDN_LAYERS
+        assert [s.layer_name for s in rec.states] == layers
         for st in rec.states:
             assert st.mamba_type == "gdn" and st.state_names == ["conv_state", "ssm_state"]
             assert st.request_ids == rec.request_ids and 0 not in st.slots
             n = len(st.request_ids)
-            for t, shape in zip(st.after, ((3, CONV_DIM), (HV, VD, KD))):
+            for t, shape in zip(st.after, (conv_shape, ssm_shape)):
                 assert tuple(t.shape) == (n, *shape) and t.dtype == torch.float32
         for s in rec.scheduled:
             rid = s.request_id
             n_tokens = s.num_computed_before + s.num_tokens
-            ref = hf_gdn_states(hf, tokens[rid][:n_tokens])
+            ref = hf_gdn_states(hf, tokens[rid][:n_tokens], layers)
             for st in rec.states:
                 before, after = st.of(rid, "before"), st.of(rid, "after")
                 for name in st.state_names:
@@ -146,4 +156,4 @@ def test_inspect_full_records_gdn_states_matching_hf(tmp_path):
                     assert diff <= STATE_ATOL, (rec.step_index, rid, st.layer_name, name, diff)
                     compared += 1
                 prev_after.setdefault(rid, {})[st.layer_name] = after
-    assert compared >= 2 * 2 * sum(1 for r in records for _ in r.scheduled)
+    assert compared >= len(layers) * 2 * sum(1 for r in records for _ in r.scheduled)
