@@ -132,8 +132,8 @@ class LatentPagedAttention(nn.Module):
         at = slots.clamp(min=0)
         flat[at] = torch.where(keep, latent[:n].to(flat.dtype), flat[at])           # a -1 slot writes nothing
         block_size = self.kv_cache.shape[2]
-        starts = md.query_start_loc_cpu.tolist()
-        for row, seq_len in enumerate(md.seq_lens_cpu.tolist()):
+        starts = md.query_start_loc_cpu.numpy().tolist()               # host copies: no device sync
+        for row, seq_len in enumerate(md.seq_lens_cpu.numpy().tolist()):
             lo, hi = starts[row], starts[row + 1]
             if hi <= lo:
                 continue
