@@ -733,6 +733,18 @@ def test_random_programs_keep_books_and_outputs(preset, config, ops):
     event(f"stopped by a stop id: {any(o.outputs[0].finish_reason == 'stop' for o in books.outputs.values())}")
 
 
+# Zoo III (the delta-rule hybrids): the same programs, each draw on one of them (one test's examples
+# in all, not one test per preset: the suite's time stays flat as the zoo grows)
+ZOO_III = ["tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-olmo-hybrid", "tiny-kimi-linear"]
+
+
+@pytest.mark.timeout(600 if PROFILE.max_examples <= 100 else 3600)
+@PROFILE
+@given(preset=st.sampled_from(ZOO_III), config=engine_configs, ops=programs)
+def test_random_programs_keep_books_and_outputs_on_zoo_iii(preset, config, ops):
+    run_program(preset, config, ops)
+
+
 # ---- programs pinned on one preset each: a second warmup() (its own request ids must not count as
 # ---- used), an add_request reusing the id of a request that an interrupted generate() dropped ----
 def _greedy(max_tokens: int = 1) -> Params:
