@@ -124,17 +124,7 @@ def gdn_chunk_varlen(
     if nc == 0:
         return torch.zeros(t, hv, vd, device=dev, dtype=f32), torch.zeros(num_seqs, hv, vd, kd, device=dev, dtype=f32)
 
-    lens = cu[1:] - cu[:-1]
-    ar = torch.arange(L, device=dev)
-    valid = ar[None, :] < lens[:, None]                                       # [C, L]
-    idx = torch.where(valid, cu[:-1, None] + ar[None, :], torch.zeros_like(ar)[None, :])
-    vf = valid.to(f32)
-
-    def chunked(x: torch.Tensor) -> torch.Tensor:
-        """[T, Hv, ...] -> [C, Hv, L, ...], zero on padding."""
-        xc = x.to(f32)[idx] * vf.view(*vf.shape, *(1,) * (x.dim() - 1))
-        return xc.transpose(1, 2)
-
+    valid, chunked = chunk_tiles(cu, L)
     qc, kc, vc = chunked(qp), chunked(kp), chunked(v)                         # [C, Hv, L, K|V]
     bc, gc = chunked(beta), chunked(g)                                        # [C, Hv, L]
     k_beta, v_beta = kc * bc[..., None], vc * bc[..., None]
@@ -151,25 +141,50 @@ def gdn_chunk_varlen(
     k_dec = kc * torch.exp(cum[..., -1:] - cum)[..., None]
     chunk_decay = torch.exp(cum[..., -1])[..., None, None]                    # [C, Hv, 1, 1]
 
-    # state passing across the chunks of each sequence (state as M = S^T [Hv, K, V] here)
+    return pass_chunk_states(u, w, q_dec, attn, k_dec, chunk_decay, valid, seq_idx, last_chunk_indices,
+                             initial_states, t, "gdn_chunk_varlen")
+
+
+def chunk_tiles(cu: torch.Tensor, chunk_size: int):
+    """The varlen chunk layout as tiles: (valid bool [C, L], chunked: [T, H, ...] -> fp32 [C, H, L, ...]
+    zero on padding). cu int64 [C+1]: chunk c covers tokens cu[c] .. cu[c+1]-1."""
+    ar = torch.arange(chunk_size, device=cu.device)
+    valid = ar[None, :] < (cu[1:] - cu[:-1])[:, None]
+    idx = torch.where(valid, cu[:-1, None] + ar[None, :], torch.zeros_like(ar)[None, :])
+    vf = valid.to(torch.float32)
+
+    def chunked(x: torch.Tensor) -> torch.Tensor:
+        return (x.to(torch.float32)[idx] * vf.view(*vf.shape, *(1,) * (x.dim() - 1))).transpose(1, 2)
+    return valid, chunked
+
+
+def pass_chunk_states(u: torch.Tensor, w: torch.Tensor, q_dec: torch.Tensor, attn: torch.Tensor,
+                      k_dec: torch.Tensor, chunk_decay: torch.Tensor, valid: torch.Tensor, seq_idx: torch.Tensor,
+                      last_chunk_indices: torch.Tensor, initial_states: torch.Tensor | None, t: int, what: str
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked delta rule's state passing across each sequence's chunks (state as M = S^T [H, K, V]):
+    v_new = U - W M;  y = Q_dec M + attn v_new;  M = chunk_decay * M + K_dec^T v_new. Shapes [C, H, L, ...];
+    chunk_decay [C, H, 1, 1] (a decay per head) or [C, H, K, 1] (per key channel). Returns (y [T, H, V]
+    in token order, the final states [S, H, V, K])."""
+    nc, h, L, vd = u.shape
+    kd = w.shape[-1]
     seq_list = [int(x) for x in seq_idx.tolist()]
-    out = torch.empty(nc, hv, L, vd, device=dev, dtype=f32)
-    after = torch.empty(nc, hv, kd, vd, device=dev, dtype=f32)
+    out = torch.empty(nc, h, L, vd, device=u.device, dtype=u.dtype)
+    after = torch.empty(nc, h, kd, vd, device=u.device, dtype=u.dtype)
     m = None
     for c in range(nc):
         if c == 0 or seq_list[c] != seq_list[c - 1]:
-            m = (initial_states[seq_list[c]].to(f32).transpose(-1, -2) if initial_states is not None
-                 else torch.zeros(hv, kd, vd, device=dev, dtype=f32))
+            m = (initial_states[seq_list[c]].to(u.dtype).transpose(-1, -2) if initial_states is not None
+                 else torch.zeros(h, kd, vd, device=u.device, dtype=u.dtype))
         v_new = u[c] - w[c] @ m
         out[c] = q_dec[c] @ m + attn[c] @ v_new
         m = m * chunk_decay[c] + k_dec[c].transpose(-1, -2) @ v_new
         after[c] = m
-
-    y = out.transpose(1, 2)[valid]                                            # [T, Hv, V], token order
+    y = out.transpose(1, 2)[valid]
     if y.shape[0] != t:
-        raise ValueError(f"gdn_chunk_varlen: chunk layout covers {y.shape[0]} of {t} tokens "
+        raise ValueError(f"{what}: chunk layout covers {y.shape[0]} of {t} tokens "
                          f"(chunks must tile [0, T) and be at most chunk_size={L} long)")
-    finals = after[last_chunk_indices.to(device=dev, dtype=torch.int64)].transpose(-1, -2)
+    finals = after[last_chunk_indices.to(device=u.device, dtype=torch.int64)].transpose(-1, -2)
     return y, finals.contiguous()
 
 

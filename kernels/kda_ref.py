@@ -15,7 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from .gated_delta_rule_ref import gdn_prepare_qk, gdn_recurrent_varlen, gdn_states_after, gdn_update_at_slots
+from .gated_delta_rule_ref import (
+    chunk_tiles,
+    gdn_prepare_qk,
+    gdn_recurrent_varlen,
+    gdn_states_after,
+    gdn_update_at_slots,
+    pass_chunk_states,
+)
 from .state_slots_ref import Checkpoints, initial_states_at, write_states_at
 
 
@@ -71,17 +78,7 @@ def kda_chunk_varlen(
     if nc == 0:
         return torch.zeros(t, h, vd, device=dev, dtype=f32), torch.zeros(num_seqs, h, vd, kd, device=dev, dtype=f32)
 
-    lens = cu[1:] - cu[:-1]
-    ar = torch.arange(L, device=dev)
-    valid = ar[None, :] < lens[:, None]                                       # [C, L]
-    idx = torch.where(valid, cu[:-1, None] + ar[None, :], torch.zeros_like(ar)[None, :])
-    vf = valid.to(f32)
-
-    def chunked(x: torch.Tensor) -> torch.Tensor:
-        """[T, H, ...] -> [C, H, L, ...], zero on padding."""
-        xc = x.to(f32)[idx] * vf.view(*vf.shape, *(1,) * (x.dim() - 1))
-        return xc.transpose(1, 2)
-
+    valid, chunked = chunk_tiles(cu, L)
     qc, kc, vc, gc = chunked(qp), chunked(kp), chunked(v), chunked(g)       # [C, H, L, K|V]
     bc = chunked(beta)                                                        # [C, H, L]
     k_beta, v_beta = kc * bc[..., None], vc * bc[..., None]
@@ -101,26 +98,8 @@ def kda_chunk_varlen(
     k_dec = kc * torch.exp(cum[..., -1:, :] - cum)
     chunk_decay = torch.exp(cum[..., -1, :])[..., :, None]                    # [C, H, K, 1]
 
-    # state passing across the chunks of each sequence (state as M = S^T [H, K, V] here)
-    seq_list = [int(x) for x in seq_idx.tolist()]
-    out = torch.empty(nc, h, L, vd, device=dev, dtype=f32)
-    after = torch.empty(nc, h, kd, vd, device=dev, dtype=f32)
-    m = None
-    for c in range(nc):
-        if c == 0 or seq_list[c] != seq_list[c - 1]:
-            m = (initial_states[seq_list[c]].to(f32).transpose(-1, -2) if initial_states is not None
-                 else torch.zeros(h, kd, vd, device=dev, dtype=f32))
-        v_new = u[c] - w[c] @ m
-        out[c] = q_dec[c] @ m + attn[c] @ v_new
-        m = m * chunk_decay[c] + k_dec[c].transpose(-1, -2) @ v_new
-        after[c] = m
-
-    y = out.transpose(1, 2)[valid]                                            # [T, H, V], token order
-    if y.shape[0] != t:
-        raise ValueError(f"kda_chunk_varlen: chunk layout covers {y.shape[0]} of {t} tokens "
-                         f"(chunks must tile [0, T) and be at most chunk_size={L} long)")
-    finals = after[last_chunk_indices.to(device=dev, dtype=torch.int64)].transpose(-1, -2)
-    return y, finals.contiguous()
+    return pass_chunk_states(u, w, q_dec, attn, k_dec, chunk_decay, valid, seq_idx, last_chunk_indices,
+                             initial_states, t, "kda_chunk_varlen")
 
 
 def kda_update_at_slots(ssm_state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

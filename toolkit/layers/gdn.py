@@ -65,6 +65,16 @@ def gdn_gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: t
     return g, torch.sigmoid(b)
 
 
+def prefill_chunks(md, num_tokens: int, chunk_size: int, device: torch.device) -> tuple:
+    """(cu_chunk_seqlens, seq_idx, last_chunk_indices, chunk_size) of a delta-rule prefill: the
+    metadata's, or in the profile run (md None) the chunks of one sequence of num_tokens."""
+    if md is not None:
+        return md.cu_chunk_seqlen_p, md.seq_idx_p, md.last_chunk_indices_p, int(md.chunk_size)
+    cu, sidx, last = (torch.from_numpy(x).to(device)
+                      for x in compute_gdn_chunk_metadata(np.array([num_tokens]), chunk_size))
+    return cu, sidx, last, chunk_size
+
+
 # --------------------------------------------------------------------------------------------
 # modules
 # --------------------------------------------------------------------------------------------
@@ -241,12 +251,7 @@ class GatedDeltaNet(StateSlotMixer):
             xc = self.ops.conv_prefill(mixed[tok], conv_state, idx, has_init, cu_seqlens, weight, None,
                                        self.activation, checkpoints=checkpoints)
             q, k, v = self._split_qkv(xc)
-            if md is None:  # profile run: one sequence
-                cu, sidx, last = (torch.from_numpy(x).to(hidden.device) for x in
-                                  compute_gdn_chunk_metadata(np.array([q.shape[0]]), self.chunk_size))
-                chunks = (cu, sidx, last, self.chunk_size)
-            else:
-                chunks = (md.cu_chunk_seqlen_p, md.seq_idx_p, md.last_chunk_indices_p, int(md.chunk_size))
+            chunks = prefill_chunks(md, q.shape[0], self.chunk_size, hidden.device)
             return self.ops.gdn_prefill(q, k, v, g[tok], beta[tok], *chunks, ssm_state, idx, has_init,
                                         checkpoints=checkpoints)
 

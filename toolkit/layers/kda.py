@@ -21,13 +21,13 @@ toolkit/models/kimi_linear.py converts).
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import nn
 
-from toolkit.attention.gdn import GDN_CHUNK_SIZE, compute_gdn_chunk_metadata
+from toolkit.attention.gdn import GDN_CHUNK_SIZE
 from toolkit.distributed import SINGLE, TPGroup
 from toolkit.kv_cache_spec import MambaSpec
+from toolkit.layers.gdn import prefill_chunks
 from toolkit.layers.mlp import get_activation
 from toolkit.layers.norms import RMSNorm
 from toolkit.layers.parallel import check_divides, keep_entries, keep_rows, shard_rows
@@ -151,12 +151,7 @@ class KimiDeltaAttention(StateSlotMixer):
             checkpoints = self.checkpoints(md)
             q, k, v = split(self.ops.conv_prefill(mixed[tok], conv_state, idx, has_init, cu_seqlens, weight, None,
                                                   self.activation, checkpoints=checkpoints))
-            if md is None:  # profile run: one sequence
-                cu, sidx, last = (torch.from_numpy(x).to(hidden.device) for x in
-                                  compute_gdn_chunk_metadata(np.array([q.shape[0]]), self.chunk_size))
-                chunks = (cu, sidx, last, self.chunk_size)
-            else:
-                chunks = (md.cu_chunk_seqlen_p, md.seq_idx_p, md.last_chunk_indices_p, int(md.chunk_size))
+            chunks = prefill_chunks(md, q.shape[0], self.chunk_size, hidden.device)
             return self.ops.kda_prefill(q, k, v, g[tok], beta[tok], *chunks, ssm_state, idx, has_init,
                                         checkpoints=checkpoints)
 

@@ -26,7 +26,6 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from toolkit.distributed import SINGLE, TPGroup
-from toolkit.errors import UnsupportedArchitectureError
 from toolkit.layers.kda import KimiDeltaAttention
 from toolkit.layers.mla import LatentPagedAttention
 from toolkit.layers.mlp import SwiGLUMLP
@@ -35,8 +34,8 @@ from toolkit.layers.norms import RMSNorm
 from toolkit.layers.parallel import check_divides
 from toolkit.models.base import CausalLM, DecoderBody, PreNormBlock
 from toolkit.models.nemotron_h import NemotronHTopkRouter
+from toolkit.models.qwen3_next import qwen3_next_layer_types
 
-LAYER_TYPES = ("linear_attention", "full_attention")
 CONV_PARTS = ("q_conv1d", "k_conv1d", "v_conv1d")
 
 
@@ -68,17 +67,6 @@ class DeepseekMoE(nn.Module):
         return self.tp.all_reduce(self.experts(x, weights.to(x.dtype), ids)) + self.shared_experts(x)
 
 
-def kimi_layer_types(config: PretrainedConfig) -> list[str]:
-    types = list(config.layer_types)
-    if len(types) != config.num_hidden_layers:
-        raise ValueError(f"layer_types has {len(types)} entries for {config.num_hidden_layers} layers")
-    bad = sorted({str(t) for t in types if t not in LAYER_TYPES})
-    if bad:
-        raise UnsupportedArchitectureError(f"Kimi Linear layer types {bad} are not supported; "
-                                           f"supported: {list(LAYER_TYPES)}")
-    return types
-
-
 def kimi_mixer(config: PretrainedConfig, layer_idx: int, kind: str) -> nn.Module:
     name = f"model.layers.{layer_idx}.self_attn"
     if kind == "linear_attention":
@@ -99,7 +87,7 @@ class KimiLinearForCausalLM(CausalLM):
     def build_body(self, config: PretrainedConfig) -> DecoderBody:
         eps, h = config.rms_norm_eps, config.hidden_size
         blocks = []
-        for i, kind in enumerate(kimi_layer_types(config)):
+        for i, kind in enumerate(qwen3_next_layer_types(config, "Kimi Linear")):
             ffn = (DeepseekMoE(config) if config.mlp_layer_types[i] == "sparse"
                    else SwiGLUMLP(h, config.intermediate_size, False, config.hidden_act))
             blocks.append(PreNormBlock(("input_layernorm", RMSNorm(h, eps=eps)),

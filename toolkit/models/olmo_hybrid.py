@@ -26,7 +26,6 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from toolkit.distributed import SINGLE, TPGroup
-from toolkit.errors import UnsupportedArchitectureError
 from toolkit.layers.attention import PagedAttention
 from toolkit.layers.gdn import OlmoGatedDeltaNet
 from toolkit.layers.mlp import SwiGLUMLP
@@ -34,8 +33,8 @@ from toolkit.layers.parallel import keep_entries
 from toolkit.models.base import CausalLM, DecoderBody, PreNormBlock
 from toolkit.models.llama import build_rotary
 from toolkit.models.nemotron_h import NemotronHRMSNorm as FullPrecisionRMSNorm  # OLMo-3's RMSNorm too
+from toolkit.models.qwen3_next import qwen3_next_layer_types
 
-LAYER_TYPES = ("linear_attention", "full_attention")
 O_NORM_EPS = 1e-5          # HF OlmoHybridGatedDeltaNet's o_norm: fixed, not config.rms_norm_eps
 # checkpoint name <-> ours (transformers' conversion mapping for "olmo_hybrid")
 DISK_NORMS = {"attention_layer_norm": "input_layernorm", "feedforward_layer_norm": "post_attention_layernorm"}
@@ -113,17 +112,6 @@ class PostNormBlock(nn.Module):
         return h + self.post_feedforward_layernorm(self.mlp(h))
 
 
-def olmo_hybrid_layer_types(config: PretrainedConfig) -> list[str]:
-    types = list(config.layer_types)
-    if len(types) != config.num_hidden_layers:
-        raise ValueError(f"layer_types has {len(types)} entries for {config.num_hidden_layers} layers")
-    bad = sorted({t for t in types if t not in LAYER_TYPES})
-    if bad:
-        raise UnsupportedArchitectureError(
-            f"OLMo Hybrid layer types {bad} are not supported; supported: {list(LAYER_TYPES)}")
-    return types
-
-
 def has_rope(config: PretrainedConfig) -> bool:
     """HF builds rotary embeddings only when rope_parameters names a rope_theta (else NoPE)."""
     params = getattr(config, "rope_parameters", None)
@@ -139,7 +127,7 @@ class OlmoHybridForCausalLM(CausalLM):
         eps, hidden = config.rms_norm_eps, config.hidden_size
         head_dim = hidden // config.num_attention_heads
         blocks: list[nn.Module] = []
-        for i, kind in enumerate(olmo_hybrid_layer_types(config)):
+        for i, kind in enumerate(qwen3_next_layer_types(config, "OLMo Hybrid")):
             mlp = SwiGLUMLP(hidden, config.intermediate_size, False, config.hidden_act)
             if kind == "full_attention":
                 attn = OlmoPagedAttention(

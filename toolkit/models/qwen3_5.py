@@ -31,44 +31,12 @@ from toolkit.layers.gdn import SplitGatedDeltaNet
 from toolkit.layers.mlp import SwiGLUMLP
 from toolkit.layers.moe import merge_expert_checkpoint_tensors, split_expert_state_tensors
 from toolkit.models.base import CausalLM, DecoderBody, PreNormBlock
-from toolkit.models.llama import attention_head_dim, build_rotary
-from toolkit.models.qwen3_next import (
-    GatedPagedAttention,
-    OffsetRMSNorm,
-    SharedExpertMoeBlock,
-    qwen3_next_layer_types,
-)
+from toolkit.models.qwen3_next import OffsetRMSNorm, SharedExpertMoeBlock, qwen3_next_layer_types, qwen3_next_mixer
 
 log = logging.getLogger(__name__)
 
 LANGUAGE_PREFIX = "model.language_model."          # a ConditionalGeneration checkpoint's text model
 SKIPPED_PREFIXES = ("model.visual.", "mtp.")        # its vision tower and multi-token-prediction head
-
-
-def qwen3_5_mixer(config: PretrainedConfig, layer_idx: int, layer_type: str) -> tuple[str, nn.Module]:
-    if layer_type == "linear_attention":
-        return "linear_attn", SplitGatedDeltaNet(
-            layer_name=f"model.layers.{layer_idx}.linear_attn",
-            hidden_size=config.hidden_size,
-            num_k_heads=config.linear_num_key_heads,
-            num_v_heads=config.linear_num_value_heads,
-            head_k_dim=config.linear_key_head_dim,
-            head_v_dim=config.linear_value_head_dim,
-            conv_kernel=config.linear_conv_kernel_dim,
-            norm_eps=config.rms_norm_eps,
-            activation=config.hidden_act,
-        )
-    head_dim = attention_head_dim(config)
-    return "self_attn", GatedPagedAttention(
-        layer_name=f"model.layers.{layer_idx}.self_attn",
-        hidden_size=config.hidden_size,
-        num_heads=config.num_attention_heads,
-        num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
-        head_dim=head_dim,
-        bias=bool(getattr(config, "attention_bias", False)),
-        rotary=build_rotary(config, head_dim, use_partial=True),     # text-only mRoPE == partial RoPE
-        eps=config.rms_norm_eps,
-    )
 
 
 class Qwen3_5ForCausalLM(CausalLM):
@@ -83,10 +51,10 @@ class Qwen3_5ForCausalLM(CausalLM):
     def build_body(self, config: PretrainedConfig) -> DecoderBody:
         eps = config.rms_norm_eps
         blocks = [PreNormBlock(("input_layernorm", OffsetRMSNorm(config.hidden_size, eps=eps)),
-                               qwen3_5_mixer(config, i, kind),
+                               qwen3_next_mixer(config, i, kind, SplitGatedDeltaNet),
                                ("post_attention_layernorm", OffsetRMSNorm(config.hidden_size, eps=eps)),
                                ("mlp", self.ffn(config, i)), layer_type=kind)
-                  for i, kind in enumerate(qwen3_next_layer_types(config))]
+                  for i, kind in enumerate(qwen3_next_layer_types(config, "Qwen3.5"))]
         return DecoderBody(("embed_tokens", nn.Embedding(config.vocab_size, config.hidden_size)), blocks,
                            ("norm", OffsetRMSNorm(config.hidden_size, eps=eps)))
 

@@ -50,14 +50,16 @@ from toolkit.models.llama import attention_head_dim, build_rotary
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 
-def qwen3_next_layer_types(config: PretrainedConfig) -> list[str]:
+def qwen3_next_layer_types(config: PretrainedConfig, family: str = "Qwen3-Next") -> list[str]:
+    """config.layer_types checked: one per layer, each "linear_attention" or "full_attention" (the
+    delta-rule hybrids' vocabulary: Qwen3-Next, Qwen3.5, OLMo Hybrid, Kimi Linear)."""
     types = list(config.layer_types)
     if len(types) != config.num_hidden_layers:
         raise ValueError(f"layer_types has {len(types)} entries for {config.num_hidden_layers} layers")
-    bad = sorted({t for t in types if t not in LAYER_TYPES})
+    bad = sorted({str(t) for t in types if t not in LAYER_TYPES})
     if bad:
         raise UnsupportedArchitectureError(
-            f"Qwen3-Next layer types {bad} are not supported; supported: {list(LAYER_TYPES)}")
+            f"{family} layer types {bad} are not supported; supported: {list(LAYER_TYPES)}")
     return types
 
 
@@ -151,9 +153,12 @@ class SharedExpertMoeBlock(nn.Module):
         return self.tp.all_reduce(self.experts(x, weights.to(x.dtype), ids)) + shared
 
 
-def qwen3_next_mixer(config: PretrainedConfig, layer_idx: int, layer_type: str) -> tuple[str, nn.Module]:
+def qwen3_next_mixer(config: PretrainedConfig, layer_idx: int, layer_type: str,
+                     gdn_class: type[GatedDeltaNet] = GatedDeltaNet) -> tuple[str, nn.Module]:
+    """Layer i's mixer: a Gated DeltaNet (`gdn_class`: Qwen3.5 passes its split-projection one) or the
+    gated attention with partial RoPE."""
     if layer_type == "linear_attention":
-        return "linear_attn", GatedDeltaNet(
+        return "linear_attn", gdn_class(
             layer_name=f"model.layers.{layer_idx}.linear_attn",
             hidden_size=config.hidden_size,
             num_k_heads=config.linear_num_key_heads,
