@@ -14,7 +14,7 @@ import torch
 from toolkit import LLM, SamplingParams
 from toolkit.runner.cudagraph import CudaGraphManager, capture_sizes, resolve_mode
 
-from harness import F32, TINY_PRESETS
+from harness import F32, LOGIT_ATOL, TINY_PRESETS
 
 PROMPT_LENS = [5, 9, 3, 7, 4]              # 5 requests: decode batches of 5, padded to 8
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -71,7 +71,10 @@ def test_padded_eager_equals_unpadded(model):
     for step, (a, b) in enumerate(zip(ref_logits, logits)):
         for rid in a:
             diff = (a[rid] - b[rid]).abs().max().item()
-            assert diff <= 1e-5, f"step {step}, request {rid}: logits differ by {diff:.2e}"
+            # the same math on 8 rows instead of 5: the GEMMs' blocking (so fp32 rounding) follows the
+            # row count and the CPU (1.03e-5 on tiny-qwen3.5 on an AVX-512 machine, 1.3e-6 with float64
+            # weights: its GDN state stays fp32); a padded row leaking into a real one moves logits by far more
+            assert diff <= LOGIT_ATOL, f"step {step}, request {rid}: logits differ by {diff:.2e}"
 
 
 def test_padded_eager_sampled_rows_equal_unpadded():

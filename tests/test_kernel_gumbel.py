@@ -89,23 +89,32 @@ def test_gumbel_argmax_equals_reference(vocab, pos_dtype):
     assert torch.isfinite(scaled.gather(1, ours[:, None])).all()
 
 
+def _exact_partner(target, noise_b):
+    """A float32 s with s + noise_b == target exactly, or None: float32 sums step by s's ULP, which
+    can be twice target's, so some (target, noise_b) pairs have none."""
+    s = target - noise_b
+    for _ in range(8):
+        total = s + noise_b
+        if total == target:
+            return s
+        s = torch.nextafter(s, s + (target - total))
+    return None
+
+
 def _tie_row(noise_ours, noise_ref, vocab, first, second):
-    """A row that is -inf except tokens a < b (the first >= `first`, `second` whose noise is the same
-    on both sides) whose sums scaled + noise are exactly equal, and a lower third token."""
+    """A row that is -inf except tokens a < b (a: the first token >= `first`, b: the first >= `second`
+    that admits an exact tie, both with the same noise on both sides) whose sums scaled + noise are
+    exactly equal, and a lower third token."""
     same = noise_ours == noise_ref
     a = first + int(same[first:].nonzero()[0])
-    b = second + int(same[second:].nonzero()[0])
-    assert a < b
     row = torch.full((vocab,), float("-inf"), device=noise_ours.device)
     row[a] = 0.0
     target = noise_ours[a]                                           # the sum at a: 0 + noise, exact
-    s = target - noise_ours[b]
-    for _ in range(8):                                               # s + noise[b] == target in float32
-        total = s + noise_ours[b]
-        if total == target:
+    for b in (second + same[second:].nonzero()[:, 0]).tolist():
+        s = _exact_partner(target, noise_ours[b])
+        if s is not None:
             break
-        s = torch.nextafter(s, s + (target - total))
-    assert s + noise_ours[b] == target
+    assert a < b and s is not None and s + noise_ours[b] == target
     row[b] = s
     third = (a + b) // 2 if (a + b) // 2 not in (a, b) else b + 1
     row[third] = target - noise_ours[third] - 1.0                   # clearly below the tie
