@@ -28,8 +28,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from toolkit import LLM, SamplingParams
 from toolkit.inspect.spec_views import spec_step_html
 from toolkit.models import PRESETS
+from toolkit.models.presets import is_shape_preset
 
-PRESET_NAMES = [p for p in PRESETS if not p.endswith("-shape")]
+PRESET_NAMES = [p for p in PRESETS if not is_shape_preset(p)]
 aten = torch.ops.aten
 
 # Under torch.inference_mode (the runner's forward and sampler) a dispatch mode sees composite

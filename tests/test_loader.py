@@ -14,9 +14,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from toolkit.errors import CheckpointError, UnknownModelError, UnsupportedArchitectureError
 from toolkit.kv_cache_spec import AttentionSpec, MambaSpec
 from toolkit.models import MODEL_REGISTRY, PRESETS, get_model_class, load_model, save_hf_folder
+from toolkit.models.presets import is_shape_preset
 
-# shape-true presets ("*-shape": real model dimensions, hundreds of MB) are for benchmarks
-ARCHS = [p for p in PRESETS if not p.endswith("-shape")]
+# shape-true presets (is_shape_preset: real model dimensions, hundreds of MB to GB) are for benchmarks
+ARCHS = [p for p in PRESETS if not is_shape_preset(p)]
 F32 = dict(dtype=torch.float32, device="cpu")
 
 

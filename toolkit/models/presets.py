@@ -526,3 +526,87 @@ def tiny_kimi_linear() -> PretrainedConfig:
 
 
 PRESETS["tiny-kimi-linear"] = tiny_kimi_linear
+
+
+def tiny_lfm2_moe() -> PretrainedConfig:
+    """LFM2-MoE: layers conv, conv, full_attention, conv (LFM2's short conv L_cache 3 and attention
+    4 heads / 2 KV heads x 16 with q/k norms); layer 0's FFN a SwiGLU MLP of 128 (num_dense_layers
+    1), the others the MoE: 8 experts of 32, top-2 by sigmoid score plus expert_bias, renormalised,
+    x1.5 (routed_scaling_factor; 1.0 in the release, so a misplaced scale would hide); tied
+    embeddings, as LFM2-8B-A1B ships."""
+    from transformers import Lfm2MoeConfig
+    return Lfm2MoeConfig(
+        **{**_SHARED, "tie_word_embeddings": True},
+        layer_types=["conv", "conv", "full_attention", "conv"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_dense_layers=1,
+        num_experts=8,
+        num_experts_per_tok=2,
+        routed_scaling_factor=1.5,
+        conv_L_cache=3,
+        architectures=["Lfm2MoeForCausalLM"],
+    )
+
+
+PRESETS["tiny-lfm2-moe"] = tiny_lfm2_moe
+
+
+# ---- Zoo III shape-true presets --------------------------------------------------------------------
+# Each is the transformers config class's defaults, which its docstring ties to a released checkpoint
+# (Qwen3_5TextConfig's: hidden 4096, 32 layers, 8.95B parameters, Qwen3.5-9B's text model), cut to
+# one period of the layer pattern (or one layer of each kind) so that the fp32 weights fit a
+# laptop's memory; the name says how many layers. Random weights: for benchmarks and the
+# ahead-of-time compile test (tests/kernel_workloads.py SHAPE_TRIMS), not for CPU engine tests.
+
+def is_shape_preset(name: str) -> bool:
+    """A shape-true preset (real dimensions, hundreds of MB to GB): "<model>-shape" or "<model>-shape-<n>l"."""
+    return name.endswith("-shape") or "-shape-" in name
+
+
+def qwen3_5_9b_shape_4l() -> PretrainedConfig:
+    """Qwen/Qwen3.5-9B's text model, 4 of 32 layers (GDN, GDN, GDN, gated attention): hidden 4096;
+    GDN 16 key heads / 32 value heads x 128, conv 4; attention 16 heads / 4 KV heads x 256, partial
+    RoPE 0.25 (theta: the class default, 1e4); MLP 12288; vocab 248320, untied (2.90B parameters)."""
+    from transformers import Qwen3_5TextConfig
+    return Qwen3_5TextConfig(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                             architectures=["Qwen3_5ForCausalLM"])
+
+
+def qwen3_5_35b_a3b_shape_2l() -> PretrainedConfig:
+    """Qwen/Qwen3.5-35B-A3B's text model, 2 of 40 layers (GDN, gated attention), each with its MoE:
+    hidden 2048; GDN 16 key / 32 value heads x 128; attention 16 heads / 2 KV heads x 256; 256
+    experts of 512, top-8, and a gated shared expert of 512; vocab 248320 (2.70B parameters)."""
+    from transformers import Qwen3_5MoeTextConfig
+    return Qwen3_5MoeTextConfig(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                                architectures=["Qwen3_5MoeForCausalLM"])
+
+
+def olmo_hybrid_7b_shape_4l() -> PretrainedConfig:
+    """allenai/Olmo-Hybrid-7B, 4 of 32 layers (GDN, GDN, GDN, post-norm attention): hidden 3840;
+    GDN 30 heads, key dim 96, value dim 192, conv 4, beta in [0, 2]; attention 30 heads x 128, no
+    RoPE (the release's NoPE); MLP 11008; vocab 100352 (1.60B parameters)."""
+    from transformers import OlmoHybridConfig
+    return OlmoHybridConfig(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                            rope_parameters={"rope_type": "default", "rope_theta": None},
+                            architectures=["OlmoHybridForCausalLM"])
+
+
+def kimi_linear_48b_a3b_shape_2l() -> PretrainedConfig:
+    """moonshotai/Kimi-Linear-48B-A3B-Instruct, 2 of 27 layers: layer 0 KDA with the dense MLP
+    (9216), layer 1 MLA with the MoE: hidden 2304; KDA 32 heads x 128, conv 4; MLA 32 heads, latent
+    512 + rope dims 64 cached per token, nope 128, v 128, no q LoRA, NoPE; 256 experts of 1024, top-8,
+    one shared expert; vocab 163840 (2.71B parameters)."""
+    from transformers import KimiLinearConfig
+    return KimiLinearConfig(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                            mlp_layer_types=["dense", "sparse"], architectures=["KimiLinearForCausalLM"])
+
+
+PRESETS.update({
+    "qwen3.5-9b-shape-4l": qwen3_5_9b_shape_4l,
+    "qwen3.5-35b-a3b-shape-2l": qwen3_5_35b_a3b_shape_2l,
+    "olmo-hybrid-7b-shape-4l": olmo_hybrid_7b_shape_4l,
+    "kimi-linear-48b-a3b-shape-2l": kimi_linear_48b_a3b_shape_2l,
+})
