@@ -22,7 +22,8 @@ Two stages, one file per cache mode (MODES):
    one-token prompts, first chunks, chunks that continue a state, lengths and offsets on chunk-size
    edges, the runner's padded decode batches) it records the input and the output of every builder in
    BUILDERS -- vLLM's `Mamba1AttentionMetadataBuilder`, `Mamba2AttentionMetadataBuilder` (one per
-   Mamba2 chunk size), `ShortConvAttentionMetadataBuilder`, `GDNAttentionMetadataBuilder` -- each built
+   Mamba2 chunk size), `ShortConvAttentionMetadataBuilder`, `GDNAttentionMetadataBuilder` (from the
+   configs of Qwen3-Next, OLMo Hybrid and Kimi Linear, whose KDA runs on it) -- each built
    from a real `VllmConfig` (a tiny local config.json per architecture, `HF_HUB_OFFLINE=1`,
    `VLLM_TARGET_DEVICE=cpu`) in the cache mode of MODES, fed the same CommonAttentionMetadata (CPU tensors).
    "align" builds each builder once per block size of ALIGN_BLOCK_SIZES (names `<builder>_bs<size>`),
@@ -259,6 +260,25 @@ BUILDERS = {
                  linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
                  num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
                  layer_types=["linear_attention", "full_attention"]), ((3, 128), (4, 16, 16))),
+    # Zoo III on the same builder (issue 37): OLMo Hybrid's GDN (4 key = 4 value heads, key dim 8, value
+    # dim 16: conv 2*32 + 64 = 128 channels, state (Hv, Dv, Dk)); Kimi Linear's KDA, which vLLM runs on
+    # the GDN builder (`KimiDeltaAttention.mamba_type`): conv 3 * 4 * 16 channels, state (H, D, D).
+    # Qwen3.5 is left out: vLLM inspects its vision-language class, which imports torchvision, and
+    # PyPI's torchvision does not import beside the CPU torch wheel; its GDN layers use this builder too.
+    "gdn_olmo_hybrid": ("vllm.v1.attention.backends.gdn_attn.GDNAttentionMetadataBuilder", "GDN_ATTN",
+                        dict(architectures=["OlmoHybridForCausalLM"], model_type="olmo_hybrid",
+                             num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                             linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=8,
+                             linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                             layer_types=["linear_attention", "full_attention"]), ((3, 128), (4, 16, 8))),
+    "kda_kimi_linear": ("vllm.v1.attention.backends.gdn_attn.GDNAttentionMetadataBuilder", "GDN_ATTN",
+                        dict(architectures=["KimiLinearForCausalLM"], model_type="kimi_linear",
+                             num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
+                             moe_intermediate_size=32, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                             qk_nope_head_dim=16, v_head_dim=16, num_experts=8, num_experts_per_token=2,
+                             linear_attn_config={"kda_layers": [1], "full_attn_layers": [2], "head_dim": 16,
+                                                 "num_heads": 4, "short_conv_kernel_size": 4}),
+                        ((3, 192), (4, 16, 16))),
 }
 # Launch metadata of vLLM's Triton causal_conv1d (BLOCK_M tiling, 2048-long -1-filled pointers): stored
 # as a shape summary, not values (this project's conv kernel has no such input; see the test's map).
@@ -820,7 +840,7 @@ def align_spec_layout(name: str, md, common, batch: dict, bs: int, k: int) -> di
 
     def rows(t):
         return [] if t is None else t.tolist()
-    if name == "gdn":           # spec rows by mask (spec path), else every row on the non-spec path
+    if BUILDERS[name][0].endswith(".GDNAttentionMetadataBuilder"):   # spec rows by mask (spec path), else non-spec
         mask = [d >= 0 for d in batch["num_decode_draft_tokens"]]
         spec_rows = [r for r, m in enumerate(mask) if m]
         other = [r for r, m in enumerate(mask) if not m] if spec_rows else list(range(len(mask)))

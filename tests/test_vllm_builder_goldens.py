@@ -4,8 +4,10 @@ tests/data/vllm_builder_goldens.json holds seeded random batches (decodes, one-t
 top of saved state, fresh one-token prompts, first chunks, chunks that continue a state, lengths and
 offsets on chunk-size edges, the runner's padded decode batches) and what vLLM 0.33.0's
 Mamba1 / Mamba2 (chunk sizes 16, 64, 256) / ShortConv / GDN builders built from them, in vLLM's cache
-mode "none" (prefix caching off). `python3 scripts/vllm_reference.py` regenerates it (a scratch venv
-with the vllm wheel; not part of `make test`).
+mode "none" (prefix caching off). The GDN builder three times: from Qwen3-Next's config ("gdn"), OLMo
+Hybrid's ("gdn_olmo_hybrid") and Kimi Linear's, whose KDA layers vLLM runs on it ("kda_kimi_linear"),
+each with its model's state shapes; every file holds the three. `python3 scripts/vllm_reference.py`
+regenerates it (a scratch venv with the vllm wheel; not part of `make test`).
 
 tests/data/vllm_builder_goldens_align.json holds the same for cache mode "align" (prefix caching on,
 `--mode align`): every builder once per Mamba block size (16 and 64; builders `<name>_bs<size>`), on
@@ -623,7 +625,8 @@ def test_goldens_come_from_vllm_0_33_0_none_mode_with_every_case():
     assert doc["num_batches"] >= MIN_BATCHES
     assert all(len(v) == doc["num_batches"] for v in doc["inputs"].values())
     names = set(doc["builders"])
-    assert {"mamba1", "short_conv", "gdn"} <= names
+    assert {"mamba1", "short_conv", "gdn", "gdn_olmo_hybrid", "kda_kimi_linear"} <= names
+    assert doc["builders"]["kda_kimi_linear"]["architecture"] == "KimiLinearForCausalLM"
     chunk_sizes = {b["chunk_size"] for b in doc["builders"].values()
                    if b["vllm_class"].endswith(".Mamba2AttentionMetadataBuilder")}
     assert len(chunk_sizes) >= 3, chunk_sizes
