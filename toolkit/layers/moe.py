@@ -111,6 +111,50 @@ def split_expert_state_tensors(state: dict[str, torch.Tensor]) -> dict[str, torc
     return out
 
 
+_PER_EXPERT_W123 = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<w>w[123])\.weight$")
+
+
+def merge_w123_expert_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Mixtral-style per-expert checkpoint tensors `<prefix>.experts.{e}.w1 / w3 / w2 .weight` (gate,
+    up, down; Kimi Linear, LFM2-MoE, MiniMax) -> `<prefix>.experts.gate_up_proj` [E, 2I, H] ([w1; w3]
+    per expert) and `.down_proj` [E, H, I], as transformers' conversion mapping merges them. A set
+    with an expert or a projection missing is left as it is (the loader then names what is missing)."""
+    groups: dict[str, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        m = _PER_EXPERT_W123.match(key)
+        if m:
+            groups[m["prefix"]][int(m["e"])][m["w"]] = tensor
+        else:
+            out[key] = tensor
+    for prefix, by_expert in groups.items():
+        ids = sorted(by_expert)
+        if ids != list(range(len(ids))) or any(set(by_expert[e]) != {"w1", "w2", "w3"} for e in ids):
+            out.update({f"{prefix}.{e}.{w}.weight": t for e in ids for w, t in by_expert[e].items()})
+            continue
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([by_expert[e]["w1"], by_expert[e]["w3"]]) for e in ids])
+        out[f"{prefix}.down_proj"] = torch.stack([by_expert[e]["w2"] for e in ids])
+    return out
+
+
+def split_w123_expert_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of `merge_w123_expert_tensors` (the layout save_pretrained writes)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        m = re.fullmatch(r"(.*\.experts)\.(gate_up_proj|down_proj)", key)
+        if not m or tensor.dim() != 3:
+            out[key] = tensor
+            continue
+        for e, expert in enumerate(tensor):
+            if m.group(2) == "down_proj":
+                out[f"{m.group(1)}.{e}.w2.weight"] = expert.contiguous()
+            else:
+                gate, up = expert.chunk(2, dim=0)
+                out[f"{m.group(1)}.{e}.w1.weight"] = gate.contiguous()
+                out[f"{m.group(1)}.{e}.w3.weight"] = up.contiguous()
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # modules
 # --------------------------------------------------------------------------------------------

@@ -147,6 +147,20 @@ class CausalLM(nn.Module, ABC):
     def is_tied(self) -> bool:
         return self.lm_head.weight is self.get_input_embeddings().weight
 
+    def fp32_tensor_names(self) -> set[str]:
+        """Full names of the tensors kept in float32 whatever the model's dtype: a module's
+        `fp32_tensors` (its own parameter / buffer names), those HF creates in float32 and never casts
+        (LFM2-MoE's expert_bias)."""
+        return {f"{mn}.{n}" if mn else n for mn, m in self.named_modules() for n in getattr(m, "fp32_tensors", ())}
+
+    def keep_fp32_(self) -> None:
+        """Cast the `fp32_tensor_names` tensors back to float32 (after a model-wide `.to(dtype)`)."""
+        for m in self.modules():
+            for n in getattr(m, "fp32_tensors", ()):
+                t = getattr(m, n)
+                if t is not None and t.dtype != torch.float32:
+                    t.data = t.data.float()
+
     def max_graph_tokens(self) -> int | None:
         """The largest step a CUDA graph of this model can hold (None: no limit): a module with a
         `graph_max_tokens` (a MoE layer, whose larger steps sync on the host) caps it."""

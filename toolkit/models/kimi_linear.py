@@ -29,7 +29,7 @@ from toolkit.distributed import SINGLE, TPGroup
 from toolkit.layers.kda import KimiDeltaAttention
 from toolkit.layers.mla import LatentPagedAttention
 from toolkit.layers.mlp import SwiGLUMLP
-from toolkit.layers.moe import FusedExperts, shard_experts
+from toolkit.layers.moe import FusedExperts, merge_w123_expert_tensors, shard_experts, split_w123_expert_tensors
 from toolkit.layers.norms import RMSNorm
 from toolkit.layers.parallel import check_divides
 from toolkit.models.base import CausalLM, DecoderBody, PreNormBlock
@@ -102,14 +102,9 @@ class KimiLinearForCausalLM(CausalLM):
         ([w1; w3] per expert, stacked) and down_proj; q/k/v convs concatenated; the forget gate's
         tensors moved under self_attn.forget_gate."""
         out: dict[str, torch.Tensor] = {}
-        experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
         convs: dict[str, dict[str, torch.Tensor]] = {}
         for key, tensor in state.items():
             key = key.replace(".block_sparse_moe.", ".mlp.")
-            m = re.fullmatch(r"(.*\.mlp\.experts)\.(\d+)\.(w[123])\.weight", key)
-            if m:
-                experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = tensor
-                continue
             m = re.fullmatch(r"(.*\.self_attn)\.(q_conv1d|k_conv1d|v_conv1d)\.weight", key)
             if m:
                 convs.setdefault(m.group(1), {})[m.group(2)] = tensor
@@ -123,32 +118,14 @@ class KimiLinearForCausalLM(CausalLM):
                 out[f"{prefix}.conv1d.weight"] = torch.cat([parts[p] for p in CONV_PARTS], dim=0)
             else:                        # left under their names: the loader names what is missing
                 out.update({f"{prefix}.{p}.weight": t for p, t in parts.items()})
-        for prefix, by_expert in experts.items():
-            ids = sorted(by_expert)
-            if ids != list(range(len(ids))) or any(set(by_expert[e]) != {"w1", "w2", "w3"} for e in ids):
-                out.update({f"{prefix}.{e}.{w}.weight": t for e in ids for w, t in by_expert[e].items()})
-                continue
-            out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([by_expert[e]["w1"], by_expert[e]["w3"]])
-                                                         for e in ids])
-            out[f"{prefix}.down_proj"] = torch.stack([by_expert[e]["w2"] for e in ids])
-        return out
+        return merge_w123_expert_tensors(out)
 
     @staticmethod
     def state_dict_to_checkpoint(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """save_hf_folder hook: the layout save_pretrained writes (the inverse of the loader hook)."""
         out: dict[str, torch.Tensor] = {}
-        for key, tensor in state.items():
+        for key, tensor in split_w123_expert_tensors(state).items():
             disk = key.replace(".mlp.", ".block_sparse_moe.")
-            m = re.fullmatch(r"(.*\.experts)\.(gate_up_proj|down_proj)", disk)
-            if m:
-                for e, expert in enumerate(tensor):
-                    if m.group(2) == "down_proj":
-                        out[f"{m.group(1)}.{e}.w2.weight"] = expert.contiguous()
-                    else:
-                        gate, up = expert.chunk(2, dim=0)
-                        out[f"{m.group(1)}.{e}.w1.weight"] = gate.contiguous()
-                        out[f"{m.group(1)}.{e}.w3.weight"] = up.contiguous()
-                continue
             m = re.fullmatch(r"(.*\.self_attn)\.conv1d\.weight", disk)
             if m and f"{key.rsplit('.conv1d', 1)[0]}.q_proj.weight" in state:
                 for part, piece in zip(CONV_PARTS, tensor.chunk(3, dim=0)):

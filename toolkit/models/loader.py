@@ -63,6 +63,7 @@ def _list(names: list[str], limit: int = 20) -> str:
 
 def _finish(model: CausalLM, device: torch.device, dtype: torch.dtype) -> CausalLM:
     model.to(device=device, dtype=dtype)
+    model.keep_fp32_()
     model.tie_weights()  # moving can replace Parameter objects; re-share the tied tensor
     model.eval()
     model.requires_grad_(False)
@@ -187,6 +188,7 @@ def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device, tp: TPG
     with torch.device("meta"):
         model = cls(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    fp32 = model.fp32_tensor_names()
     tied = model.is_tied
     check_tensor_parallel(model, tp.world_size)
     targets = shard_model(model, tp).state_dict(keep_vars=True)
@@ -211,7 +213,7 @@ def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device, tp: TPG
                 t = read(lazy, selection)
                 if not bool(torch.isfinite(t).all()):
                     non_finite.append(f"{k} ({int((~torch.isfinite(t)).sum())} of {t.numel()} values)")
-                state[k] = t.to(device=device, dtype=dtype)
+                state[k] = t.to(device=device, dtype=torch.float32 if k in fp32 else dtype)
     if non_finite:
         raise CheckpointError(f"{folder}: NaN or Inf weights in {_list(sorted(non_finite))}; a model with them "
                               "runs and emits tokens that mean nothing: re-export the checkpoint")
