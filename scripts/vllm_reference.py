@@ -23,7 +23,8 @@ Two stages, one file per cache mode (MODES):
    edges, the runner's padded decode batches) it records the input and the output of every builder in
    BUILDERS -- vLLM's `Mamba1AttentionMetadataBuilder`, `Mamba2AttentionMetadataBuilder` (one per
    Mamba2 chunk size), `ShortConvAttentionMetadataBuilder`, `GDNAttentionMetadataBuilder` (from the
-   configs of Qwen3-Next, OLMo Hybrid and Kimi Linear, whose KDA runs on it) -- each built
+   configs of Qwen3-Next, OLMo Hybrid and Kimi Linear, whose KDA runs on it), `LinearAttentionMetadataBuilder`
+   (MiniMax's lightning attention; EXPLICIT_ALIGN, NOT_SPECULATIVE) -- each built
    from a real `VllmConfig` (a tiny local config.json per architecture, `HF_HUB_OFFLINE=1`,
    `VLLM_TARGET_DEVICE=cpu`) in the cache mode of MODES, fed the same CommonAttentionMetadata (CPU tensors).
    "align" builds each builder once per block size of ALIGN_BLOCK_SIZES (names `<builder>_bs<size>`),
@@ -279,7 +280,21 @@ BUILDERS = {
                              linear_attn_config={"kda_layers": [1], "full_attn_layers": [2], "head_dim": 16,
                                                  "num_heads": 4, "short_conv_kernel_size": 4}),
                         ((3, 192), (4, 16, 16))),
+    # MiniMax's lightning attention (issue 38): vLLM's linear-attention builder, state (H, D, D), no conv
+    "linear_attn": ("vllm.v1.attention.backends.linear_attn.LinearAttentionMetadataBuilder", "LINEAR",
+                    dict(architectures=["MiniMaxForCausalLM"], model_type="minimax", num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, intermediate_size=32, num_local_experts=4,
+                         num_experts_per_tok=2, layer_types=["linear_attention", "full_attention"]),
+                    ((4, 16, 16),)),
 }
+# builders whose model vLLM 0.33 does not switch to cache mode "align" with prefix caching (MiniMax is not
+# among the models MambaModelConfig updates): the align files set mamba_cache_mode="align" and
+# mamba_block_size=bs in their CacheConfig, vLLM's own settings, to build them as an align engine would
+EXPLICIT_ALIGN = ("linear_attn",)
+# builders with no speculative path in vLLM 0.33, so not in the spec files (named there, "not_speculative")
+NOT_SPECULATIVE = {"linear_attn": "vLLM 0.33's LinearAttentionMetadataBuilder has no speculative path: its build() "
+                                  "takes no spec kwargs and its reorder_batch_threshold is 1 (vLLM serves MiniMax "
+                                  "without speculative decoding)"}
 # Launch metadata of vLLM's Triton causal_conv1d (BLOCK_M tiling, 2048-long -1-filled pointers): stored
 # as a shape summary, not values (this project's conv kernel has no such input; see the test's map).
 SUMMARISED = ("nums_dict", "batch_ptr", "token_chunk_offset_ptr")
@@ -591,9 +606,12 @@ def make_builder(name: str, mode: str, workdir: Path, block_size: int | None = N
         extra = dict(parallel_config=parallel, speculative_config=SpeculativeConfig(
             method="ngram", num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3,
             target_model_config=model_config, target_parallel_config=parallel))
+    explicit = (dict(mamba_cache_mode="align", mamba_block_size=block_size)
+                if name in EXPLICIT_ALIGN and mode in ALIGN_MODES else {})
     vllm_config = VllmConfig(
         model_config=model_config,
-        cache_config=CacheConfig(**MODES[mode], **({"block_size": block_size} if block_size else {})), **extra)
+        cache_config=CacheConfig(**MODES[mode], **({"block_size": block_size} if block_size else {}), **explicit),
+        **extra)
     cache = vllm_config.cache_config
     want_mode = {"spec": "none", "align-spec": "align"}.get(mode, mode)
     assert cache.mamba_cache_mode == want_mode, (name, cache.mamba_cache_mode)
@@ -612,6 +630,8 @@ def make_builder(name: str, mode: str, workdir: Path, block_size: int | None = N
                 mamba_block_size=cache.mamba_block_size,
                 cudagraph_mode=str(vllm_config.compilation_config.cudagraph_mode),
                 use_v2_model_runner=bool(vllm_config.use_v2_model_runner))
+    if explicit:
+        info["cache_config_set_explicitly"] = explicit
     if hasattr(builder, "gdn_prefill_backend"):
         info["gdn_prefill_backend"] = builder.gdn_prefill_backend
     if k:
@@ -911,8 +931,9 @@ def generate(args) -> None:
     tables = draw_tables(rng, batches) if align else {}
     runs = ([(name, name, None, 0) for name in BUILDERS] if args.mode == "none" else
             [(f"{name}_bs{bs}_k{k}", name, bs, k) for k in SPEC_KS for bs in ALIGN_BLOCK_SIZES
-             for name in BUILDERS if name not in SPEC_LEFT_OUT] if align_spec else
-            [(f"{name}_k{k}", name, None, k) for k in SPEC_KS for name in BUILDERS if name not in SPEC_LEFT_OUT]
+             for name in BUILDERS if name not in (*SPEC_LEFT_OUT, *NOT_SPECULATIVE)] if align_spec else
+            [(f"{name}_k{k}", name, None, k) for k in SPEC_KS for name in BUILDERS
+             if name not in (*SPEC_LEFT_OUT, *NOT_SPECULATIVE)]
             if spec else
             [(f"{name}_bs{bs}", name, bs, 0) for bs in ALIGN_BLOCK_SIZES for name in BUILDERS])
     layout = {}          # align-spec: the state-index layout, checked against the tables (align_spec_layout)
@@ -969,6 +990,8 @@ def generate(args) -> None:
         "vllm_version": vllm.__version__, "torch_version": torch.__version__, "seed": args.seed,
         "mode": args.mode, "num_batches": len(batches), "max_model_len": MAX_MODEL_LEN,
     }
+    if spec:
+        doc["not_speculative"] = NOT_SPECULATIVE
     if align:
         doc["block_sizes"] = list(ALIGN_BLOCK_SIZES)
         doc["table_layout"] = {"page_prime": ALIGN_PAGE_PRIME, "null_every": ALIGN_NULL_EVERY}

@@ -4,10 +4,12 @@ tests/data/vllm_builder_goldens.json holds seeded random batches (decodes, one-t
 top of saved state, fresh one-token prompts, first chunks, chunks that continue a state, lengths and
 offsets on chunk-size edges, the runner's padded decode batches) and what vLLM 0.33.0's
 Mamba1 / Mamba2 (chunk sizes 16, 64, 256) / ShortConv / GDN builders built from them, in vLLM's cache
-mode "none" (prefix caching off). The GDN builder three times: from Qwen3-Next's config ("gdn"), OLMo
-Hybrid's ("gdn_olmo_hybrid") and Kimi Linear's, whose KDA layers vLLM runs on it ("kda_kimi_linear"),
-each with its model's state shapes; every file holds the three. `python3 scripts/vllm_reference.py`
-regenerates it (a scratch venv with the vllm wheel; not part of `make test`).
+mode "none" (prefix caching off), and vLLM's LinearAttentionMetadataBuilder (MiniMax's lightning
+attention; align files too, with mamba_cache_mode "align" set in its CacheConfig since vLLM 0.33 does not
+switch MiniMax to it; no spec path, so named in the spec files' "not_speculative"). The GDN builder three
+times: from Qwen3-Next's config ("gdn"), OLMo Hybrid's ("gdn_olmo_hybrid") and Kimi Linear's, whose KDA
+layers vLLM runs on it ("kda_kimi_linear"), each with its model's state shapes; every file holds the
+three. `python3 scripts/vllm_reference.py` regenerates it (a scratch venv with the vllm wheel; not part of `make test`).
 
 tests/data/vllm_builder_goldens_align.json holds the same for cache mode "align" (prefix caching on,
 `--mode align`): every builder once per Mamba block size (16 and 64; builders `<name>_bs<size>`), on
@@ -70,6 +72,7 @@ from toolkit.attention import mamba2 as mamba2_module
 from toolkit.attention import mamba_base
 from toolkit.attention.common import CommonAttentionMetadata
 from toolkit.attention.gdn import GDNAttentionMetadata, GDNMetadataBuilder
+from toolkit.attention.linear_attn import LinearAttentionMetadata, LinearAttentionMetadataBuilder
 from toolkit.attention.mamba1 import Mamba1AttentionMetadata, Mamba1MetadataBuilder
 from toolkit.attention.mamba2 import Mamba2AttentionMetadata, Mamba2MetadataBuilder
 from toolkit.attention.short_conv import ShortConvAttentionMetadata, ShortConvMetadataBuilder
@@ -438,6 +441,46 @@ GDN = dict(
     project_only={"num_reqs": "vLLM's GDN metadata has no num_reqs; checked == the input's num_reqs",
                   **CHECKPOINTS_ONLY})
 
+SSD_LAYOUT = ("this project's lightning prefill is the SSD chunk scan (toolkit/layers/lightning.py), which reads "
+              "Mamba2's chunk layout; vLLM's lightning kernels tile on their own")
+def _short_prefills(md) -> int:
+    """The prefill rows of one token at the head of the prefill section (fresh one-token prompts)."""
+    if not md.num_prefills:
+        return 0
+    lens = (md.query_start_loc_p[1:] - md.query_start_loc_p[:-1]).tolist()
+    return next((i for i, n in enumerate(lens) if n != 1), len(lens))
+
+
+# vLLM's linear-attention builder splits with split_decodes_and_prefills' default (short extends as decodes):
+# a fresh one-token prompt is a decode there, whose kernel reads the slot as its state; this project runs
+# it as a prefill from a zero state, the base rule of vLLM's other Mamba builders (vLLM #42430, mamba_base.py)
+SHORT_AS_DECODE = ("the base split, with the fresh one-token prompts at the head of the prefill rows counted as "
+                   "decodes (vLLM's split_decodes_and_prefills default; this project runs them as prefills from a "
+                   "zero state, as vLLM's other Mamba builders do)")
+LINEAR = dict(
+    compared={"num_decodes": Derived(lambda md: md.num_decodes + _short_prefills(md),
+                                     ("num_decodes", "num_prefills", "query_start_loc_p"), SHORT_AS_DECODE),
+              "num_decode_tokens": Derived(lambda md: md.num_decode_tokens + _short_prefills(md),
+                                           ("num_decode_tokens",), SHORT_AS_DECODE),
+              "num_prefills": Derived(lambda md: md.num_prefills - _short_prefills(md), (), SHORT_AS_DECODE),
+              "num_prefill_tokens": Derived(lambda md: md.num_prefill_tokens - _short_prefills(md),
+                                            ("num_prefill_tokens",), SHORT_AS_DECODE),
+              "state_indices_tensor": Derived(
+                  lambda md: _cat(md.state_indices_tensor_d, md.state_indices_tensor_p),
+                  ("state_indices_tensor_d", "state_indices_tensor_p"),
+                  "state_indices_tensor_d then state_indices_tensor_p (one slot per row, decodes first)")},
+    absent={},
+    from_input={"query_start_loc": "query_start_loc", "seq_lens": "seq_lens"},
+    not_compared={},
+    project_only={
+        "num_reqs": "vLLM's linear-attention metadata has no num_reqs; checked == the input's num_reqs",
+        "has_initial_states_p": "the base builder's flag (vLLM's linear attention has none: its prefill reads "
+                                "the slot when the row has computed tokens)",
+        "query_start_loc_d": "speculative decoding only (None here: vLLM's builder has no spec path)",
+        "num_accepted_tokens": "speculative decoding only (None here)",
+        "prep_initial_states": SSD_LAYOUT, "chunk_size": SSD_LAYOUT, "seq_idx_p": SSD_LAYOUT,
+        "cu_chunk_seqlen_p": SSD_LAYOUT, "last_chunk_indices_p": SSD_LAYOUT, **CHECKPOINTS_ONLY})
+
 FAMILIES = {  # vLLM builder class -> (this project's metadata class, factory(chunk_size, mamba_block_size,
               #                      num_speculative_tokens), map)
     "Mamba1AttentionMetadataBuilder": (
@@ -451,7 +494,14 @@ FAMILIES = {  # vLLM builder class -> (this project's metadata class, factory(ch
         lambda cs, bs, k: Mamba2MetadataBuilder(cs, mamba_block_size=bs, num_speculative_tokens=k), MAMBA2),
     "GDNAttentionMetadataBuilder": (
         GDNAttentionMetadata, lambda cs, bs, k: GDNMetadataBuilder(mamba_block_size=bs, num_speculative_tokens=k), GDN),
+    "LinearAttentionMetadataBuilder": (
+        LinearAttentionMetadata,
+        lambda cs, bs, k: LinearAttentionMetadataBuilder(cs or 16, mamba_block_size=bs, num_speculative_tokens=k),
+        LINEAR),
 }
+# vLLM builders without a speculative path: Mamba1 (the files' "left_out", checked on their batches) and
+# linear attention ("not_speculative": its build() takes no spec kwargs)
+NOT_IN_SPEC_FILES = {"Mamba1AttentionMetadataBuilder", "LinearAttentionMetadataBuilder"}
 # (golden builder, vLLM field) -> why this project differs on purpose. Each entry must still differ.
 KNOWN_DIFFERENCES: dict[tuple[str, str], str] = {}
 
@@ -652,6 +702,8 @@ def test_align_goldens_come_from_vllm_0_33_0_align_mode_with_every_case():
         assert len(tables) == len(digests) == doc["num_batches"], bs
         built = {b["vllm_class"].rsplit(".", 1)[1]: b for b in doc["builders"].values() if b["block_size"] == bs}
         assert set(built) == set(FAMILIES), (bs, set(built))
+        assert all(b.get("cache_config_set_explicitly") == {"mamba_cache_mode": "align", "mamba_block_size": bs}
+                   for b in built.values() if b["vllm_class"].endswith(".LinearAttentionMetadataBuilder")), bs
         chunk_sizes = {b["chunk_size"] for b in doc["builders"].values() if b["block_size"] == bs
                        and b["vllm_class"].endswith(".Mamba2AttentionMetadataBuilder")}
         assert len(chunk_sizes) >= 3, (bs, chunk_sizes)
@@ -671,6 +723,7 @@ def test_align_goldens_come_from_vllm_0_33_0_align_mode_with_every_case():
 def test_spec_goldens_come_from_vllm_0_33_0_speculative_builders_with_every_case():
     doc = golden("spec")
     assert doc["vllm_version"] == VLLM_VERSION and doc["mode"] == "spec" and isinstance(doc["seed"], int)
+    assert set(doc["not_speculative"]) == {"linear_attn"} == set(golden("align-spec")["not_speculative"])
     spec = doc["speculative"]
     assert set(spec["num_speculative_tokens"]) == set(MIN_SPEC_BATCHES), spec["num_speculative_tokens"]
     assert all(len(v) == doc["num_batches"] for v in doc["inputs"].values())
@@ -681,7 +734,7 @@ def test_spec_goldens_come_from_vllm_0_33_0_speculative_builders_with_every_case
         built = {b["vllm_class"].rsplit(".", 1)[1]: b for b in doc["builders"].values()
                  if b["num_speculative_tokens"] == k}
         # Mamba1 is left out: vLLM 0.33's Mamba1 builder ignores the spec inputs (checked on every batch)
-        assert set(built) == set(FAMILIES) - {"Mamba1AttentionMetadataBuilder"}, (k, set(built))
+        assert set(built) == set(FAMILIES) - NOT_IN_SPEC_FILES, (k, set(built))
         chunk_sizes = {b["chunk_size"] for b in doc["builders"].values() if b["num_speculative_tokens"] == k
                        and b["vllm_class"].endswith(".Mamba2AttentionMetadataBuilder")}
         assert len(chunk_sizes) >= 3, (k, chunk_sizes)
@@ -754,7 +807,7 @@ def test_align_spec_goldens_come_from_vllm_0_33_0_align_mode_with_speculative_bu
             built = {b["vllm_class"].rsplit(".", 1)[1]: b for b in doc["builders"].values()
                      if b["num_speculative_tokens"] == k and b["block_size"] == bs}
             # Mamba1 is left out as in the spec file (vLLM 0.33's Mamba1 ignores the spec inputs; checked)
-            assert set(built) == set(FAMILIES) - {"Mamba1AttentionMetadataBuilder"}, (k, bs, set(built))
+            assert set(built) == set(FAMILIES) - NOT_IN_SPEC_FILES, (k, bs, set(built))
             chunk_sizes = {b["chunk_size"] for b in doc["builders"].values() if b["num_speculative_tokens"] == k
                            and b["block_size"] == bs and b["vllm_class"].endswith(".Mamba2AttentionMetadataBuilder")}
             assert len(chunk_sizes) >= 3, (k, bs, chunk_sizes)

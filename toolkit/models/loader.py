@@ -13,6 +13,7 @@ as is every tensor when loading unsharded (the default), one tensor at a time.
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import os
 import shutil
@@ -280,7 +281,8 @@ def save_hf_folder(model_or_llm: Any, path: str | os.PathLike) -> Path:
     }
     to_checkpoint = getattr(type(model), "state_dict_to_checkpoint", None)
     if to_checkpoint is not None:  # the on-disk layout HF writes (e.g. per-expert MoE tensors)
-        tensors = to_checkpoint(tensors)
+        takes_config = "config" in inspect.signature(to_checkpoint).parameters
+        tensors = to_checkpoint(tensors, config=cfg) if takes_config else to_checkpoint(tensors)
     save_file(tensors, str(out / SAFE_WEIGHTS), metadata={"format": "pt"})
     tok_dir = getattr(model_or_llm, "tokenizer_dir", None)
     if isinstance(tok_dir, str) and os.path.isdir(tok_dir) and Path(tok_dir).resolve() != out.resolve():

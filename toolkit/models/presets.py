@@ -554,6 +554,34 @@ def tiny_lfm2_moe() -> PretrainedConfig:
 PRESETS["tiny-lfm2-moe"] = tiny_lfm2_moe
 
 
+def tiny_minimax() -> PretrainedConfig:
+    """MiniMax: layers lightning, lightning, softmax attention, lightning (the release's 7:1 pattern cut
+    to 4); 4 heads x 16 (a power of two: vLLM's ALiBi-style decay slopes equal HF's only then),
+    2 KV heads on the softmax layer (RoPE over the whole head); every layer a MoE of 4 experts of 32,
+    top-2, renormalised; every residual scale != 1 (alpha 1.2 / 0.9 / 1.1 on linear / full / MLP,
+    beta 0.8 / 1.3 / 0.7) so a misplaced one shows; HF's prefill block_size 4 (it tiles HF's
+    prefill only; HF's parity prompts cross its blocks)."""
+    from transformers import MiniMaxConfig
+    return MiniMaxConfig(
+        **_SHARED,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        block_size=4,
+        linear_attn_alpha_factor=1.2, linear_attn_beta_factor=0.8,
+        full_attn_alpha_factor=0.9, full_attn_beta_factor=1.3,
+        mlp_alpha_factor=1.1, mlp_beta_factor=0.7,
+        architectures=["MiniMaxForCausalLM"],
+    )
+
+
+PRESETS["tiny-minimax"] = tiny_minimax
+
+
 # ---- Zoo III shape-true presets --------------------------------------------------------------------
 # Each is the transformers config class's defaults, which its docstring ties to a released checkpoint
 # (Qwen3_5TextConfig's: hidden 4096, 32 layers, 8.95B parameters, Qwen3.5-9B's text model), cut to

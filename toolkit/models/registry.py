@@ -16,6 +16,7 @@ from toolkit.models.lfm2_moe import Lfm2MoeForCausalLM
 from toolkit.models.llama import LlamaForCausalLM
 from toolkit.models.mamba import MambaForCausalLM
 from toolkit.models.mamba2 import Mamba2ForCausalLM
+from toolkit.models.minimax import MiniMaxForCausalLM
 from toolkit.models.nemotron_h import NemotronHForCausalLM
 from toolkit.models.olmo_hybrid import OlmoHybridForCausalLM
 from toolkit.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
@@ -36,7 +37,7 @@ MODEL_REGISTRY[Qwen3NextForCausalLM.hf_architecture] = Qwen3NextForCausalLM
 MODEL_REGISTRY.update({cls.hf_architecture: cls for cls in (Zamba2ForCausalLM, FalconH1ForCausalLM)})
 MODEL_REGISTRY.update({cls.hf_architecture: cls for cls in (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM,
                                                              OlmoHybridForCausalLM, KimiLinearForCausalLM,
-                                                             Lfm2MoeForCausalLM)})
+                                                             Lfm2MoeForCausalLM, MiniMaxForCausalLM)})
 # checkpoints of other architectures that load as one of ours (a vision-language model, text-only)
 MODEL_REGISTRY.update({alias: cls for cls in list(MODEL_REGISTRY.values()) for alias in cls.hf_aliases})
 

@@ -14,6 +14,7 @@ import torch
 from toolkit.attention.builder import AttentionMetadataBuilder
 from toolkit.attention.common import CommonAttentionMetadata
 from toolkit.attention.gdn import GDNMetadataBuilder
+from toolkit.attention.linear_attn import LinearAttentionMetadataBuilder
 from toolkit.attention.mamba1 import Mamba1MetadataBuilder
 from toolkit.attention.mamba2 import Mamba2MetadataBuilder
 from toolkit.attention.paged_attn import PagedAttentionMetadataBuilder
@@ -53,6 +54,8 @@ def make_builder(group: KVCacheGroup, align: bool = False, checkpoints: bool = F
         return ShortConvMetadataBuilder(**kw)
     if isinstance(spec, MambaSpec) and spec.mamba_type == "gdn":
         return GDNMetadataBuilder(spec.chunk_size, **kw)
+    if isinstance(spec, MambaSpec) and spec.mamba_type == "linear_attention":
+        return LinearAttentionMetadataBuilder(spec.chunk_size, **kw)
     raise ValueError(f"no metadata builder for cache spec {spec}")
 
 
