@@ -90,8 +90,9 @@ def test_only_the_visible_tab_is_drawn():
     assert bytes(ins.timeline.image.value).startswith(b"\x89PNG")
 
 
-def test_state_view_shows_the_picked_layer_and_request():
-    ins = make()
+@pytest.mark.parametrize("preset", ["tiny-bamba", "tiny-minimax"])     # Mamba2's two states; lightning's one
+def test_state_view_shows_the_picked_layer_and_request(preset):
+    ins = make(preset)
     ins.run(3)
     show(ins, "State")
     rec = ins.record
