@@ -638,3 +638,27 @@ PRESETS.update({
     "olmo-hybrid-7b-shape-4l": olmo_hybrid_7b_shape_4l,
     "kimi-linear-48b-a3b-shape-2l": kimi_linear_48b_a3b_shape_2l,
 })
+
+
+def lfm2_8b_a1b_shape_4l() -> PretrainedConfig:
+    """LiquidAI/LFM2-8B-A1B (Lfm2MoeConfig's defaults), 4 of 24 layers: conv, conv, attention, conv;
+    hidden 2048; short conv L_cache 3; attention 32 heads / 8 KV heads x 64; layers 0-1 a dense FFN of
+    7168, then the MoE: 32 experts of 1792, top-4, expert bias; vocab 65536, tied (0.99B parameters)."""
+    from transformers import Lfm2MoeConfig
+    return Lfm2MoeConfig(num_hidden_layers=4, layer_types=["conv", "conv", "full_attention", "conv"],
+                         architectures=["Lfm2MoeForCausalLM"])
+
+
+def minimax_text_01_shape_2l() -> PretrainedConfig:
+    """MiniMaxAI/MiniMax-Text-01 at the technical report's dimensions (456B in all over 80 layers,
+    7 lightning : 1 softmax), 2 layers: lightning, softmax attention; hidden 6144, 64 heads x 128 (8 KV
+    heads on the softmax layer), 32 experts of 9216, top-2; vocab 200064. MiniMaxConfig's own defaults
+    are Mixtral's sizes, not these. Even 2 layers hold 13.7B parameters: for GPU benchmarks in bf16."""
+    from transformers import MiniMaxConfig
+    return MiniMaxConfig(vocab_size=200064, hidden_size=6144, intermediate_size=9216, num_hidden_layers=2,
+                         num_attention_heads=64, num_key_value_heads=8, head_dim=128, num_local_experts=32,
+                         num_experts_per_tok=2, layer_types=["linear_attention", "full_attention"],
+                         architectures=["MiniMaxForCausalLM"])
+
+
+PRESETS.update({"lfm2-8b-a1b-shape-4l": lfm2_8b_a1b_shape_4l, "minimax-text-01-shape-2l": minimax_text_01_shape_2l})
