@@ -113,21 +113,28 @@ PARITY_WORKLOADS: dict[str, Callable[[], object]] = {
 
 # ---- what the parity runs do not launch --------------------------------------------------------------
 
-# Shape-true presets cut to one layer of each kind (same dimensions, same kernel launches per layer).
+# Shape-true presets cut to one layer of each kind (same dimensions, the same kernel specialisations).
 SHAPE_TRIMS = {
     "mamba-130m-shape": dict(num_hidden_layers=1),
     "mamba2-130m-shape": dict(num_hidden_layers=1),
     "bamba-300m-shape": dict(num_hidden_layers=2, attn_layer_indices=[1]),
     "lfm2-350m-shape": dict(num_hidden_layers=2, layer_types=["conv", "full_attention"], full_attn_idxs=[1]),
-    # Zoo III: MoE experts are torch ops (no kernel launch), so 8 of them stand in for 256 (top-8 kept);
-    # the vocabulary is a runtime int to the kernels (specialised on divisibility by 16 only), so 32768
-    # stands in for 248320 / 163840 / 100352 (all multiples of 16) and the embedding costs 10x less.
-    # qwen3.5-9b-shape-4l is left out (45 s under the interpreter): its GDN layers are 35B-A3B's
-    # (16 key / 32 value heads x 128), its attention 16 heads x 256 over 4 KV heads instead of 2.
+    # Zoo III, cut further where the kernels cannot tell: MoE experts are torch ops (no kernel launch), so
+    # 8 of them stand in for 256 (top-8 kept); the vocabulary is a runtime int to the kernels (specialised
+    # on divisibility by 16 only), so 32768 stands in for 248320 / 163840 / 100352 (all multiples of 16);
+    # the delta-rule heads are the kernels' grid, not their tiles (those come from the head dims), and
+    # the conv's tiles stay capped (its channels >= 256); but a head count shows in the specialisations
+    # through 16-byte alignment (a [T, H] tensor's rows start at multiples of H elements) and divisibility
+    # by 16, so a stand-in keeps H's factors of 2 up to 16: OLMo's 30 heads -> 6, Kimi's 32 -> 16 (each
+    # under the interpreter costs its heads' count in programs; the recorded specialisations were
+    # compared equal). Qwen3.5's 16 key heads cannot shrink. MLA runs in torch: Kimi's 32 attention heads
+    # -> 2. qwen3.5-9b-shape-4l is left out: its GDN layers are 35B-A3B's (16 key / 32 value heads x 128),
+    # its attention 16 heads x 256 over 4 KV heads instead of 2.
     "qwen3.5-35b-a3b-shape-2l": dict(num_experts=8, vocab_size=32768),
     "olmo-hybrid-7b-shape-4l": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-                                    vocab_size=32768),
-    "kimi-linear-48b-a3b-shape-2l": dict(num_experts=8, vocab_size=32768),
+                                    vocab_size=32768, linear_num_key_heads=6, linear_num_value_heads=6),
+    "kimi-linear-48b-a3b-shape-2l": dict(num_experts=8, vocab_size=32768, linear_num_heads=16,
+                                         num_attention_heads=2, num_key_value_heads=2),
 }
 
 
