@@ -222,7 +222,26 @@ def shard_experts(experts: nn.Module, tp: TPGroup, gated: bool = True) -> None:
         experts.intermediate_size = local
 
 
-class SparseMoeBlock(nn.Module):
+class ShardedExperts:
+    """Tensor parallelism of a MoE block holding fused gated `experts` (vLLM's fused MoE in TP mode):
+    every expert on every rank, its intermediate channels split (`shard_experts`); the router, a
+    routing bias and a shared expert's gate whole, so every rank routes alike; the block all-reduces
+    the experts' partial sum with `self.tp` (a shared expert, an MLP of its own, shards and reduces
+    itself). `experts_size_name` is the config field a refusal names."""
+
+    tp: TPGroup = SINGLE
+    experts_size_name = "moe_intermediate_size"
+    experts: FusedExperts
+
+    def check_shardable(self, tp_size: int) -> None:
+        check_divides(self.experts_size_name, self.experts.intermediate_size, tp_size)
+
+    def shard_(self, tp: TPGroup) -> None:
+        shard_experts(self.experts, tp)
+        self.tp = tp
+
+
+class SparseMoeBlock(ShardedExperts, nn.Module):
     """x [T, H] -> [T, H]: router (top-k softmax) then the experts. Names: router.weight,
     experts.gate_up_proj, experts.down_proj."""
 
@@ -244,17 +263,7 @@ class SparseMoeBlock(nn.Module):
         self.router = TopKRouter(hidden_size, num_experts)
         self.experts = FusedExperts(hidden_size, intermediate_size, num_experts, hidden_act)
 
-    # -- tensor parallelism (vLLM's fused MoE in TP mode) -----------------------------------------
-    tp: TPGroup = SINGLE
-
-    def check_shardable(self, tp_size: int) -> None:
-        check_divides("the experts' intermediate_size", self.experts.intermediate_size, tp_size)
-
-    def shard_(self, tp: TPGroup) -> None:
-        """Every expert on every rank, its intermediate size split; the router whole (every rank
-        routes alike); the output all-reduced."""
-        shard_experts(self.experts, tp)
-        self.tp = tp
+    experts_size_name = "the experts' intermediate_size"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = topk_routing(self.router(x), self.top_k, self.renormalize)

@@ -36,7 +36,7 @@ from toolkit.distributed import SINGLE, TPGroup
 from toolkit.errors import UnsupportedArchitectureError
 from toolkit.layers.attention import PagedAttention
 from toolkit.layers.mlp import get_activation
-from toolkit.layers.moe import FusedExperts, TopKRouter, shard_experts
+from toolkit.layers.moe import FusedExperts, ShardedExperts, TopKRouter
 from toolkit.layers.norms import RMSNorm
 from toolkit.layers.parallel import check_divides, keep_rows, shard_rows
 from toolkit.models.bamba import bamba_mixer
@@ -105,7 +105,7 @@ class GraniteSharedMLP(nn.Module):
         return self.tp.all_reduce(self.output_linear(self.act_fn(a) * b))
 
 
-class GraniteMoE(nn.Module):
+class GraniteMoE(ShardedExperts, nn.Module):
     """x [T, H] -> sum over the top-k experts of softmax(top-k router logits) * expert(x).
     Names: router.weight, experts.gate_up_proj, experts.down_proj."""
 
@@ -118,14 +118,7 @@ class GraniteMoE(nn.Module):
         self.router = TopKRouter(hidden_size, num_experts)
         self.experts = FusedExperts(hidden_size, intermediate_size, num_experts, hidden_act)
 
-    tp: TPGroup = SINGLE
-
-    def check_shardable(self, tp_size: int) -> None:
-        check_divides("the experts' intermediate_size", self.experts.intermediate_size, tp_size)
-
-    def shard_(self, tp: TPGroup) -> None:
-        shard_experts(self.experts, tp)
-        self.tp = tp
+    experts_size_name = "the experts' intermediate_size"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_logits, ids = self.router(x).float().topk(self.top_k, dim=-1)

@@ -25,13 +25,11 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from toolkit.distributed import SINGLE, TPGroup
 from toolkit.layers.kda import KimiDeltaAttention
 from toolkit.layers.mla import LatentPagedAttention
 from toolkit.layers.mlp import SwiGLUMLP
-from toolkit.layers.moe import FusedExperts, merge_w123_expert_tensors, shard_experts, split_w123_expert_tensors
+from toolkit.layers.moe import FusedExperts, ShardedExperts, merge_w123_expert_tensors, split_w123_expert_tensors
 from toolkit.layers.norms import RMSNorm
-from toolkit.layers.parallel import check_divides
 from toolkit.models.base import CausalLM, DecoderBody, PreNormBlock
 from toolkit.models.nemotron_h import NemotronHTopkRouter
 from toolkit.models.qwen3_next import qwen3_next_layer_types
@@ -39,7 +37,7 @@ from toolkit.models.qwen3_next import qwen3_next_layer_types
 CONV_PARTS = ("q_conv1d", "k_conv1d", "v_conv1d")
 
 
-class DeepseekMoE(nn.Module):
+class DeepseekMoE(ShardedExperts, nn.Module):
     """x [T, H] -> experts(DeepSeek-V3 routing) + shared_experts(x). Names: gate.weight,
     gate.e_score_correction_bias, experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I],
     shared_experts.{gate,up,down}_proj."""
@@ -51,16 +49,6 @@ class DeepseekMoE(nn.Module):
                                         config.topk_group, bool(config.norm_topk_prob), config.routed_scaling_factor)
         self.experts = FusedExperts(h, i, config.num_local_experts, config.hidden_act)
         self.shared_experts = SwiGLUMLP(h, i * config.n_shared_experts, False, config.hidden_act)
-
-    tp: TPGroup = SINGLE
-
-    def check_shardable(self, tp_size: int) -> None:
-        check_divides("moe_intermediate_size", self.experts.intermediate_size, tp_size)
-
-    def shard_(self, tp: TPGroup) -> None:
-        """The experts' intermediate channels split (router whole; the shared experts shard and reduce themselves)."""
-        shard_experts(self.experts, tp)
-        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)

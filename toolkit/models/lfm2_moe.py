@@ -20,10 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from toolkit.distributed import SINGLE, TPGroup
-from toolkit.layers.moe import FusedExperts, merge_w123_expert_tensors, shard_experts, split_w123_expert_tensors
+from toolkit.layers.moe import FusedExperts, ShardedExperts, merge_w123_expert_tensors, split_w123_expert_tensors
 from toolkit.layers.norms import RMSNorm
-from toolkit.layers.parallel import check_divides
 from toolkit.models.base import CausalLM, DecoderBody, PreNormBlock
 from toolkit.models.lfm2 import Lfm2MLP, lfm2_layer_types, lfm2_mixer
 
@@ -42,7 +40,7 @@ def sigmoid_biased_topk(logits: torch.Tensor, bias: torch.Tensor | None, top_k: 
     return weights * scale, ids
 
 
-class Lfm2MoeSparseBlock(nn.Module):
+class Lfm2MoeSparseBlock(ShardedExperts, nn.Module):
     """x [T, H] -> [T, H]. Names: gate.weight [E, H], expert_bias [E] (fp32 buffer),
     experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]."""
 
@@ -61,17 +59,6 @@ class Lfm2MoeSparseBlock(nn.Module):
         else:
             self.expert_bias = None
         self.experts = FusedExperts(h, config.moe_intermediate_size, e, "silu")
-
-    tp: TPGroup = SINGLE
-
-    def check_shardable(self, tp_size: int) -> None:
-        check_divides("moe_intermediate_size", self.experts.intermediate_size, tp_size)
-
-    def shard_(self, tp: TPGroup) -> None:
-        """The experts' intermediate channels split (vLLM's fused MoE in TP mode); the router and the
-        bias whole (every rank routes alike); the partial sums all-reduced."""
-        shard_experts(self.experts, tp)
-        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = sigmoid_biased_topk(F.linear(x, self.gate.weight), self.expert_bias, self.top_k,

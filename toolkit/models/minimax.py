@@ -23,20 +23,18 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from toolkit.distributed import SINGLE, TPGroup
 from toolkit.errors import NotSupportedYetError, UnsupportedArchitectureError
 from toolkit.layers.attention import PagedAttention
 from toolkit.layers.lightning import LightningAttention
 from toolkit.layers.moe import (
     FusedExperts,
+    ShardedExperts,
     TopKRouter,
     merge_w123_expert_tensors,
-    shard_experts,
     split_w123_expert_tensors,
     topk_routing,
 )
 from toolkit.layers.norms import RMSNorm
-from toolkit.layers.parallel import check_divides
 from toolkit.models.base import CausalLM, DecoderBody
 from toolkit.models.llama import build_rotary
 
@@ -46,7 +44,7 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 DECAY_TABLES = ("query_decay", "key_decay", "diagonal_decay")
 
 
-class MiniMaxMoE(nn.Module):
+class MiniMaxMoE(ShardedExperts, nn.Module):
     """x [T, H] -> [T, H]: softmax over the router's logits (fp32), top-k, renormalised; fused SwiGLU
     experts. Names: gate.weight [E, H], experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]."""
 
@@ -59,14 +57,7 @@ class MiniMaxMoE(nn.Module):
         self.gate = TopKRouter(config.hidden_size, e)
         self.experts = FusedExperts(config.hidden_size, config.intermediate_size, e, config.hidden_act)
 
-    tp: TPGroup = SINGLE
-
-    def check_shardable(self, tp_size: int) -> None:
-        check_divides("the experts' intermediate_size", self.experts.intermediate_size, tp_size)
-
-    def shard_(self, tp: TPGroup) -> None:
-        shard_experts(self.experts, tp)
-        self.tp = tp
+    experts_size_name = "the experts' intermediate_size"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = topk_routing(self.gate(x), self.top_k, renormalize=True)

@@ -30,20 +30,18 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from toolkit.distributed import SINGLE, TPGroup
 from toolkit.errors import UnsupportedArchitectureError
 from toolkit.layers.attention import PagedAttention
 from toolkit.layers.gdn import GatedDeltaNet
 from toolkit.layers.mlp import SwiGLUMLP
 from toolkit.layers.moe import (
     FusedExperts,
+    ShardedExperts,
     TopKRouter,
     merge_expert_checkpoint_tensors,
-    shard_experts,
     split_expert_state_tensors,
     topk_routing,
 )
-from toolkit.layers.parallel import check_divides
 from toolkit.models.base import CausalLM, DecoderBody, PreNormBlock
 from toolkit.models.llama import attention_head_dim, build_rotary
 
@@ -118,7 +116,7 @@ class GatedPagedAttention(PagedAttention):
         return self.tp.all_reduce(self.output_proj(out))
 
 
-class SharedExpertMoeBlock(nn.Module):
+class SharedExpertMoeBlock(ShardedExperts, nn.Module):
     """HF `Qwen3NextSparseMoeBlock`: x [T, H] -> experts(top-k softmax routing) +
     sigmoid(shared_expert_gate(x)) * shared_expert(x). Names: gate.weight [E, H],
     experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I], shared_expert.{gate,up,down}_proj,
@@ -135,17 +133,6 @@ class SharedExpertMoeBlock(nn.Module):
         self.experts = FusedExperts(hidden_size, moe_intermediate_size, num_experts, hidden_act)
         self.shared_expert = SwiGLUMLP(hidden_size, shared_intermediate_size, False, hidden_act)
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
-
-    tp: TPGroup = SINGLE
-
-    def check_shardable(self, tp_size: int) -> None:
-        check_divides("moe_intermediate_size", self.experts.intermediate_size, tp_size)
-
-    def shard_(self, tp: TPGroup) -> None:
-        """The experts' intermediate sizes split (the router and the shared expert's gate whole; the
-        shared expert, a SwiGLUMLP, shards and reduces itself); the experts' sum all-reduced."""
-        shard_experts(self.experts, tp)
-        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
