@@ -10,8 +10,10 @@ written; md: PagedAttentionMetadata (toolkit/attention/paged_attn.py):
                                  at offset n % block_size
     num_reqs (B), max_query_len, max_seq_len: python ints, upper bounds for the grid
 Row i's queries sit at positions seq_len - q_len .. seq_len - 1; the query at position p attends keys
-0 .. p; query head h reads kv head h // (Hq // Hkv). Tokens at or past query_start_loc[B] (padding)
-get 0. Returns out [T, Hq, D] in q.dtype; scores and softmax in fp32 (online softmax over key tiles).
+0 .. p, or with `sliding_window` W keys p - W + 1 .. p only (key tiles wholly before a query block's
+windows are skipped and keys before them never loaded, so released pages are never read); query head
+h reads kv head h // (Hq // Hkv). Tokens at or past query_start_loc[B] (padding) get 0. Returns
+out [T, Hq, D] in q.dtype; scores and softmax in fp32 (online softmax over key tiles).
 
 Cache slots past a row's seq_len (and the null block 0 that pads a block table) are never loaded,
 so whatever they hold (even NaN) cannot reach the output.
@@ -38,11 +40,11 @@ def _round_to_tf32(x):
 
 @triton.jit
 def _paged_attn_kernel(q_ptr, cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
-                       num_reqs, num_tokens, block_size, max_blocks, qk_scale,
+                       num_reqs, num_tokens, block_size, max_blocks, qk_scale, window,
                        s_qt, s_qh, s_cb, s_ckv, s_cs, s_ch, s_ot, s_oh, s_bt,
                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                       PRECISION: tl.constexpr, ROUND_P: tl.constexpr):
+                       PRECISION: tl.constexpr, ROUND_P: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Program (request, block of BLOCK_M query tokens, kv head): the GROUP query heads of that kv
     head for those tokens, as BLOCK_M * BLOCK_G tile rows, against the request's key tiles up to
     the last query's position. Programs of request index num_reqs zero the padding tokens."""
@@ -87,10 +89,13 @@ def _paged_attn_kernel(q_ptr, cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
     kv_end = tl.minimum(seq_len, ctx + m0 + BLOCK_M)     # keys past the block's last query: unused
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
     head_off = kvh * s_ch
-    for start in range(0, kv_end, BLOCK_N):
+    first_key = 0                           # the first key any query of the block sees
+    if HAS_WINDOW:
+        first_key = tl.maximum(ctx + m0 - window + 1, 0)
+    for start in range((first_key // BLOCK_N) * BLOCK_N, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         col = n // block_size
-        n_ok = (n < kv_end) & (col < max_blocks)
+        n_ok = (n < kv_end) & (col < max_blocks) & (n >= first_key)   # earlier keys: maybe released pages
         blk = tl.load(bt_row + col, mask=n_ok, other=0).to(tl.int64)
         kv_off = blk * s_cb + (n % block_size) * s_cs + head_off
         kv_mask = n_ok[:, None] & d_ok[None, :]
@@ -98,6 +103,8 @@ def _paged_attn_kernel(q_ptr, cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
         v = tl.load(cache_ptr + s_ckv + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale     # log2 units
         valid = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        if HAS_WINDOW:
+            valid = valid & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: keep 0s, not NaN
@@ -123,7 +130,8 @@ def _tiles(max_query_len: int, max_seq_len: int, group: int) -> tuple[int, int]:
     return block_m, block_n
 
 
-def _launch(q: torch.Tensor, kv_cache: torch.Tensor, md, scale: float, block_m: int, block_n: int) -> torch.Tensor:
+def _launch(q: torch.Tensor, kv_cache: torch.Tensor, md, scale: float, block_m: int, block_n: int,
+            sliding_window: int | None = None) -> torch.Tensor:
     """Launch with given tile sizes (no checks: `paged_attention` checks, tests vary the tiles)."""
     num_tokens, hq, head_dim = q.shape
     block_size, hkv = kv_cache.shape[2], kv_cache.shape[3]
@@ -137,19 +145,22 @@ def _launch(q: torch.Tensor, kv_cache: torch.Tensor, md, scale: float, block_m: 
     grid = (num_reqs + 1, max(1, triton.cdiv(int(md.max_query_len), block_m)), hkv)
     _paged_attn_kernel[grid](
         q, kv_cache, out, md.query_start_loc, md.seq_lens, bt,
-        num_reqs, num_tokens, block_size, bt.shape[1], float(scale) * _LOG2E,
+        num_reqs, num_tokens, block_size, bt.shape[1], float(scale) * _LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         kv_cache.stride(3), out.stride(0), out.stride(1), bt.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_G=triton.next_power_of_2(group),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         # fp32: exact fp32 dots. fp16/bf16: operands are upcast (exact in tf32) and P is rounded to
         # tf32 in the kernel, so tf32 tensor-core dots give the same numbers as the interpreter.
-        PRECISION="ieee" if fp32 else "tf32", ROUND_P=not fp32)
+        PRECISION="ieee" if fp32 else "tf32", ROUND_P=not fp32, HAS_WINDOW=sliding_window is not None)
     return out
 
 
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, md, scale: float) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, md, scale: float,
+                    sliding_window: int | None = None) -> torch.Tensor:
     """Launcher: checks shapes, dtypes, devices and strides; returns out [T, Hq, D] in q.dtype."""
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
     if q.dim() != 3:
         raise ValueError(f"q must be [T, Hq, D], got {tuple(q.shape)}")
     num_tokens, hq, head_dim = q.shape
@@ -186,4 +197,4 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, md, scale: float) -
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
     block_m, block_n = _tiles(int(md.max_query_len), int(md.max_seq_len), hq // hkv)
-    return _launch(q, kv_cache, md, scale, block_m, block_n)
+    return _launch(q, kv_cache, md, scale, block_m, block_n, sliding_window)

@@ -209,6 +209,19 @@ def verify_rows_run() -> None:
             call(getattr(ops, name), state, inputs, idx, query_start_loc=qsl, num_accepted_tokens=accepted)
 
 
+def sliding_window_run() -> None:
+    """Paged attention with a sliding window (LFM3's and other SWA layers' mask; released pages before
+    every window), bf16 and fp32, decode rows and prefill chunks, before any model uses it."""
+    from test_kernel_paged_attention import MIXED, make_batch, release_out_of_window_pages
+
+    from toolkit.kernels import paged_attention
+    with recording("sliding_window"):
+        for dtype in (torch.bfloat16, torch.float32):
+            q, cache, md = make_batch(MIXED + [(1, 33), (20, 40)], 4, 2, 16, 4, dtype, device=DEVICE)
+            release_out_of_window_pages(md, 4, 6)
+            paged_attention.paged_attention(q, cache, md, 0.25, sliding_window=6)
+
+
 def kda_run() -> None:
     """Kimi Delta Attention (the delta-rule kernels with a log decay per key channel, G_PER_K), as a bf16
     mixer would launch them before any model uses them: decode rows, verify rows, a prefill with
@@ -245,6 +258,7 @@ BF16_WORKLOADS: dict[str, Callable[[], object]] = {
     "gumbel_debug": gumbel_debug_run,
     "verify_rows": verify_rows_run,
     "kda": kda_run,
+    "sliding_window": sliding_window_run,
 }
 FP16_SHAPE_WORKLOADS: dict[str, Callable[[], object]] = {
     **{f"engine:{m}:float16": (lambda m=m: engine_run(m, "float16")) for m in FP16_MODELS},

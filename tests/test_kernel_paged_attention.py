@@ -145,6 +145,54 @@ def test_paged_attention_tile_sizes(block_m, block_n):
     check(ours, q, cache, md, 0.3, torch.float32)
 
 
+def release_out_of_window_pages(md, block_size: int, window: int) -> int:
+    """Point every block-table column wholly before all of a row's query windows at the null block 0
+    (NaN-filled in make_batch), as a sliding-window cache releases them. Returns how many were."""
+    qsl, seq = md.query_start_loc_cpu.tolist(), md.seq_lens_cpu.tolist()
+    table = md.block_table.cpu()
+    released = 0
+    for i, s in enumerate(seq):
+        first_seen = max(s - (qsl[i + 1] - qsl[i]) - window + 1, 0)     # the first query's window start
+        cols = first_seen // block_size                                  # columns wholly before it
+        released += int((table[i, :cols] != 0).sum())
+        table[i, :cols] = 0
+    md.block_table = table.to(md.block_table.device)
+    return released
+
+
+@pytest.mark.parametrize("window", [1, 3, 6, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window_equals_reference_with_released_pages(window, dtype):
+    """Windows shorter than a block, than a row's context and longer than some rows; the pages wholly
+    out of every query's window released to the NaN-filled null block: never read by either side."""
+    rows = MIXED + [(1, 33), (20, 40), (3, 26)]
+    q, cache, md = make_batch(rows, 4, 2, 16, 4, dtype, seed=2)
+    assert release_out_of_window_pages(md, 4, window) > (0 if window < 16 else -1)
+    ours = pa.paged_attention(q, cache, md, 0.25, sliding_window=window)
+    ref = paged_attention_ref.paged_attention_ref(q, cache, md, 0.25, sliding_window=window)
+    assert not ours.isnan().any() and not ref.isnan().any()
+    torch.testing.assert_close(ours, ref, **TOL[dtype])
+    for block_m, block_n in ((1, 16), (4, 32)):           # tiles starting inside and before a window
+        torch.testing.assert_close(pa._launch(q, cache, md, 0.25, block_m, block_n, window), ref, **TOL[dtype])
+
+
+def test_sliding_window_reference_is_hfs_mask():
+    """The reference's window is HF's sliding-window mask: query p sees key j iff 0 <= p - j < W
+    (checked against a dense softmax with that boolean mask)."""
+    g = torch.Generator().manual_seed(4)
+    ctx, nq, w = 9, 6, 4
+    q, k, v = (torch.randn(n, h, 8, generator=g) for n, h in ((nq, 4), (ctx + nq, 2), (ctx + nq, 2)))
+    ours = paged_attention_ref.causal_attention_ref(q, k, v, ctx, 0.5, sliding_window=w)
+    p = torch.arange(ctx, ctx + nq)[:, None]
+    j = torch.arange(ctx + nq)[None, :]
+    allowed = (p - j >= 0) & (p - j < w)
+    scores = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(2, dim=1)) * 0.5
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    want = torch.einsum("hqk,khd->qhd", probs, v.repeat_interleave(2, dim=1))
+    torch.testing.assert_close(ours, want)
+    assert not torch.allclose(ours, paged_attention_ref.causal_attention_ref(q, k, v, ctx, 0.5))
+
+
 def test_paged_attention_only_padding():
     q, cache, md = make_batch([], 4, 2, 16, 4, torch.float16, pad=5)
     ours = pa.paged_attention(q, cache, md, 0.25)
@@ -171,6 +219,8 @@ def test_paged_attention_launcher_names_what_is_wrong():
     md.seq_lens = md.seq_lens[:1]
     with pytest.raises(ValueError, match=r"md.seq_lens must be int32/int64 \[B=2\]"):
         pa.paged_attention(q, cache, md, 1.0)
+    with pytest.raises(ValueError, match="sliding_window must be None or an int >= 1, got 0"):
+        pa.paged_attention(q, cache, md, 1.0, sliding_window=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: real shapes")

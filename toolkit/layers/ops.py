@@ -27,7 +27,8 @@ a padded prefill sequence is computed from a zero state (the profile run relies 
         also write the state after token token_index[m] to slot slots[m] (-1: nothing); for
         ssd_scan each such token ends a chunk
     write_kv_cache(kv_cache, k [N, Hkv, D], v, slot_mapping [N]) -> None
-    paged_attention(q [T, Hq, D], kv_cache, md: PagedAttentionMetadata, scale) -> out [T, Hq, D]
+    paged_attention(q [T, Hq, D], kv_cache, md: PagedAttentionMetadata, scale, sliding_window=None)
+        -> out [T, Hq, D]   (sliding_window W: the query at p sees keys p - W + 1 .. p)
     gumbel_argmax(scaled [B, V] fp32, seeds int64 [B, 2], positions [B]) -> int64 [B]
         argmax(scaled + gumbel(seed, position, token)) (see toolkit/sampling.py)
     gdn_update(ssm_state [S, Hv, V, K], q [B, Hk, K], k, v [B, Hv, V], g [B, Hv], beta [B, Hv],
