@@ -16,11 +16,11 @@ launched by
 Each workload records under a label (WORKLOADS: label -> run); test_compile_for_gpus.py runs, one
 test each, those not recorded yet in this process (all of them when it runs alone).
 
-The workloads come in three groups (WORKLOAD_GROUPS: the parity runs, the bf16 engines with the Gumbel
-debug kernel, the fp16 engines with the shape-true presets). Each launch is recorded in RECORDED (all of
+The workloads come in four groups (WORKLOAD_GROUPS: the parity runs, the bf16 engines with the Gumbel
+debug kernel, the fp16 engines, the shape-true presets). Each launch is recorded in RECORDED (all of
 them: benchmarks/kernel_compile.py) and in its group's own KernelSpecs (GROUP_RECORDED), which one
 compile test per group compiles. Each group is one pytest-xdist group (test_compile_for_gpus.py), so
-that under `make test` the three run on whichever workers are free instead of serially on one.
+that under `make test` the four run on whichever workers are free instead of serially on one.
 """
 from __future__ import annotations
 
@@ -158,13 +158,16 @@ def trimmed_preset(preset: str):
 # step 4 is a decode batch of 3 that padded_eager pads to 4 (the CUDA-graph size), then all finish.
 ENGINE_LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=16, cudagraph_mode="padded_eager")
 ENGINE_PROMPTS = [(3, 4, 0.0), (30, 2, 0.0), (2, 2, 1.0)]       # (prompt length, max_tokens, temperature)
+# the shape-true presets: the same steps' kinds (an 18-token prompt still chunked, mixed, padded) with a
+# third less prefill, whose delta-rule and conv programs at real head counts dominate the interpreter's time
+SHAPE_PROMPTS = [(3, 4, 0.0), (18, 2, 0.0), (2, 2, 1.0)]
 
 
-def engine_run(model: str, dtype: str) -> None:
+def engine_run(model: str, dtype: str, prompts=ENGINE_PROMPTS) -> None:
     """One triton engine: chunked prefill, mixed steps, a padded decode batch, greedy and sampled rows."""
     with recording(f"engine:{model}:{dtype}"):
         with LLM(model, device=DEVICE, dtype=dtype, backend="triton", **ENGINE_LIMITS) as llm:
-            for n, max_tokens, temperature in ENGINE_PROMPTS:
+            for n, max_tokens, temperature in prompts:
                 llm.add_request({"prompt_token_ids": prompts_of([n], llm.vocab_size, seed=n)[0]},
                                 SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=5,
                                                ignore_eos=True))
@@ -178,7 +181,7 @@ def engine_run(model: str, dtype: str) -> None:
 
 def shape_run(preset: str, dtype: str) -> None:
     with trimmed_preset(preset) as name:
-        engine_run(name, dtype)
+        engine_run(name, dtype, SHAPE_PROMPTS)
 
 
 def gumbel_debug_run() -> None:
@@ -260,19 +263,20 @@ BF16_WORKLOADS: dict[str, Callable[[], object]] = {
     "kda": kda_run,
     "sliding_window": sliding_window_run,
 }
-FP16_SHAPE_WORKLOADS: dict[str, Callable[[], object]] = {
-    **{f"engine:{m}:float16": (lambda m=m: engine_run(m, "float16")) for m in FP16_MODELS},
-    **{f"engine:{p}-trimmed:bfloat16": (lambda p=p: shape_run(p, "bfloat16")) for p in SHAPE_TRIMS},
-}
-EXTRA_WORKLOADS = {**BF16_WORKLOADS, **FP16_SHAPE_WORKLOADS}
+FP16_WORKLOADS: dict[str, Callable[[], object]] = {
+    f"engine:{m}:float16": (lambda m=m: engine_run(m, "float16")) for m in FP16_MODELS}
+SHAPE_WORKLOADS: dict[str, Callable[[], object]] = {
+    f"engine:{p}-trimmed:bfloat16": (lambda p=p: shape_run(p, "bfloat16")) for p in SHAPE_TRIMS}
+EXTRA_WORKLOADS = {**BF16_WORKLOADS, **FP16_WORKLOADS, **SHAPE_WORKLOADS}
 WORKLOADS = {**PARITY_WORKLOADS, **EXTRA_WORKLOADS}
 
-# The groups (the two engine groups take about the same interpreter time): the parity runs
-# (test_backend_triton.py records them as it compares); the bf16 engines on every tiny preset and demo
-# model, with the Gumbel debug kernel: together they launch every kernel (test_compile_for_gpus.py
-# checks it); the fp16 engines and the shape-true presets.
+# The groups: the parity runs (test_backend_triton.py records them as it compares); the bf16 engines on
+# every tiny preset and demo model, with the Gumbel debug kernel: together they launch every kernel
+# (test_compile_for_gpus.py checks it); the fp16 engines; the shape-true presets (the heaviest under the
+# interpreter: a group of their own, so that a free worker takes it beside the others).
 WORKLOAD_GROUPS: dict[str, dict[str, Callable[[], object]]] = {
-    "parity": PARITY_WORKLOADS, "engines-bf16": BF16_WORKLOADS, "engines-fp16-shapes": FP16_SHAPE_WORKLOADS}
+    "parity": PARITY_WORKLOADS, "engines-bf16": BF16_WORKLOADS, "engines-fp16": FP16_WORKLOADS,
+    "shapes": SHAPE_WORKLOADS}
 GROUP_OF = {label: group for group, workloads in WORKLOAD_GROUPS.items() for label in workloads}
 GROUP_RECORDED = {group: KernelSpecs() for group in WORKLOAD_GROUPS}
 

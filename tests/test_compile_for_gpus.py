@@ -8,9 +8,9 @@ have and in the register file; and every kernel in toolkit/kernels must have bee
 per-kernel registers, spills and shared memory are in benchmarks/RESULTS.md
 (benchmarks/kernel_compile.py prints them).
 
-The workloads come in three groups (kernel_workloads.WORKLOAD_GROUPS), each compiled by its own test
+The workloads come in four groups (kernel_workloads.WORKLOAD_GROUPS), each compiled by its own test
 (the specializations its runs recorded) and each one pytest-xdist group, so that `make test` runs the
-three on whichever workers are free. The parity group shares its worker with test_backend_triton.py,
+four on whichever workers are free. The parity group shares its worker with test_backend_triton.py,
 which runs first: its parity runs have recorded already. The other workloads run here, one test each
 (all of them when this file runs alone), then their group's test compiles. The bf16 group launches
 every kernel in toolkit/kernels.
@@ -45,7 +45,7 @@ ARCHS = (80, 90)
 # with pytest-xdist, each workload group in one worker, the parity group in the one that ran
 # test_backend_triton.py's recordings (same xdist group)
 XDIST_GROUPS = {"parity": "triton-kernels", "engines-bf16": "triton-kernels-bf16",
-                "engines-fp16-shapes": "triton-kernels-fp16-shapes"}
+                "engines-fp16": "triton-kernels-fp16", "shapes": "triton-kernels-shapes"}
 assert XDIST_GROUPS.keys() == WORKLOAD_GROUPS.keys()
 
 

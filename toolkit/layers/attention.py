@@ -32,6 +32,8 @@ class PagedAttention(nn.Module):
             projection and before RoPE (HF LFM2 `q_layernorm`/`k_layernorm`, Qwen3 `q_norm`/`k_norm`).
         qk_norm_names: the checkpoint's names of those two norms.
         o_proj_name: the checkpoint's name of the output projection ("out_proj" in LFM2).
+        sliding_window: W, or None: the query at position p attends keys p - W + 1 .. p only (the
+            kernel never reads keys before the window; the cache still holds their pages).
     """
 
     def __init__(
@@ -48,6 +50,7 @@ class PagedAttention(nn.Module):
         qk_norm_eps: float | None = None,
         qk_norm_names: tuple[str, str] = ("q_norm", "k_norm"),
         o_proj_name: str = "o_proj",
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads != 0:
@@ -68,6 +71,7 @@ class PagedAttention(nn.Module):
             self.add_module(qk_norm_names[0], RMSNorm(head_dim, eps=qk_norm_eps))
             self.add_module(qk_norm_names[1], RMSNorm(head_dim, eps=qk_norm_eps))
         self.rotary = rotary
+        self.sliding_window = sliding_window
         self.q_rows_per_head = head_dim       # q_proj rows per head (a gated attention has 2 * head_dim)
         self.kv_cache: torch.Tensor | None = None
         self.ops = TORCH_OPS                        # set_ops() swaps in the Triton kernels
@@ -141,8 +145,12 @@ class PagedAttention(nn.Module):
             k = getattr(self, self._qk_norm_names[1])(k)
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
-        out = self.attend(q, k, v, attn_metadata)
+        out = self.gate_output(self.attend(q, k, v, attn_metadata), hidden)
         return self.tp.all_reduce(self.output_proj(out.reshape(t, self.num_heads * self.head_dim)))
+
+    def gate_output(self, out: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The attention output [T, Hq, D] before o_proj; a gated attention scales it here."""
+        return out
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                attn_metadata: dict[str, object] | None) -> torch.Tensor:
@@ -156,4 +164,6 @@ class PagedAttention(nn.Module):
             raise RuntimeError(f"{self.layer_name}: no KV cache bound (call bind_kv_cache first)")
         n = min(int(md.num_actual_tokens), q.shape[0])
         self.ops.write_kv_cache(self.kv_cache, k[:n], v[:n], md.slot_mapping[:n])
-        return self.ops.paged_attention(q, self.kv_cache, md, self.scale)
+        if self.sliding_window is None:
+            return self.ops.paged_attention(q, self.kv_cache, md, self.scale)
+        return self.ops.paged_attention(q, self.kv_cache, md, self.scale, sliding_window=self.sliding_window)

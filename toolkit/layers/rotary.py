@@ -37,8 +37,10 @@ class RotaryEmbedding(nn.Module):
         head_dim: per-head channel count.
         theta: rope base (`rope_parameters["rope_theta"]`).
         partial_rotary_factor: fraction of head_dim that rotates (rotary_dim = int(head_dim * f)).
-        rope_parameters / config: only for non-default rope types ("linear", "llama3", "yarn", ...):
-            frequencies then come from transformers' `ROPE_INIT_FUNCTIONS[rope_type](config)`.
+        rope_parameters / config: only for non-default rope types ("linear", "llama3", "yarn",
+            "proportional", ...): frequencies then come from transformers' `ROPE_INIT_FUNCTIONS[rope_type](config)`.
+        layer_type: for a config whose rope_parameters are per layer type (LFM3: "sliding_attention",
+            "full_attention"), the type this layer's come from (handed on to transformers' init function).
     """
 
     def __init__(
@@ -48,6 +50,7 @@ class RotaryEmbedding(nn.Module):
         partial_rotary_factor: float = 1.0,
         rope_parameters: dict[str, Any] | None = None,
         config: Any = None,
+        layer_type: str | None = None,
     ) -> None:
         super().__init__()
         rope_type = (rope_parameters or {}).get("rope_type", "default")
@@ -55,7 +58,8 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         # frequencies are real CPU data even when the model is built under `torch.device("meta")`
         with torch.device("cpu"):
-            inv_freq, scaling = self._frequencies(head_dim, theta, partial_rotary_factor, rope_type, config)
+            inv_freq, scaling = self._frequencies(head_dim, theta, partial_rotary_factor, rope_type, config,
+                                                  layer_type)
         self.rotary_dim = 2 * inv_freq.shape[0]
         if self.rotary_dim > head_dim:
             raise ValueError(f"rotary_dim {self.rotary_dim} exceeds head_dim {head_dim}")
@@ -66,7 +70,8 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def _frequencies(
-        head_dim: int, theta: float, partial_rotary_factor: float, rope_type: str, config: Any
+        head_dim: int, theta: float, partial_rotary_factor: float, rope_type: str, config: Any,
+        layer_type: str | None = None,
     ) -> tuple[torch.Tensor, float]:
         if rope_type == "default":
             rotary_dim = int(head_dim * partial_rotary_factor)
@@ -82,7 +87,8 @@ class RotaryEmbedding(nn.Module):
 
             if rope_type not in ROPE_INIT_FUNCTIONS or config is None:
                 raise UnsupportedArchitectureError(f"unknown rope_type '{rope_type}'")
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device=torch.device("cpu"))
+            kw = {"layer_type": layer_type} if layer_type is not None else {}
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device=torch.device("cpu"), **kw)
             inv_freq = inv_freq.to(torch.float32)
         return inv_freq, scaling
 

@@ -582,6 +582,28 @@ def tiny_minimax() -> PretrainedConfig:
 PRESETS["tiny-minimax"] = tiny_minimax
 
 
+def tiny_lfm3() -> PretrainedConfig:
+    """LFM3: layers conv, conv, full_attention, conv, sliding_attention, conv (the default pattern, 6
+    layers); short conv L_cache 7 (the release's); attention 4 heads / 2 KV heads x 16 with q/k norms
+    and per-head output gates; sliding window 4 (prompts run far past it); full layers proportional
+    RoPE (partial 0.5, theta 1e6), sliding layers default RoPE (theta 1e4); sandwich norms; SwiGLU 128;
+    tied embeddings."""
+    from transformers import Lfm3Config
+    return Lfm3Config(
+        **{**_SHARED, "tie_word_embeddings": True, "num_hidden_layers": 6},
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        sliding_window=4,
+        conv_L_cache=7,
+        architectures=["Lfm3ForCausalLM"],
+    )
+
+
+PRESETS["tiny-lfm3"] = tiny_lfm3
+
+
 # ---- Zoo III shape-true presets --------------------------------------------------------------------
 # Each is the transformers config class's defaults, which its docstring ties to a released checkpoint
 # (Qwen3_5TextConfig's: hidden 4096, 32 layers, 8.95B parameters, Qwen3.5-9B's text model), cut to

@@ -13,6 +13,7 @@ from toolkit.models.jamba import JambaForCausalLM
 from toolkit.models.kimi_linear import KimiLinearForCausalLM
 from toolkit.models.lfm2 import Lfm2ForCausalLM
 from toolkit.models.lfm2_moe import Lfm2MoeForCausalLM
+from toolkit.models.lfm3 import Lfm3ForCausalLM
 from toolkit.models.llama import LlamaForCausalLM
 from toolkit.models.mamba import MambaForCausalLM
 from toolkit.models.mamba2 import Mamba2ForCausalLM
@@ -37,7 +38,7 @@ MODEL_REGISTRY[Qwen3NextForCausalLM.hf_architecture] = Qwen3NextForCausalLM
 MODEL_REGISTRY.update({cls.hf_architecture: cls for cls in (Zamba2ForCausalLM, FalconH1ForCausalLM)})
 MODEL_REGISTRY.update({cls.hf_architecture: cls for cls in (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM,
                                                              OlmoHybridForCausalLM, KimiLinearForCausalLM,
-                                                             Lfm2MoeForCausalLM, MiniMaxForCausalLM)})
+                                                             Lfm2MoeForCausalLM, MiniMaxForCausalLM, Lfm3ForCausalLM)})
 # checkpoints of other architectures that load as one of ours (a vision-language model, text-only)
 MODEL_REGISTRY.update({alias: cls for cls in list(MODEL_REGISTRY.values()) for alias in cls.hf_aliases})
 
