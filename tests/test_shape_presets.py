@@ -23,12 +23,21 @@ ZOO_III = {
     "lfm2-8b-a1b-shape-4l": (["conv", "conv", "full_attention", "conv"], 987_926_656),
     "minimax-text-01-shape-2l": (["linear_attention", "full_attention"], 13_695_358_976),
 }
+# whole-model shape presets (no layer cut): preset -> parameters
+WHOLE = {"lfm3-1.7b-shape": 1_728_801_536}
 
 
 def _meta_models(name: str):
     cfg = PRESETS[name]()
     with torch.device("meta"):
         return cfg, get_model_class(cfg)(cfg), AutoModelForCausalLM.from_config(cfg)
+
+
+def test_whole_shape_presets_keep_every_layer():
+    for name, params in WHOLE.items():
+        cfg, ours, _ = _meta_models(name)
+        assert len(ours.model.layers) == cfg.num_hidden_layers == type(cfg)().num_hidden_layers
+        assert sum(p.numel() for p in ours.parameters()) == params
 
 
 def test_shape_presets_are_named_so():

@@ -684,3 +684,15 @@ def minimax_text_01_shape_2l() -> PretrainedConfig:
 
 
 PRESETS.update({"lfm2-8b-a1b-shape-4l": lfm2_8b_a1b_shape_4l, "minimax-text-01-shape-2l": minimax_text_01_shape_2l})
+
+
+def lfm3_1_7b_shape() -> PretrainedConfig:
+    """LiquidAI/LFM3-1.7B (Lfm3Config's defaults), all 24 layers (1.73B parameters: fp32 fits a laptop):
+    hidden 2048; 13 conv layers (L_cache 7), 6 full attention (i % 4 == 2; proportional RoPE 0.5, theta
+    1e6), 5 sliding-window (i % 4 == 0, i > 0; window 256, theta 1e4); attention 16 heads / 4 KV heads
+    x 128 with per-head gates; SwiGLU 7680; vocab 128000, tied."""
+    from transformers import Lfm3Config
+    return Lfm3Config(architectures=["Lfm3ForCausalLM"])
+
+
+PRESETS["lfm3-1.7b-shape"] = lfm3_1_7b_shape
