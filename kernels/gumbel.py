@@ -10,7 +10,7 @@ exceed V, the vocabulary dimension must be contiguous); seeds int64 [B, 2] (the 
 gumbel(s, p, v) is `gumbel_ref.gumbel_noise`: a counter-based hash, bit-identical here,
     key  = combine(combine(combine(0x85EBCA6B, s_hi), s_lo), p)      combine(h, x) = mix32(h ^ mix32(x ^ GOLDEN))
     bits = mix32(key ^ mix32(v ^ GOLDEN)) >> 8                      mix32 = lowbias32
-    u = (bits + 0.5) / 2**24 ;  noise = -log(-log(u))               (float32)
+    u = min((bits + 0.5) / 2**24, 1 - 2**-24) ;  noise = -log(-log(u))      (float32; the min: see gumbel_ref)
 The hash runs in uint32: multiplies wrap mod 2**32 and `>>` on an unsigned type is a logical shift,
 which is the arithmetic torch emulates in int64 with 16-bit splits.
 
@@ -60,7 +60,8 @@ def _row_key(seed_ptr, pos_ptr, row, stride_sb, stride_sw, stride_p):
 def _hash_and_noise(key, v):
     """uint32 key, int32 token ids v -> (uint32 hash32, float32 Gumbel noise)."""
     hashed = _mix32(key ^ _mix32(v.to(tl.uint32) ^ _GOLDEN))
-    u = ((hashed >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)    # exact: 24 bits, power-of-two scale
+    u = ((hashed >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)    # power-of-two scale
+    u = tl.minimum(u, 0.99999994039535522)          # 1 - 2**-24: bits 2**24 - 1 would round to u = 1 (gumbel_ref)
     return hashed, -tl.log(-tl.log(u))
 
 

@@ -1,7 +1,7 @@
 """Position-keyed Gumbel noise and the Gumbel-max draw, in torch: the reference of `gumbel.py`
 (the sampler's arithmetic is described in toolkit/sampling.py).
 
-    gumbel(s, p, v) = -log(-log(u)),  u = (bits + 0.5) / 2**24
+    gumbel(s, p, v) = -log(-log(u)),  u = min((bits + 0.5) / 2**24, 1 - 2**-24)
 
 `bits` are the top 24 bits of `hash32(s, p, v)`, a counter-based integer hash (`_mix32`,
 "lowbias32") chained over the seed's two 32-bit words, the position and the token id: a pure
@@ -55,7 +55,10 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) 
     """float32 [B, V]: the Gumbel noise of (seed, position, token id) for every row and token."""
     keys = row_keys(seeds, positions)
     bits = _mix32(keys[:, None] ^ _token_terms(vocab_size, keys.device)[None, :]) >> 8
-    u = (bits.to(torch.float32) + 0.5) * (1.0 / 2**24)        # exact in float32, in (0, 1)
+    # float32 holds bits + 0.5 exactly below 2**23 only; above, it rounds to even, and the top value,
+    # 2**24 - 1, to 2**24: u = 1 and noise +inf (a filtered -inf token would then win, as NaN). So u is
+    # capped at the largest float32 below 1; every other value is unchanged.
+    u = ((bits.to(torch.float32) + 0.5) * (1.0 / 2**24)).clamp(max=1.0 - 2**-24)
     return -torch.log(-torch.log(u))
 
 

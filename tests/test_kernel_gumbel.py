@@ -4,6 +4,8 @@ rounding may differ by device and library), the sampled token ids equal to the r
 resolved to the first index."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -199,3 +201,22 @@ def test_real_shape_on_cuda():
     ref_keys, ref_hashes = _reference_hash(seeds, positions, vocab)
     assert torch.equal(keys, ref_keys) and torch.equal(hashes, ref_hashes)
     torch.testing.assert_close(noise, gumbel_ref.gumbel_noise(seeds, positions, vocab), **NOISE_TOL)
+
+
+def test_the_largest_hash_gives_finite_noise_and_a_filtered_token_never_wins():
+    """Seed (7, 0), position 1871289: token 0's 24 hash bits are all ones. In float32 bits + 0.5 rounds
+    to 2**24 there, so u would be 1 and the noise +inf (a -inf filtered token would win as NaN); u is
+    capped below 1 on both sides: the noise is finite and the largest any token gets."""
+    seeds = torch.tensor([[7, 0]], device=DEV)
+    positions = torch.tensor([1871289], device=DEV)
+    keys, hashed, noise = gumbel.gumbel_debug(seeds, positions, 16)
+    assert int(hashed[0, 0]) >> 8 == 2**24 - 1
+    ref = gumbel_ref.gumbel_noise(seeds, positions, 16)
+    assert torch.isfinite(noise).all()
+    torch.testing.assert_close(noise, ref, **NOISE_TOL)
+    top = -math.log(-math.log1p(-2.0**-24))
+    assert abs(float(noise[0, 0]) - top) < 1e-5
+    scaled = torch.zeros(1, 16, device=DEV)
+    scaled[0, 0] = float("-inf")                                     # token 0 filtered (top-k / top-p)
+    assert gumbel.gumbel_argmax(scaled, seeds, positions).item() != 0
+    assert gumbel_ref.gumbel_argmax_ref(scaled, seeds, positions).item() != 0

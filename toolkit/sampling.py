@@ -8,7 +8,8 @@ composition, chunk size, preemption, warmup) can change a request's tokens:
 
 - `position` is the index the sampled token will take in the request's sequence (its prompt
   length for the first output token).
-- `gumbel(s, p, v) = -log(-log(u))` with `u = (bits + 0.5) / 2**24` and `bits` the top 24 bits of
+- `gumbel(s, p, v) = -log(-log(u))` with `u = min((bits + 0.5) / 2**24, 1 - 2**-24)` (float32: the
+  largest `bits` would round to u = 1, an infinite noise) and `bits` the top 24 bits of
   `hash32(s, p, v)`, a counter-based integer hash ("lowbias32", toolkit/kernels/gumbel_ref.py) chained over the seed's
   two 32-bit words, the position and the token id. It is a pure function: nothing is drawn from a
   generator, so partial-prefill rows, preempted and resumed requests and batch neighbours leave it
