@@ -71,9 +71,11 @@ def test_padded_eager_equals_unpadded(model):
     for step, (a, b) in enumerate(zip(ref_logits, logits)):
         for rid in a:
             diff = (a[rid] - b[rid]).abs().max().item()
-            # the same math on 8 rows instead of 5: the GEMMs' blocking (so fp32 rounding) follows the
-            # row count and the CPU (1.03e-5 on tiny-qwen3.5 on an AVX-512 machine, 1.3e-6 with float64
-            # weights: its GDN state stays fp32); a padded row leaking into a real one moves logits by far more
+            # the same math on 8 rows instead of 5. Loosened from 1e-5 (stop 50): on an AVX-512 machine
+            # tiny-qwen3.5 differs by 1.03e-5. Traced: the projections and the conv are bit-identical, the
+            # torch GDN update differs by 9e-9 from its first layer on (CPU reductions whose order follows
+            # the row count), grown to 1e-5 over four layers. A padded row leaking into a real one moves
+            # logits by far more, and the tokens must still be equal
             assert diff <= LOGIT_ATOL, f"step {step}, request {rid}: logits differ by {diff:.2e}"
 
 
