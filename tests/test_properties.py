@@ -340,7 +340,7 @@ def check_ledger(llm: LLM) -> None:
     for req in sched.waiting:                    # a waiting request holds nothing, computes from 0
         assert req.num_computed_tokens == 0 and req.request_id not in holdings, req.request_id
     assert set(holdings) == set(running), f"ledger {sorted(holdings)} vs running {running}"
-    for pool in (kv.kv_pool, kv.state_pool):
+    for pool in kv.pools:
         free = list(pool._free)
         assert 0 not in pool.holders and 0 not in free, f"{pool.name}: the null id 0 handed out"
         assert len(set(free)) == len(free) and not set(free) & set(pool.holders), f"{pool.name}: double free"
@@ -353,7 +353,7 @@ def check_ledger(llm: LLM) -> None:
         pool = kv.pool(g)
         seen: dict[int, set[str]] = {}
         for rid, held in holdings.items():
-            for i in ([i for i in held[g] if i] if kv.aligned(g) else held[g]):
+            for i in ([i for i in held[g] if i] if kv.has_gaps(g) else held[g]):
                 assert i != 0, f"{rid} holds the null id in group {g}"
                 assert kv.caching or i not in seen, f"id {i} of group {g} shared by {seen[i]} and {rid}"
                 seen.setdefault(i, set()).add(rid)
@@ -383,6 +383,10 @@ def check_ledger(llm: LLM) -> None:
                         f"{req.request_id}: page {i} in column {c} is neither its checkpoint nor a duplicate of one"
             elif group.kind == "mamba":
                 assert len(ids) == 1 + k, f"{req.request_id}: 1 + k state slots per request, got {ids}"
+            if kv.windowed(g):      # a sliding window: the blocks its next query reads, and nothing before
+                first = max(req.num_computed_tokens - group.sliding_window + 1, 0) // group.block_size
+                assert [c for c, i in enumerate(ids) if i] == list(range(first, len(ids))), \
+                    f"{req.request_id}: window {group.sliding_window} from block {first}, row {ids}"
 
 
 def check_books(llm: LLM, rec) -> None:
@@ -402,8 +406,8 @@ def check_books(llm: LLM, rec) -> None:
         assert rs.all_token_ids[idx, :req.num_tokens].tolist() == req.all_token_ids
         for g, ids in enumerate(holdings[req.request_id]):
             row = bt.tables[g][idx, :bt.num_blocks[g][idx]].tolist()
-            if sched.kv.aligned(g):     # released checkpoint columns: the runner may still show their pages
-                behind = min(sched.kv.released_columns(req.request_id), len(row), len(ids))
+            if sched.kv.has_gaps(g):    # released checkpoint or out-of-window columns: the runner may still
+                behind = min(sched.kv.released_columns(req.request_id, g), len(row), len(ids))   # show their ids
                 assert all(i == 0 for i in ids[:behind]), f"{req.request_id}: released columns hold {ids[:behind]}"
                 row, ids = row[behind:], ids[behind:]
             assert row == ids, f"{req.request_id}: group {g} table {row} != ledger {ids}"
@@ -434,10 +438,13 @@ def check_books(llm: LLM, rec) -> None:
             decode = [s.num_tokens - n == 1 and s.num_computed_before > 0 for s, n in zip(rec.scheduled, drafts)]
             assert decode == [True] * (md.num_decodes - padded) + [False] * md.num_prefills
         else:
-            bs = sched.kv.groups[gm.group_id].block_size
+            group = sched.kv.groups[gm.group_id]
+            bs, window = group.block_size, group.sliding_window
             table = gm.common.block_table_tensor
             for row, n in enumerate(seq_lens):
-                assert (table[row, :-(-n // bs)] > 0).all(), f"row {row} reads the null block"
+                # a sliding window's queries read from the window of the row's first query on
+                first = 0 if window is None else max(rec.scheduled[row].num_computed_before - window + 1, 0) // bs
+                assert (table[row, first:-(-n // bs)] > 0).all(), f"row {row} reads the null block"
             slots = gm.common.slot_mapping[:rec.num_tokens]
             assert (slots >= bs).all(), f"a real token writes to the null block or PAD: {slots.tolist()}"
             assert len(set(slots.tolist())) == rec.num_tokens, "two tokens write one KV slot"

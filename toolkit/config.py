@@ -64,6 +64,20 @@ class RunnerConfig:
         return -(-self.max_model_len // self.block_size)
 
     @property
+    def num_full_kv_blocks(self) -> int:
+        """Block ids of a full-attention group, the null id included."""
+        return self.num_kv_blocks or self.max_num_seqs * self.max_blocks_per_req + 1
+
+    def num_window_blocks(self, sliding_window: int) -> int:
+        """Block ids of a sliding-window group, the null id included. After each step a request holds
+        the blocks of its last W - 1 tokens and its partial block (out-of-window ones are released),
+        and a step adds the blocks of its new tokens: per running request cdiv(W - 1, bs) + 2, plus
+        the step's budget in blocks; never more than a full-attention group has."""
+        bs = self.block_size
+        need = self.max_num_seqs * (-(-(sliding_window - 1) // bs) + 2) + -(-self.max_num_batched_tokens // bs) + 1
+        return min(need, self.num_full_kv_blocks)
+
+    @property
     def state_columns(self) -> int:
         """State slots a request holds without prefix caching: its running state, and with
         speculative decoding one per draft (the state after each verified position, vLLM's

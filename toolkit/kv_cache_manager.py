@@ -63,6 +63,24 @@ def block_hashes(token_ids: Sequence[int], block_size: int, known: list[BlockHas
     return known
 
 
+def window_hit(cached: list[bool], limit: int, need: int) -> int:
+    """A sliding-window group's hit in blocks, at most `limit` (vLLM's
+    `SlidingWindowManager.find_longest_cache_hit`): the end of the rightmost run of `need` consecutive
+    cached blocks ending at or before `limit`; without one, the cached blocks from block 0 (a window
+    that reaches the prompt's start needs nothing before it). need 0 (W = 1): any prefix."""
+    if need == 0:
+        return limit
+    run = 0
+    for i in range(limit - 1, -1, -1):
+        if not cached[i]:
+            run = 0
+            continue
+        run += 1
+        if run == need:
+            return i + need
+    return run
+
+
 class BlockPool:
     """Ids 1..num_ids-1; id 0 is the null id. A free id waits in `_free`: the head is handed out
     first. Freed unregistered ids go to the head (reused first); freed registered ids (prefix
@@ -147,6 +165,9 @@ class BlockPool:
 class CacheGroupKind:
     kind: str                # "attention" or "mamba"
     block_size: int          # tokens per block (attention; a Mamba group in "align" mode)
+    sliding_window: int | None = None   # W of a sliding-window attention group (vLLM's SlidingWindowManager):
+                                        # its blocks out of every query's window go back to its own pool
+    num_blocks: int = 0                 # a sliding-window group's pool: ids, the null id included
 
 
 @dataclass
@@ -180,6 +201,9 @@ class PrefixLookup:
                                              # lately, cached or not: the shared-prefix junction
     not_searched: str = ""                   # why the cache was not searched; "" when it was
     internal_checkpoints: bool = False       # cache mode "all": prefills also save states inside chunks
+    window_cached: list[bool] | None = None  # per full block: every sliding-window group holds its KV block
+                                             # (None: no sliding-window group); a hit needs the blocks of
+                                             # the window before its end only
 
     def __repr__(self) -> str:
         return (f"PrefixLookup({self.num_tokens} tokens, {self.num_blocks} full blocks of {self.block_size}: "
@@ -210,7 +234,8 @@ class PrefixLookup:
             return "hit"
         if b >= self.cap_blocks:
             return "capped"
-        held = [flags[b] for flags in (self.attention_cached, self.checkpoint_cached) if flags is not None]
+        held = [flags[b] for flags in (self.attention_cached, self.window_cached, self.checkpoint_cached)
+                if flags is not None]
         return "cached" if any(held) else "missing"
 
     @property
@@ -226,6 +251,12 @@ class PrefixLookup:
         return self._miss_reason()
 
     def _hit_reason(self) -> str:
+        why = self._hit_reason_by_groups()
+        if self.window_cached is not None and self.hit_blocks < self.cap_blocks:
+            why += "; sliding-window layers need only their window's blocks before a hit's end cached"
+        return why
+
+    def _hit_reason_by_groups(self) -> str:
         bs, hit = self.block_size, self.hit_tokens
         head = f"hit {hit} of {self.num_tokens} tokens: "
         if self.hit_blocks == self.cap_blocks:
@@ -297,9 +328,13 @@ class KVCacheManager:
         # slots per request without caching (1 + k with spec decoding); with caching, an aligned row's
         # running column and the k spec columns after it
         self.state_columns = state_columns
-        has_attn = any(g.kind == "attention" for g in groups)
+        has_attn = any(g.kind == "attention" and g.sliding_window is None for g in groups)
         has_mamba = any(g.kind == "mamba" for g in groups)
         self.kv_pool = BlockPool(num_kv_blocks if has_attn else 0, "kv blocks")
+        # a sliding-window group's own pool (its layers' tensors are sized for windows, not contexts)
+        self.window_pools: dict[int, BlockPool] = {
+            g: BlockPool(group.num_blocks, f"kv blocks (window {group.sliding_window})")
+            for g, group in enumerate(groups) if group.kind == "attention" and group.sliding_window is not None}
         self.state_pool = BlockPool(num_state_slots + 1 if has_mamba else 0,
                                     "state pages" if enable_prefix_caching else "state slots")
         self._ids: dict[str, tuple[list[int], ...]] = {}
@@ -315,16 +350,33 @@ class KVCacheManager:
         # per (request, attention group): blocks registered so far (a step registers only the blocks it
         # completed, as vLLM's cache_full_blocks: host work per step never grows with the context)
         self._blocks_registered_upto: dict[tuple[str, int], int] = {}
+        # per (request, sliding-window group): the columns before this one hold the null id (released)
+        self._window_released_upto: dict[tuple[str, int], int] = {}
         self._running_column: dict[str, int] = {}   # per request: its aligned rows' running column at
                                                     # the last allocation
         self._num_drafts: dict[str, int] = {}       # ... and the drafts its row verified then
 
     def pool(self, g: int) -> BlockPool:
+        if g in self.window_pools:
+            return self.window_pools[g]
         return self.kv_pool if self.groups[g].kind == "attention" else self.state_pool
+
+    @property
+    def pools(self) -> list[BlockPool]:
+        """Every pool: full-attention KV blocks, each sliding window's, state pages."""
+        return [self.kv_pool, *self.window_pools.values(), self.state_pool]
 
     def aligned(self, g: int) -> bool:
         """A Mamba group with a position-indexed row ("align" mode)."""
         return self.caching and self.groups[g].kind == "mamba"
+
+    def windowed(self, g: int) -> bool:
+        """A sliding-window attention group: its rows hold the null id 0 in released columns."""
+        return g in self.window_pools
+
+    def has_gaps(self, g: int) -> bool:
+        """Rows of group g may hold the null id 0 (released or never-held columns)."""
+        return self.aligned(g) or g in self.window_pools
 
     def holdings(self) -> dict[str, tuple[list[int], ...]]:
         """Every request's ids per group (a copy): the ledger. An aligned Mamba row holds 0 in the
@@ -335,16 +387,19 @@ class KVCacheManager:
         """(request id, its ids per group) for every holder, without a copy: read, never write."""
         return self._ids.items()
 
-    def released_columns(self, req_id: str) -> int:
-        """Aligned Mamba rows: the columns before this one hold no page of the request any more
-        (`_release_checkpoints`); the runner's row may still show the pages released there."""
+    def released_columns(self, req_id: str, g: int | None = None) -> int:
+        """Aligned Mamba rows (g None or a Mamba group): the columns before this one hold no page of the
+        request any more (`_release_checkpoints`); a sliding-window group g: its blocks out of the window.
+        The runner's row may still show the ids released there (never read again)."""
+        if g is not None and g in self.window_pools:
+            return self._window_released_upto.get((req_id, g), 0)
         return self._pages_released_upto.get(req_id, 0)
 
     def block_ids(self, req_id: str) -> tuple[list[int], ...]:
         return self._ids.get(req_id, tuple([] for _ in self.groups))
 
     def _live(self, g: int, ids: list[int]) -> list[int]:
-        return [i for i in ids if i] if self.aligned(g) else list(ids)
+        return [i for i in ids if i] if self.has_gaps(g) else list(ids)
 
     def ids_covering(self, req_id: str, num_tokens: int) -> tuple[list[int], ...]:
         """Per group, the request's ids that hold its first `num_tokens` tokens: the KV blocks
@@ -363,6 +418,9 @@ class KVCacheManager:
         for g, ids in enumerate(held):
             self.pool(g).hand_over(self._live(g, ids), from_id, to_id)
         self._ids[to_id] = held
+        for g in self.window_pools:
+            if (from_id, g) in self._window_released_upto:
+                self._window_released_upto[to_id, g] = self._window_released_upto.pop((from_id, g))
         if from_id in self._running_column:
             self._running_column[to_id] = self._running_column.pop(from_id)
             self._num_drafts[to_id] = self._num_drafts.pop(from_id, 0)
@@ -374,7 +432,12 @@ class KVCacheManager:
         page; aligned Mamba pages to release)."""
         plan = []
         for g, (group, ids) in enumerate(zip(self.groups, self.block_ids(req_id))):
-            if group.kind == "attention":
+            if g in self.window_pools:      # no lookahead: a draft model writes at the full group's ids
+                first, end = self._window_start(g, num_computed), -(-num_after // group.block_size)
+                start = self._window_released_upto.get((req_id, g), 0)
+                plan.append((max(end - max(len(ids), first), 0),
+                             [c for c in range(start, min(first, len(ids))) if ids[c]]))
+            elif group.kind == "attention":
                 tokens = num_after + self.num_lookahead_tokens
                 if self.num_lookahead_tokens and self.max_model_len is not None:
                     tokens = max(min(tokens, self.max_model_len), num_after)
@@ -406,15 +469,47 @@ class KVCacheManager:
         release = [c for c in range(start, len(ids)) if ids[c] and c not in keep and c not in need]
         return sorted(c for c in need if c >= len(ids) or not ids[c]), release
 
+    def _window_start(self, g: int, num_computed: int) -> int:
+        """The first column a sliding-window group's row needs when its next query is at position
+        `num_computed`: that query reads keys from num_computed - W + 1 on (vLLM's
+        `SlidingWindowManager.get_num_skipped_tokens`)."""
+        group = self.groups[g]
+        return max(num_computed - group.sliding_window + 1, 0) // group.block_size
+
+    def _release_window(self, req_id: str, g: int, columns: list[int]) -> None:
+        """Sliding-window group g: the request's blocks at `columns` (out of its window) go back to the
+        pool (registered ones stay cached there, hittable) and its row holds the null id there. The
+        runner's row keeps the old ids (the kernel never reads keys before the window)."""
+        row = self._ids[req_id][g]
+        self.pool(g).free([row[c] for c in columns], req_id)
+        for c in columns:
+            row[c] = 0
+        key = (req_id, g)
+        self._window_released_upto[key] = max(self._window_released_upto.get(key, 0), columns[-1] + 1)
+
+    def trim_windows(self, req_id: str, num_computed: int) -> None:
+        """After a step: release the request's sliding-window blocks that its next query (at position
+        `num_computed`) no longer reads, so that what it holds between steps is its window only. Work in
+        the columns released."""
+        held = self._ids.get(req_id)
+        if held is None:
+            return
+        for g in self.window_pools:
+            start = self._window_released_upto.get((req_id, g), 0)
+            release = [c for c in range(start, min(self._window_start(g, num_computed), len(held[g]))) if held[g][c]]
+            if release:
+                self._release_window(req_id, g, release)
+
     def can_allocate(self, req_id: str, num_computed: int, num_after: int, num_drafts: int = 0) -> bool:
         return self._fits(self._plan(req_id, num_computed, num_after, num_drafts))
 
     def _fits(self, plan: list[tuple[list[int] | int, list[int]]]) -> bool:
         """Whether the pools have what `plan` allocates (its releases do not change what it needs)."""
-        count = [len(n) if isinstance(n, list) else n for n, _ in plan]
-        kv = sum(n for g, n in enumerate(count) if self.groups[g].kind == "attention")
-        st = sum(n for g, n in enumerate(count) if self.groups[g].kind == "mamba")
-        return kv <= self.kv_pool.num_free and st <= self.state_pool.num_free
+        need: dict[int, int] = {}                         # id(pool) -> ids asked of it
+        for g, (n, _) in enumerate(plan):
+            key = id(self.pool(g))
+            need[key] = need.get(key, 0) + (len(n) if isinstance(n, list) else n)
+        return all(need.get(id(pool), 0) <= pool.num_free for pool in self.pools)
 
     def allocate(self, req_id: str, num_computed: int, num_after: int, num_drafts: int = 0
                  ) -> tuple[list[int], ...] | None:
@@ -427,7 +522,9 @@ class KVCacheManager:
         created = req_id not in self._ids
         held = self._ids.setdefault(req_id, tuple([] for _ in self.groups))
         for g, (_, release) in enumerate(plan):          # no longer needed whether or not we grow
-            if release:
+            if release and g in self.window_pools:
+                self._release_window(req_id, g, release)
+            elif release:
                 self.pool(g).free([held[g][c] for c in release], req_id)
                 for c in release:
                     held[g][c] = 0
@@ -439,6 +536,13 @@ class KVCacheManager:
         added = []
         for g, (n, _) in enumerate(plan):
             row = held[g]
+            if g in self.window_pools:      # columns before the window (a fork's row) hold the null id
+                pad = max(min(self._window_start(g, num_computed), -(-num_after // self.groups[g].block_size))
+                          - len(row), 0)
+                new = [0] * pad + self.pool(g).allocate(n, req_id)
+                row += new
+                added.append(new)
+                continue
             if not self.aligned(g):
                 new = self.pool(g).allocate(n, req_id)
                 row += new
@@ -495,6 +599,7 @@ class KVCacheManager:
         self._row_dirty_from.pop(req_id, None)
         for g in range(len(self.groups)):
             self._blocks_registered_upto.pop((req_id, g), None)
+            self._window_released_upto.pop((req_id, g), None)
         held = self._ids.pop(req_id, None)
         if held is None:
             return
@@ -505,29 +610,55 @@ class KVCacheManager:
     def lookup(self, hashes: list[BlockHash], num_tokens: int) -> PrefixLookup:
         """What the cache holds for a new request's `num_tokens` tokens (hashes: its full blocks'),
         per block and group, and the hit: the longest prefix (at most N - 1 tokens) that every group
-        holds, attention blocks for each block and a Mamba checkpoint at its end. Nothing changes."""
+        holds, attention blocks for each block, a sliding window's blocks for the window before its end
+        and a Mamba checkpoint at its end (vLLM's HybridKVCacheCoordinator: each group's rule applied in
+        turn until none shortens it). Nothing changes."""
         bs = self.groups[0].block_size
         cap = max(min((num_tokens - 1) // bs, len(hashes)), 0)   # the last token is always computed
-        attn = ckpt = run = None
-        if any(g.kind == "attention" for g in self.groups):
+        attn = ckpt = run = window = None
+        if any(g.kind == "attention" and g.sliding_window is None for g in self.groups):
             attn = [h in self.kv_pool.cached for h in hashes]
             run = next((i for i in range(cap) if not attn[i]), cap)
-        blocks = cap if run is None else run
-        if any(g.kind == "mamba" for g in self.groups):      # the rightmost checkpoint within it
+        windows = {g: [h in pool.cached for h in hashes] for g, pool in self.window_pools.items()}
+        if windows:
+            window = [all(flags) for flags in zip(*windows.values())]
+        if any(g.kind == "mamba" for g in self.groups):
             ckpt = [h in self.state_pool.cached for h in hashes]
-            blocks = next((i + 1 for i in range(blocks - 1, -1, -1) if ckpt[i]), 0)
+        blocks, limit = cap if run is None else run, None
+        while blocks != limit:       # each rule only shortens the hit: a few rounds at most
+            limit = blocks
+            for g, flags in windows.items():
+                blocks = window_hit(flags, blocks, self._window_blocks(g))
+            if ckpt is not None:         # the rightmost checkpoint within it
+                blocks = next((i + 1 for i in range(blocks - 1, -1, -1) if ckpt[i]), 0)
         known = next((i for i in range(cap) if hashes[i] not in self.known_hashes), cap)
-        return PrefixLookup(num_tokens, bs, [h.hex()[:12] for h in hashes], attn, ckpt, cap, run, blocks, known)
+        return PrefixLookup(num_tokens, bs, [h.hex()[:12] for h in hashes], attn, ckpt, cap, run, blocks, known,
+                            window_cached=window)
+
+    def _window_blocks(self, g: int) -> int:
+        """Full blocks a sliding-window group needs cached before a hit's end: cdiv(W - 1, bs) (vLLM's
+        `sliding_window_contiguous_blocks`)."""
+        group = self.groups[g]
+        return -(-(group.sliding_window - 1) // group.block_size)
 
     def prefix_hit(self, lookup: PrefixLookup, hashes: list[BlockHash]) -> PrefixHit | None:
-        """The ids a lookup's hit adopts (None without a hit)."""
+        """The ids a lookup's hit adopts (None without a hit): every attention block; a sliding
+        window's blocks within the window before the hit's end (the null id before them); the Mamba
+        checkpoint at its end."""
         blocks = lookup.hit_blocks
         if not blocks:
             return None
-        ids = tuple([self.kv_pool.cached[h] for h in hashes[:blocks]] if g.kind == "attention"
-                    else [0] * (blocks - 1) + [self.state_pool.cached[hashes[blocks - 1]]]
-                    for g in self.groups)
-        return PrefixHit(blocks * lookup.block_size, ids, tuple(blocks for _ in self.groups))
+        ids = []
+        for g, group in enumerate(self.groups):
+            pool = self.pool(g)
+            if g in self.window_pools:
+                first = max(blocks - self._window_blocks(g), 0)
+                ids.append([0] * first + [pool.cached[h] for h in hashes[first:blocks]])
+            elif group.kind == "attention":
+                ids.append([pool.cached[h] for h in hashes[:blocks]])
+            else:
+                ids.append([0] * (blocks - 1) + [pool.cached[hashes[blocks - 1]]])
+        return PrefixHit(blocks * lookup.block_size, tuple(ids), tuple(blocks for _ in self.groups))
 
     def find_prefix_hit(self, hashes: list[BlockHash], num_tokens: int) -> PrefixHit | None:
         """The hit of `lookup` with its ids; None without a hit. Nothing changes (see `adopt`,
@@ -572,8 +703,10 @@ class KVCacheManager:
             full = min(num_computed // group.block_size, len(hashes))
             if group.kind == "attention":
                 done = self._blocks_registered_upto.get((req_id, g), 0)
+                pool = self.pool(g)
                 for i in range(done, full):
-                    self.kv_pool.register(ids[i], hashes[i], i)
+                    if ids[i]:                      # a sliding window's columns before a hit hold 0
+                        pool.register(ids[i], hashes[i], i)
                 self._blocks_registered_upto[req_id, g] = max(done, full)
             elif self.aligned(g):
                 # the pages of the blocks finished since the last call: the running page when the step
@@ -611,5 +744,6 @@ def prefix_cache_stats(kv: KVCacheManager) -> dict[str, int | float]:
     return {"prefix_cache_queries": st.queries, "prefix_cache_hits": st.hits,
             "prefix_cache_hit_rate": round(st.hit_rate, 4), "prompt_tokens_queried": st.prompt_tokens,
             "prompt_tokens_skipped": st.hit_tokens,
-            "cached_kv_blocks": len(kv.kv_pool.cached), "cached_state_pages": len(kv.state_pool.cached),
-            "prefix_cache_evictions": kv.kv_pool.num_evictions + kv.state_pool.num_evictions}
+            "cached_kv_blocks": sum(len(p.cached) for p in kv.pools if p is not kv.state_pool),
+            "cached_state_pages": len(kv.state_pool.cached),
+            "prefix_cache_evictions": sum(p.num_evictions for p in kv.pools)}

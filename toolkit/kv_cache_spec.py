@@ -30,6 +30,19 @@ class AttentionSpec:
 
 
 @dataclass(frozen=True)
+class SlidingWindowSpec(AttentionSpec):
+    """Paged K/V of a sliding-window layer (vLLM's `SlidingWindowSpec`): the query at position p reads
+    keys p - W + 1 .. p only, so a block whose tokens all lie before every scheduled query's window
+    is released back to the pool (its row keeps the null id 0 there). Such layers form a KV cache
+    group of their own, with a pool sized for windows rather than whole contexts."""
+    sliding_window: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {self.sliding_window}")
+
+
+@dataclass(frozen=True)
 class MambaSpec:
     """Per-request recurrent state: one tensor per entry of `shapes`, each [num_slots, *shape].
 
@@ -53,4 +66,4 @@ class MambaSpec:
         return total
 
 
-KVCacheSpec = AttentionSpec | MambaSpec
+KVCacheSpec = AttentionSpec | SlidingWindowSpec | MambaSpec

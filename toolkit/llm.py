@@ -29,7 +29,7 @@ from toolkit.inspect.ranks import WorkerInspectorFactory, gather_memory
 from toolkit.inspect.recorder import MODES, Recorder, StepOutcome, step_record
 from toolkit.inspect.step_record import StepRecord
 from toolkit.inspect.trace import Trace
-from toolkit.kv_cache_manager import CacheGroupKind, prefix_cache_stats
+from toolkit.kv_cache_manager import prefix_cache_stats
 from toolkit.models import load_model
 from toolkit.request import (
     Prompt,
@@ -45,6 +45,7 @@ from toolkit.request import (
 from toolkit.runner.cudagraph import CaptureReport
 from toolkit.runner.cudagraph import resolve_mode as resolve_cudagraph_mode
 from toolkit.runner.executor import TPExecutor, check_no_engine_group
+from toolkit.runner.kv_cache import scheduler_groups
 from toolkit.runner.model_runner import ModelRunner
 from toolkit.runner.spec_decode import SpecDecodeStats
 from toolkit.sampling import SamplingParams, check_seed, derive_seed
@@ -133,13 +134,11 @@ class LLM:
             raise
         if self._executor is not None:
             self._executor.mirror(self.model_runner)
-        groups = self.model_runner.kv_cache_groups
-        attn = [g for g in groups if g.kind == "attention"]
+        kinds, num_kv_blocks = scheduler_groups(self.model_runner.kv_cache_groups)
         self.scheduler = Scheduler(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=self.cfg.max_model_len,
-            groups=[CacheGroupKind(g.kind, g.block_size) for g in groups],
-            num_kv_blocks=attn[0].num_blocks if attn else 0, decode=self.tokenizer.decode,
+            max_model_len=self.cfg.max_model_len, groups=kinds,
+            num_kv_blocks=num_kv_blocks, decode=self.tokenizer.decode,
             enable_prefix_caching=enable_prefix_caching, num_state_slots=self.cfg.state_pages,
             prefill_checkpoints=self.cfg.prefill_checkpoints, num_speculative_tokens=k,
             # a draft model's guesses are written at the target's block ids, past the scheduled tokens
@@ -148,7 +147,7 @@ class LLM:
         # the draft model's host seconds (in all, and in its forwards), kept past shutdown
         self._draft_stats = self.model_runner.draft.stats if self.model_runner.draft is not None else None
         self.limits = RequestLimits(self.vocab_size, self.cfg.max_model_len, block_size,
-                                    self.scheduler.kv.kv_pool.num_total if attn else None)
+                                    self.scheduler.kv.kv_pool.num_total if num_kv_blocks else None)
         self._request_ids = RequestIds()
         self._carried_outputs: list[RequestOutput] = []   # finished inside generate(), not its own
         self._arrivals = 0            # user requests only: warmup does not shift derived seeds
@@ -423,6 +422,9 @@ class LLM:
         kv = self.scheduler.kv
         return {"kv_blocks_total": kv.kv_pool.num_total, "kv_blocks_free": kv.kv_pool.num_free,
                 "state_slots_total": kv.state_pool.num_total, "state_slots_free": kv.state_pool.num_free,
+                **({"window_kv_blocks_total": sum(p.num_total for p in kv.window_pools.values()),
+                    "window_kv_blocks_free": sum(p.num_free for p in kv.window_pools.values())}
+                   if kv.window_pools else {}),
                 "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "runner_rows_in_use": self.model_runner.req_states.num_reqs if not self._closed else 0,
                 "model_state": type(self.model_runner.model_state).__name__ if not self._closed else None,

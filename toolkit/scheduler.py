@@ -467,6 +467,11 @@ class Scheduler:
                 req.num_computed_tokens -= len(drafts) + 1 - len(accepted[req_id])
         if self.caching:
             self._cache_computed(sched_out, accepted)
+        if self.kv.window_pools:        # sliding windows: between steps a row holds its window only
+            for req_id in sched_out.num_scheduled_tokens:
+                req = self.requests.get(req_id)
+                if req is not None:
+                    self.kv.trim_windows(req_id, req.num_computed_tokens)
         for req_id, chunk in (prompt_logprobs or {}).items():
             req = self.requests.get(req_id)
             if req is not None:

@@ -89,7 +89,7 @@ def _group_books_agree(kv, g: int, holdings: dict) -> bool:
     pool = kv.pool(g)
     rids = list(holdings)
     rows = [holdings[rid][g] for rid in rids]
-    if not kv.aligned(g) and any(0 in ids for ids in rows):                  # null_id_not_live
+    if not kv.has_gaps(g) and any(0 in ids for ids in rows):                 # null_id_not_live
         return False
     lengths = np.fromiter(map(len, rows), np.int64, len(rows))
     ids = np.fromiter(chain.from_iterable(rows), np.int64, int(lengths.sum()))
@@ -120,7 +120,7 @@ def _group_book_violations(kv, g: int, holdings: dict, where: str) -> list[Viola
     seen: dict[int, set[str]] = {}
     for rid, held in holdings.items():
         ids = held[g]
-        if 0 in ids and not kv.aligned(g):
+        if 0 in ids and not kv.has_gaps(g):
             out.append(Violation("null_id_not_live", f"{where}, request {rid!r}, group {g} ({group.kind})",
                                  "block ids", f"holds the null id 0: {ids}"))
         for i in ids:
@@ -162,7 +162,7 @@ def check_held_not_free(scheduler, where: str) -> list[Violation]:
 def _block_tables_match(kv, g: int, running: set[str], runner, where: str) -> list[Violation]:
     """The runner's block-table row of each running request equals the scheduler's ledger."""
     out: list[Violation] = []
-    index, aligned = runner.req_states.req_id_to_index, kv.aligned(g)
+    index, gaps = runner.req_states.req_id_to_index, kv.has_gaps(g)
     table, num_blocks = runner.block_tables.tables[g], runner.block_tables.num_blocks[g]
     for rid in running:
         idx = index.get(rid)
@@ -171,11 +171,11 @@ def _block_tables_match(kv, g: int, running: set[str], runner, where: str) -> li
         want = kv.block_ids(rid)[g]
         n = int(num_blocks[idx])
         row = table[idx, :n].tolist()
-        if not aligned and row == want:          # the common case: no copies
+        if not gaps and row == want:             # the common case: no copies
             continue
         want = list(want)
-        if aligned:      # released checkpoint columns: the runner may still show their old pages
-            behind = min(kv.released_columns(rid), len(row), len(want))
+        if gaps:     # released checkpoint or out-of-window columns: the runner may still show their old ids
+            behind = min(kv.released_columns(rid, g), len(row), len(want))
             row, want = [0] * behind + row[behind:], [0] * behind + want[behind:]
         if row != want:
             out.append(Violation("block_table_matches_ledger", f"{where}, request {rid!r}, group {g}",
@@ -226,11 +226,14 @@ def check_spec_columns(groups, scheduled, kept_last_step: dict[str, int], where:
 
 
 def check_metadata(groups, scheduled, ledger: CacheLedger, where: str,
-                   aligned_block_sizes: dict[int, int] | None = None) -> list[Violation]:
+                   aligned_block_sizes: dict[int, int] | None = None,
+                   sliding_windows: dict[int, int] | None = None) -> list[Violation]:
     """A real step's metadata against the ledger taken when the step was scheduled.
     `groups`: list[GroupMetadata]; `scheduled`: list[ScheduledRequest] in batch order;
     `aligned_block_sizes`: group id -> block size of the Mamba groups with position-indexed rows
-    (prefix caching, "align")."""
+    (prefix caching, "align"); `sliding_windows`: group id -> W of the sliding-window groups, whose
+    rows are compared from the first block the row's queries read (the runner keeps released ids
+    before it, never read), and must hold a block in each of those columns."""
     out: list[Violation] = []
     rids = [s.request_id for s in scheduled]
     for gm in groups:
@@ -268,10 +271,19 @@ def check_metadata(groups, scheduled, ledger: CacheLedger, where: str,
                             f"{s.num_computed_before} computed tokens (a fresh request starts from zero)"))
         else:
             rows = table.numpy() if table.device.type == "cpu" else table.cpu().numpy()    # one read, not per row
+            window = (sliding_windows or {}).get(gm.group_id)
             for row, rid in enumerate(rids):
-                want = ledger.holdings.get(rid, [[]] * len(ledger.group_kinds))[gm.group_id]
+                want = list(ledger.holdings.get(rid, [[]] * len(ledger.group_kinds))[gm.group_id])
                 got = rows[row, :len(want)].tolist()
-                if got != list(want):
+                if window is not None:       # from the first block the row's first query reads
+                    first = max(scheduled[row].num_computed_before - window + 1, 0) // gm.metadata.block_size
+                    got, want = [0] * first + got[first:], [0] * first + want[first:]
+                    if 0 in want[first:]:
+                        out.append(Violation(
+                            "window_blocks_held", f"{label}, request {rid!r} (row {row})", "block ids",
+                            f"the row's queries read keys from block {first} on (sliding window {window}), but "
+                            f"the ledger holds no block in column {want.index(0, first)}: {want}"))
+                if got != want:
                     out.append(Violation("block_table_matches_ledger", f"{label}, request {rid!r} (row {row})",
                                          "block_table_tensor", f"row starts {got}, ledger has {want}"))
         n, num_tokens = len(rids), sum(sc.num_tokens for sc in scheduled)
@@ -378,8 +390,8 @@ def check_cached_not_written(scheduler, runner, state, where: str) -> list[Viola
 def check_hits_backed(scheduler, sched_out, where: str) -> list[Violation]:
     """After scheduling, prefix caching on: each request admitted with a hit of H tokens holds what
     the hit claims in every group: its first H / bs attention blocks registered under its own block
-    hashes, and in each recurrent group the checkpoint of block H / bs - 1 (the state after H tokens)
-    in that column. Host only."""
+    hashes (a sliding-window group: those of its window before H), and in each recurrent group the
+    checkpoint of block H / bs - 1 (the state after H tokens) in that column. Host only."""
     kv = scheduler.kv
     out: list[Violation] = []
     for new in sched_out.scheduled_new_reqs:
@@ -390,7 +402,10 @@ def check_hits_backed(scheduler, sched_out, where: str) -> list[Violation]:
         for g, group in enumerate(kv.groups):
             pool, bs, ids = kv.pool(g), group.block_size, kv.block_ids(new.req_id)[g]
             label = f"{where}, request {new.req_id!r}, group {g} ({group.kind})"
-            wanted = range(hit // bs) if group.kind == "attention" else [hit // bs - 1]
+            if kv.windowed(g):      # a sliding window: the blocks of the window before the hit's end
+                wanted = range(max(hit // bs - -(-(group.sliding_window - 1) // bs), 0), hit // bs)
+            else:
+                wanted = range(hit // bs) if group.kind == "attention" else [hit // bs - 1]
             for b in wanted:
                 i = ids[b] if b < len(ids) else 0
                 if pool.hash_of.get(i) == req.block_hashes[b]:

@@ -26,9 +26,9 @@ import torch
 from toolkit.attention.mamba_base import verify_start_slots
 from toolkit.inspect.step_record import Violation
 from toolkit.inspect.tolerance import exceeds
-from toolkit.kv_cache_manager import CacheGroupKind
 from toolkit.layers.ops import set_ops
 from toolkit.request import Request
+from toolkit.runner.kv_cache import scheduler_groups
 from toolkit.runner.model_runner import ModelRunner
 from toolkit.sampling import SamplingParams
 from toolkit.scheduler import Scheduler
@@ -70,10 +70,9 @@ class ColdReplay:
         try:
             scratch = ModelRunner(main.model, cfg)          # binds the model to its own caches
             groups = scratch.kv_cache_groups
-            attn = [g for g in groups if g.kind == "attention"]
-            scheduler = Scheduler(max_num_seqs=1, max_num_batched_tokens=n, max_model_len=n + 1,
-                                  groups=[CacheGroupKind(g.kind, g.block_size) for g in groups],
-                                  num_kv_blocks=attn[0].num_blocks if attn else 0, decode=lambda ids: "",
+            kinds, num_kv_blocks = scheduler_groups(groups)
+            scheduler = Scheduler(max_num_seqs=1, max_num_batched_tokens=n, max_model_len=n + 1, groups=kinds,
+                                  num_kv_blocks=num_kv_blocks, decode=lambda ids: "",
                                   enable_prefix_caching=False, num_state_slots=cfg.state_pages)
             scheduler.add_request(Request("cold", token_ids, SamplingParams(max_tokens=1), frozenset()))
             sched_out = scheduler.schedule()

@@ -15,7 +15,7 @@ from toolkit.kv_cache_manager import BlockPool, KVCacheManager, prefix_cache_sta
 
 @dataclass
 class CachedEntry:
-    kind: str                    # "kv block" or "state page" (a checkpoint)
+    kind: str                    # "kv block", "kv block (window W)" (a sliding-window group) or "state page"
     id: int                      # block id / page id in its pool
     block: int                   # the prompt block it stands for: tokens [block*bs, (block+1)*bs)
     tokens: tuple[int, int]      # that range
@@ -34,7 +34,7 @@ class PrefixCacheReport:
     def __repr__(self) -> str:
         if not self.enabled:
             return "PrefixCacheReport(prefix caching is off: LLM(..., enable_prefix_caching=True))"
-        kinds = {k: sum(e.kind == k for e in self.entries) for k in ("kv block", "state page")}
+        kinds = {k: sum(e.kind.startswith(k) for e in self.entries) for k in ("kv block", "state page")}
         return (f"PrefixCacheReport({kinds['kv block']} KV blocks, {kinds['state page']} state pages cached; "
                 f"hit rate {self.stats.get('prefix_cache_hit_rate', 0):.1%}, "
                 f"{self.stats.get('prompt_tokens_skipped', 0)} prompt tokens skipped)")
@@ -58,8 +58,10 @@ def prefix_cache_report(kv: KVCacheManager) -> PrefixCacheReport:
     bs = kv.groups[0].block_size if kv.groups else 0
     if not kv.caching:
         return PrefixCacheReport(False, bs)
-    return PrefixCacheReport(True, bs, _entries(kv.kv_pool, "kv block", bs) + _entries(kv.state_pool, "state page", bs),
-                             prefix_cache_stats(kv))
+    windows = [e for g, pool in kv.window_pools.items()
+               for e in _entries(pool, f"kv block (window {kv.groups[g].sliding_window})", bs)]
+    return PrefixCacheReport(True, bs, _entries(kv.kv_pool, "kv block", bs) + windows
+                             + _entries(kv.state_pool, "state page", bs), prefix_cache_stats(kv))
 
 
 def prefix_cache_html(report: PrefixCacheReport) -> str:

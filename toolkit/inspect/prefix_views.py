@@ -86,6 +86,7 @@ def block_chip(lookup: Any, b: int) -> str:
     ckpt = lookup.checkpoint_cached is not None and lookup.checkpoint_cached[b]
     facts = [f"block {b}: tokens [{b * bs}, {(b + 1) * bs})", f"hash {lookup.hashes[b]}", STATE_WORDS[state],
              _held(lookup.attention_cached, b, "attention KV block"),
+             _held(lookup.window_cached, b, "sliding-window KV block"),
              _held(lookup.checkpoint_cached, b, f"checkpoint after {(b + 1) * bs} tokens")]
     cls = f"{CLASS_PREFIX}block {CLASS_PREFIX}{state}" + (f" {CLASS_PREFIX}checkpoint" if ckpt else "")
     return H.chip([f"{b}{' ◆' if ckpt else ''}", lookup.hashes[b][:4]], f"{H.CHIP};{H.CHIP_STATES[state]}",

@@ -329,8 +329,9 @@ class Recorder:
         if self.checks_on and state is not None:
             aligned = {g.group_id: g.block_size for g in self.runner.kv_cache_groups
                        if g.kind == "mamba" and self.runner.block_tables.aligned[g.group_id]}
+            windows = {g.group_id: g.sliding_window for g in self.runner.kv_cache_groups if g.sliding_window}
             record.violations += checks.check_metadata(record.attn_metadata, record.scheduled,
-                                                       self._ledger_at_schedule, self.where, aligned)
+                                                       self._ledger_at_schedule, self.where, aligned, windows)
             if state.logits is not None:      # the host copy when recorded (no device read, numpy-fast)
                 logits = record.logits if record.logits is not None else state.logits
                 batch = state.input_batch

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from toolkit.distributed import SINGLE, TPGroup
-from toolkit.kv_cache_spec import AttentionSpec
+from toolkit.kv_cache_spec import AttentionSpec, SlidingWindowSpec
 from toolkit.layers.norms import RMSNorm
 from toolkit.layers.ops import TORCH_OPS
 from toolkit.layers.parallel import shard_columns, shard_rows
@@ -33,7 +33,7 @@ class PagedAttention(nn.Module):
         qk_norm_names: the checkpoint's names of those two norms.
         o_proj_name: the checkpoint's name of the output projection ("out_proj" in LFM2).
         sliding_window: W, or None: the query at position p attends keys p - W + 1 .. p only (the
-            kernel never reads keys before the window; the cache still holds their pages).
+            kernel never reads keys before the window; their pages go back to the pool: SlidingWindowSpec).
     """
 
     def __init__(
@@ -113,7 +113,13 @@ class PagedAttention(nn.Module):
         return (r * heads * d, heads * d), (kv_first * d, kv_heads * d)
 
     def get_kv_cache_spec(self) -> AttentionSpec:
-        return AttentionSpec(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.q_proj.weight.dtype)
+        """A sliding-window layer's pages leave the cache once out of every query's window: its own
+        spec, so it gets a KV cache group (and pool) of its own."""
+        dtype = self.q_proj.weight.dtype
+        if self.sliding_window is not None:
+            return SlidingWindowSpec(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=dtype,
+                                     sliding_window=self.sliding_window)
+        return AttentionSpec(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=dtype)
 
     def bind_kv_cache(self, kv: torch.Tensor) -> None:
         """kv: [num_blocks, 2, block_size, num_kv_heads, head_dim]."""

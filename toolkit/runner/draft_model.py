@@ -115,7 +115,7 @@ class DraftModelSpeculator(Proposer):
         self.model = model
         set_ops(model, TORCH_OPS if cfg.backend == "torch" else triton_ops(cfg.device))
         self.model_state = init_model_state(model, cfg)
-        self.kv_cache_groups = make_kv_cache_groups(model.kv_cache_specs(), cfg)
+        self.kv_cache_groups = make_kv_cache_groups(model.kv_cache_specs(), cfg, release_windows=False)
         self.kv_caches = allocate_kv_caches(self.kv_cache_groups, cfg.device)
         model.bind_kv_cache(self.kv_caches)
         self.model_state.initialize_kv_cache(self.kv_cache_groups, self.kv_caches)

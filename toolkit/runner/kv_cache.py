@@ -1,7 +1,8 @@
 """KV-cache groups and their tensors (vLLM `KVCacheConfig` + `initialize_kv_cache`, simplified).
 
-Layers are grouped by spec kind: one group of attention layers (paged K/V, `block_size` tokens
-per block) and one group of Mamba layers (one state slot per request). Unlike vLLM we do not
+Layers are grouped by spec kind: one group of full-attention layers (paged K/V, `block_size` tokens
+per block), one per sliding window (the same pages, released once out of every query's window) and
+one group of Mamba layers (one state slot per request). Unlike vLLM we do not
 unify page sizes across groups: each group has its own tensors and its own id space, and id 0
 of each is the null block/slot. A Mamba group's block-table row has one column: the state slot
 (with speculative decoding 1 + k: the state after each position of a verify step, vLLM's
@@ -17,7 +18,8 @@ from torch import nn
 
 from toolkit.config import RunnerConfig
 from toolkit.errors import NotSupportedYetError
-from toolkit.kv_cache_spec import AttentionSpec, KVCacheSpec, MambaSpec
+from toolkit.kv_cache_manager import CacheGroupKind
+from toolkit.kv_cache_spec import AttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 
 
 @dataclass
@@ -30,31 +32,58 @@ class KVCacheGroup:
     num_blocks: int           # ids in the group, including the null id 0
     width: int                # block-table columns per request
 
+    @property
+    def sliding_window(self) -> int | None:
+        """W of a sliding-window group (its blocks are released once out of every query's window)."""
+        return getattr(self.spec, "sliding_window", None)
 
-def make_kv_cache_groups(specs: dict[str, KVCacheSpec], cfg: RunnerConfig) -> list[KVCacheGroup]:
-    attn = {n: s for n, s in specs.items() if isinstance(s, AttentionSpec)}
+
+def make_kv_cache_groups(specs: dict[str, KVCacheSpec], cfg: RunnerConfig,
+                         release_windows: bool = True) -> list[KVCacheGroup]:
+    """Groups in this order: full attention, sliding-window attention (one group per window, its own
+    pool sized for windows: `RunnerConfig.num_window_blocks`), Mamba. `release_windows=False` (a draft
+    model, whose layers use the target's full-attention block ids): sliding-window layers join the
+    full-attention group."""
+    def windowed(s: KVCacheSpec) -> bool:
+        return isinstance(s, SlidingWindowSpec) and release_windows
+
+    full = {n: s for n, s in specs.items() if isinstance(s, AttentionSpec) and not windowed(s)}
+    windows = {n: s for n, s in specs.items() if windowed(s)}
     mamba = {n: s for n, s in specs.items() if isinstance(s, MambaSpec)}
     groups: list[KVCacheGroup] = []
-    for kind, members in (("attention", attn), ("mamba", mamba)):
-        if not members:
-            continue
-        distinct = set(members.values())
+    if full:
+        # every full-attention layer shares one spec (a window-free copy of a sliding layer's, for a draft)
+        distinct = {AttentionSpec(s.num_kv_heads, s.head_dim, s.dtype, s.kv_parts) for s in full.values()}
         if len(distinct) != 1:
-            raise ValueError(f"{kind} layers must share one cache spec, got {distinct}")
+            raise ValueError(f"attention layers must share one cache spec, got {distinct}")
+        groups.append(KVCacheGroup(len(groups), "attention", next(iter(distinct)), list(full), cfg.block_size,
+                                   cfg.num_full_kv_blocks, cfg.max_blocks_per_req))
+    for spec in sorted(set(windows.values()), key=lambda s: s.sliding_window):
+        members = [n for n, s in windows.items() if s == spec]
+        groups.append(KVCacheGroup(len(groups), "attention", spec, members, cfg.block_size,
+                                   cfg.num_window_blocks(spec.sliding_window), cfg.max_blocks_per_req))
+    if mamba:
+        distinct = set(mamba.values())
+        if len(distinct) != 1:
+            raise ValueError(f"mamba layers must share one cache spec, got {distinct}")
         spec = next(iter(distinct))
-        if kind == "attention":
-            num_blocks = cfg.num_kv_blocks or cfg.max_num_seqs * cfg.max_blocks_per_req + 1
-            groups.append(KVCacheGroup(len(groups), kind, spec, list(members), cfg.block_size,
-                                       num_blocks, cfg.max_blocks_per_req))
-        else:
-            if cfg.enable_prefix_caching:      # "align": a position-indexed row, a page per checkpoint
-                check_spec_with_caching(cfg)     # and k speculative columns after the running one
-                groups.append(KVCacheGroup(len(groups), kind, spec, list(members), cfg.block_size,
-                                           cfg.state_pages + 1, cfg.max_blocks_per_req + cfg.num_speculative_tokens))
-            else:       # "none": one running state per request (1 + k columns with speculative decoding)
-                groups.append(KVCacheGroup(len(groups), kind, spec, list(members), cfg.max_model_len,
-                                           cfg.state_pages + 1, cfg.state_columns))
+        if cfg.enable_prefix_caching:      # "align": a position-indexed row, a page per checkpoint
+            check_spec_with_caching(cfg)     # and k speculative columns after the running one
+            groups.append(KVCacheGroup(len(groups), "mamba", spec, list(mamba), cfg.block_size,
+                                       cfg.state_pages + 1, cfg.max_blocks_per_req + cfg.num_speculative_tokens))
+        else:       # "none": one running state per request (1 + k columns with speculative decoding)
+            groups.append(KVCacheGroup(len(groups), "mamba", spec, list(mamba), cfg.max_model_len,
+                                       cfg.state_pages + 1, cfg.state_columns))
     return groups
+
+
+def scheduler_groups(groups: list[KVCacheGroup]) -> tuple[list[CacheGroupKind], int]:
+    """What the scheduler's KVCacheManager takes of the runner's groups: each group's kind, block size
+    and sliding window (with its own pool's size), and the full-attention pool's size (0 without one)."""
+    kinds = [CacheGroupKind(g.kind, g.block_size, g.sliding_window, g.num_blocks if g.sliding_window else 0)
+             for g in groups]
+    full = next((g.num_blocks for g in groups if g.kind == "attention" and g.sliding_window is None), 0)
+    return kinds, full
 
 
 def check_spec_with_caching(cfg: RunnerConfig) -> None:

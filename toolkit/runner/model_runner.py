@@ -131,7 +131,8 @@ class ModelRunner:
                                                                for g in self.kv_cache_groups])
         self.input_buffers = InputBuffers(self.staging, cfg.max_num_batched_tokens, cfg.device)
         if proposer is None and draft_model is not None:   # its attention layers use the target's block ids
-            attn = [g for g in self.kv_cache_groups if g.kind == "attention"]
+            # (the full-attention group's: a sliding-window group's rows lose their early blocks)
+            attn = [g for g in self.kv_cache_groups if g.kind == "attention" and g.sliding_window is None]
             proposer = self.draft = DraftModelSpeculator(
                 draft_model, cfg, speculative_config.num_speculative_tokens,
                 self.block_tables.tables[attn[0].group_id] if attn else None,
@@ -193,8 +194,9 @@ class ModelRunner:
             return
         for group in self.kv_cache_groups:
             g = group.group_id
-            src = [i for new in forks for i in new.fork_src[g]]
-            dst = [i for new in forks for i in new.block_ids[g][:len(new.fork_src[g])]]
+            # a sliding-window group's columns out of the window hold the null id in both rows: skipped
+            pairs = [(s, d) for new in forks for s, d in zip(new.fork_src[g], new.block_ids[g]) if s and d]
+            src, dst = [s for s, _ in pairs], [d for _, d in pairs]
             if not src:
                 continue
             index = to_device(np.array([src, dst], dtype=np.int64), self.device)
