@@ -62,9 +62,9 @@ def write_states_at(cache: torch.Tensor, state_indices: torch.Tensor, new: torch
     cache[slots] = torch.where(keep, new[rows].to(cache.dtype), cache[slots])
 
 
-def step_rows_at_columns(cache: torch.Tensor, state_indices: torch.Tensor, query_start_loc: torch.Tensor,
-                         num_accepted_tokens: torch.Tensor, step, inputs: tuple[torch.Tensor, ...],
-                         num_tokens: int) -> torch.Tensor:
+def step_rows_at_columns(cache: torch.Tensor | tuple[torch.Tensor, ...], state_indices: torch.Tensor,
+                         query_start_loc: torch.Tensor, num_accepted_tokens: torch.Tensor, step,
+                         inputs: tuple[torch.Tensor, ...], num_tokens: int) -> torch.Tensor:
     """Speculative decoding's verify rows, in torch: what a recurrent update op does when it is given
     `query_start_loc` and `num_accepted_tokens` (vLLM's selective_state_update / fused recurrent
     gated delta rule arguments), one call for every row's 1 + k tokens.
@@ -75,6 +75,8 @@ def step_rows_at_columns(cache: torch.Tensor, state_indices: torch.Tensor, query
         num_accepted_tokens  int [B] (>= 1): the row starts from the state in column num_accepted - 1
         step(state [B, ...], *per_token_inputs) -> (y [B, ...], new_state [B, ...]): the one-token op
         inputs               per-token tensors [T, ...], indexed by token
+    A layer with several state tensors (the mLSTM's C, n, m) passes `cache` as a tuple of them, each
+    [S, ...]: `step` then takes and returns the states as a tuple in the same order.
 
     Row r advances from cache[state_indices[r, num_accepted[r] - 1]] through its tokens in order and
     leaves the state after its j-th token in cache[state_indices[r, j]] (rounded to the cache dtype
@@ -83,13 +85,16 @@ def step_rows_at_columns(cache: torch.Tensor, state_indices: torch.Tensor, query
     Returns y [num_tokens, ...] (0 at tokens no row covers). A loop over at most J positions; no host
     sync (a CUDA graph captures it)."""
     b, j_cols = state_indices.shape
-    dev = cache.device
+    several = isinstance(cache, tuple)
+    caches = cache if several else (cache,)
+    dev = caches[0].device
     idx = state_indices.to(device=dev, dtype=torch.int64)
     qsl = query_start_loc.to(device=dev, dtype=torch.int64)
     starts, lens = qsl[:-1], qsl[1:] - qsl[:-1]
     real = idx[:, 0] >= 0
     first = (num_accepted_tokens.to(device=dev, dtype=torch.int64) - 1).clamp(0, j_cols - 1)
-    state = initial_states_at(cache, torch.where(real, idx.gather(1, first[:, None])[:, 0], -1), None)
+    start = torch.where(real, idx.gather(1, first[:, None])[:, 0], -1)
+    states = tuple(initial_states_at(c, start, None) for c in caches)
     # positions to run, from shapes alone (no host sync): with every row holding at least one token,
     # none holds more than T - R + 1 (a batch of rows without drafts costs one position, not 1 + k)
     positions = max(1, min(j_cols, num_tokens - b + 1))
@@ -100,15 +105,16 @@ def step_rows_at_columns(cache: torch.Tensor, state_indices: torch.Tensor, query
     # where each position's states go: column j of the rows that hold a token j (no boolean mask: no
     # sync); one redirect for all positions, then per position a gather-select-put of B states
     rows, slots, keep = padded_rows_redirected(torch.where(valid, idx[:, :positions], -1))
-    keep = keep.view(b, positions, *(1,) * (state.dim() - 1))
     ys = []
     for j in range(positions):
         # a row's positions past its last token are invalid, and so are all after them: its state may
         # run on through them (nothing of it is written or returned), so no per-position select
-        y, state = step(state, *(t[:, j] for t in by_position))
-        state = state.to(cache.dtype)
+        y, new = step(states if several else states[0], *(t[:, j] for t in by_position))
+        states = tuple(s.to(c.dtype) for s, c in zip(new if several else (new,), caches))
         ys.append(y)
-        cache[slots[:, j]] = torch.where(keep[:, j], state[rows[:, j]], cache[slots[:, j]])
+        for c, s in zip(caches, states):
+            keep_j = keep[:, j].view(b, *(1,) * (s.dim() - 1))
+            c[slots[:, j]] = torch.where(keep_j, s[rows[:, j]], c[slots[:, j]])
     # one scatter of the outputs: a position that is not a row's token lands in a scratch row past the end
     y_all = torch.stack(ys, 1).flatten(0, 1)
     out = torch.zeros((num_tokens + 1, *y_all.shape[1:]), dtype=y_all.dtype, device=dev)

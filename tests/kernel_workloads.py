@@ -33,7 +33,7 @@ from toolkit import LLM, SamplingParams
 from toolkit.inspect.kernel_specs import KernelSpecs
 from toolkit.models import DEMO_MODELS, PRESETS
 
-from harness import BATCH_LIMITS, BATCH_PROMPT_LENS, DEVICE, F32, MAX_TOKENS, TINY_PRESETS, prompts_of, run_by_hand
+from harness import BATCH_LIMITS, BATCH_PROMPT_LENS, DEVICE, F32, MAX_TOKENS, TRITON_PRESETS, prompts_of, run_by_hand
 
 RECORDED = KernelSpecs()
 
@@ -103,9 +103,9 @@ def checkpoint_run(model: str, backend: str) -> list[tuple[list[int], int]]:
 
 PARITY_WORKLOADS: dict[str, Callable[[], object]] = {
     **{_parity_label(m, [23], 0, {}): (lambda m=m: parity_run(m, "triton", [23], 0))
-       for m in TINY_PRESETS + ["demo-hybrid"]},
+       for m in TRITON_PRESETS + ["demo-hybrid"]},
     **{_parity_label(m, BATCH_PROMPT_LENS, 1, BATCH_LIMITS):
-       (lambda m=m: parity_run(m, "triton", BATCH_PROMPT_LENS, 1, **BATCH_LIMITS)) for m in TINY_PRESETS},
+       (lambda m=m: parity_run(m, "triton", BATCH_PROMPT_LENS, 1, **BATCH_LIMITS)) for m in TRITON_PRESETS},
     "parity:demo-hybrid:sampled": lambda: sampled_run("triton"),
     **{f"checkpoints:{m}": (lambda m=m: checkpoint_run(m, "triton")) for m in CHECKPOINT_MODELS},
 }
@@ -254,7 +254,7 @@ def kda_run() -> None:
 
 # bf16 (a GPU's default dtype) on every model; fp16 on a set that launches every kernel family
 # (attention and RoPE, Mamba1 and MoE, Mamba2 and the gated norm, short conv, Gated DeltaNet)
-BF16_MODELS = TINY_PRESETS + list(DEMO_MODELS)
+BF16_MODELS = TRITON_PRESETS + list(DEMO_MODELS)
 FP16_MODELS = ["tiny-bamba", "tiny-jamba", "tiny-lfm2", "tiny-qwen3-next", "tiny-mamba"]
 BF16_WORKLOADS: dict[str, Callable[[], object]] = {
     **{f"engine:{m}:bfloat16": (lambda m=m: engine_run(m, "bfloat16")) for m in BF16_MODELS},

@@ -1,7 +1,7 @@
 """Test helpers that drive models/layers directly, without the runner, and the parity suite.
 
 They build the per-layer metadata the contract files describe (toolkit/attention/paged_attn.py,
-toolkit/attention/mamba2.py, mamba1.py, short_conv.py) for a few sequence chunks, and
+toolkit/attention/mamba2.py, mamba1.py, short_conv.py, mlstm.py) for a few sequence chunks, and
 allocate/bind caches; `ModelParitySuite` holds the model-vs-HF-transformers checks every
 architecture family's test class (tests/test_parity_<family>.py) inherits, with its mixins
 `ConfigVariantChecks` (config variants) and `RunnerParityChecks` (the engine, LLM(...), vs HF).
@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM
 from toolkit import LLM
 from toolkit.attention.mamba1 import Mamba1AttentionMetadata
 from toolkit.attention.mamba2 import Mamba2AttentionMetadata, compute_chunk_metadata
+from toolkit.attention.mlstm import MLSTMAttentionMetadata
 from toolkit.attention.paged_attn import PagedAttentionMetadata
 from toolkit.attention.short_conv import ShortConvAttentionMetadata
 from toolkit.config import RunnerConfig
@@ -33,7 +34,8 @@ from toolkit.runner.kv_cache import make_kv_cache_groups
 from harness import BATCH_LIMITS, F32, check_chunked_mixed_queued_batch_matches_hf, check_single_request_matches_hf
 
 # metadata class of each Mamba-family layer that reads only the base Mamba fields
-BASE_MAMBA_METADATA = {"mamba1": Mamba1AttentionMetadata, "short_conv": ShortConvAttentionMetadata}
+BASE_MAMBA_METADATA = {"mamba1": Mamba1AttentionMetadata, "short_conv": ShortConvAttentionMetadata,
+                       "mlstm": MLSTMAttentionMetadata}
 
 
 @dataclass
@@ -192,7 +194,6 @@ def mamba2_chunk_layout(query_lens, num_computed, chunk_size):
 
 ATOL = 1e-4             # fp32 logits
 VOCAB = 320             # vocab_size of every tiny preset
-HIDDEN = 64             # hidden_size of every tiny preset
 PROMPT_LEN = 37
 CHUNKS = [10, 17, 10]   # 10 -> the 2nd chunk starts mid chunk_size (16); 27 -> so does the 3rd
 DECODE_STEPS = 5
@@ -423,7 +424,7 @@ class ModelParitySuite:
                   for k, v in caches.items()}
         ids = random_prompt(self.PROFILE_PROMPT_SEED, 40)
         hidden = ours(ids, torch.arange(40), None)
-        assert hidden.shape == (40, HIDDEN) and torch.isfinite(hidden).all()
+        assert hidden.shape == (40, ours.config.hidden_size) and torch.isfinite(hidden).all()
         for k, v in caches.items():
             now = v if isinstance(v, tuple) else (v,)
             old = before[k] if isinstance(before[k], tuple) else (before[k],)

@@ -37,7 +37,8 @@ def hook_counts(llm: LLM) -> list[int]:
 
 @pytest.mark.parametrize("preset", ["tiny-falcon-h1", "tiny-granite-hybrid", "tiny-zamba2", "tiny-nemotron-h",
                                     "tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-olmo-hybrid",
-                                    "tiny-kimi-linear", "tiny-lfm2-moe", "tiny-minimax", "tiny-lfm3"])
+                                    "tiny-kimi-linear", "tiny-lfm2-moe", "tiny-minimax", "tiny-lfm3",
+                                    "tiny-xlstm"])
 def test_model_zoo_ii_and_iii_have_no_divergence(preset):
     """Falcon-H1 and Granite scale the embeddings before the first block: HF's entry 0 is that
     scaled input, which must not be mistaken for a layer output."""

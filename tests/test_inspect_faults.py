@@ -15,7 +15,7 @@ FAULT_NAMES = [f.name for f in faults.catalogue()]
 # decided by attention alone needs attention layers)
 # the state faults also on a Kimi Delta Attention layer (Kimi Linear: KDA on the Gated DeltaNet builder)
 # and on MiniMax's lightning attention (the linear-attention builder)
-STATE_FAULT_PRESETS = ["tiny-bamba", "tiny-mamba2", "tiny-kimi-linear", "tiny-minimax"]
+STATE_FAULT_PRESETS = ["tiny-bamba", "tiny-mamba2", "tiny-kimi-linear", "tiny-minimax", "tiny-xlstm"]
 PRESETS = {"attention_free_default_state": ["tiny-mamba2", "tiny-mamba"],
            "hit_counted_without_checkpoint": ["tiny-bamba", "tiny-lfm2"],
            **{name: STATE_FAULT_PRESETS for name in ("state_index_off_by_one", "initial_state_flag_on_fresh_request",

@@ -743,7 +743,7 @@ def test_random_programs_keep_books_and_outputs(preset, config, ops):
 # Zoo III (the delta-rule hybrids, LFM2-MoE, MiniMax, LFM3): the same programs, each draw on one of them
 # (one test's examples in all, not one test per preset: the suite's time stays flat as the zoo grows)
 ZOO_III = ["tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-olmo-hybrid", "tiny-kimi-linear", "tiny-lfm2-moe",
-           "tiny-minimax", "tiny-lfm3"]
+           "tiny-minimax", "tiny-lfm3", "tiny-xlstm"]
 
 
 @pytest.mark.timeout(600 if PROFILE.max_examples <= 100 else 3600)

@@ -22,6 +22,7 @@ ZOO_III = {
     "kimi-linear-48b-a3b-shape-2l": (["linear_attention", "full_attention"], 2_706_923_424),
     "lfm2-8b-a1b-shape-4l": (["conv", "conv", "full_attention", "conv"], 987_926_656),
     "minimax-text-01-shape-2l": (["linear_attention", "full_attention"], 13_695_358_976),
+    "xlstm-7b-shape-4l": (["mlstm"] * 4, 1_218_760_768),
 }
 # whole-model shape presets (no layer cut): preset -> parameters
 WHOLE = {"lfm3-1.7b-shape": 1_728_801_536}
@@ -56,6 +57,6 @@ def test_shape_preset_builds_hf_tensors(name):
 def test_zoo_iii_shape_preset_layers_and_size(name):
     kinds, params = ZOO_III[name]
     cfg, ours, _ = _meta_models(name)
-    assert [layer.layer_type for layer in ours.model.layers] == kinds
+    assert [layer.layer_type for layer in ours.body.layers] == kinds
     assert sum(p.numel() for p in ours.parameters()) == params
     assert f"-shape-{len(kinds)}l" in name                 # the name says how many layers were kept

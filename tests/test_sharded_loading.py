@@ -30,7 +30,7 @@ CPU = dict(dtype=torch.float32, device=torch.device("cpu"))
 PRESETS = ["tiny-llama", "tiny-mamba", "tiny-falcon-mamba", "tiny-mamba2", "tiny-bamba", "tiny-lfm2", "tiny-jamba",
            "tiny-granite-hybrid", "tiny-nemotron-h", "tiny-falcon-h1", "tiny-zamba2", "tiny-qwen3-next",
            "tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-olmo-hybrid",
-           "tiny-kimi-linear", "tiny-lfm2-moe", "tiny-minimax", "tiny-lfm3"]
+           "tiny-kimi-linear", "tiny-lfm2-moe", "tiny-minimax", "tiny-lfm3", "tiny-xlstm"]
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ from harness import ScriptedProposer
 FAMILY_PRESETS = ["tiny-llama", "tiny-mamba", "tiny-falcon-mamba", "tiny-mamba2", "tiny-bamba", "tiny-jamba",
                   "tiny-lfm2", "tiny-nemotron-h", "tiny-granite-hybrid", "tiny-qwen3-next", "tiny-zamba2",
                   "tiny-falcon-h1", "tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-olmo-hybrid",
-                  "tiny-kimi-linear", "tiny-lfm2-moe", "tiny-minimax", "tiny-lfm3"]
+                  "tiny-kimi-linear", "tiny-lfm2-moe", "tiny-minimax", "tiny-lfm3", "tiny-xlstm"]
 # one preset per recurrent family (and attention alone) for the k sweep
 K_SWEEP = ["tiny-llama", "tiny-mamba", "tiny-mamba2", "tiny-lfm2", "tiny-qwen3-next"]
 

@@ -96,11 +96,12 @@ def run_ranks(tmp_path: Path, presets: list[str], world: int = 2, **engine) -> d
 # LFM2-MoE: LFM2's layers and a sigmoid-routed MoE (expert bias, router and bias whole on every rank);
 # MiniMax: lightning attention by heads (its norm over every head's channels all-reduced), MoE;
 # LFM3: sliding-window and full attention with per-head gates (g_proj by heads), 7-wide short convs;
+# xLSTM: the mLSTM by heads (its three states; the per-head norm needs no communication);
 # the trained demo models (HF folders; a vocabulary of 264 padded to 320)
 EVERY_MODEL = ["tiny-llama", "tiny-mamba", "tiny-falcon-mamba", "tiny-mamba2", "tiny-bamba", "tiny-lfm2", "tiny-jamba",
                "tiny-granite-hybrid", "tiny-nemotron-h", "tiny-falcon-h1", "tiny-zamba2", "tiny-qwen3-next",
                "tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-olmo-hybrid", "tiny-kimi-linear",
-               "tiny-lfm2-moe", "tiny-minimax", "tiny-lfm3", "demo-hybrid", "demo-mamba"]
+               "tiny-lfm2-moe", "tiny-minimax", "tiny-lfm3", "tiny-xlstm", "demo-hybrid", "demo-mamba"]
 
 
 @pytest.fixture(scope="module")

@@ -90,7 +90,8 @@ def test_only_the_visible_tab_is_drawn():
     assert bytes(ins.timeline.image.value).startswith(b"\x89PNG")
 
 
-@pytest.mark.parametrize("preset", ["tiny-bamba", "tiny-minimax"])     # Mamba2's two states; lightning's one
+# Mamba2's two states; lightning's one; the mLSTM's three (C, n and m)
+@pytest.mark.parametrize("preset", ["tiny-bamba", "tiny-minimax", "tiny-xlstm"])
 def test_state_view_shows_the_picked_layer_and_request(preset):
     ins = make(preset)
     ins.run(3)

@@ -47,8 +47,8 @@ class MambaSpec:
     """Per-request recurrent state: one tensor per entry of `shapes`, each [num_slots, *shape].
 
     Slot 0 is the null slot (dummy and padded rows point there). `mamba_type` picks the metadata
-    builder: "mamba2", "mamba1", "short_conv", "gdn" (Gated DeltaNet) or "linear_attention" (MiniMax's
-    lightning attention).
+    builder: "mamba2", "mamba1", "short_conv", "gdn" (Gated DeltaNet), "linear_attention" (MiniMax's
+    lightning attention) or "mlstm" (xLSTM).
     Conv state layout is vLLM's "SD": (state_len = conv_kernel - 1, conv_dim).
     """
     shapes: tuple[tuple[int, ...], ...]

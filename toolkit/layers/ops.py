@@ -40,6 +40,14 @@ a padded prefill sequence is computed from a zero state (the profile run relies 
         as for mamba1_scan (any token, chunk end or not)
     kda_update, kda_prefill: as gdn_update / gdn_prefill, for Kimi Delta Attention: g [n, H, K] (a log
         decay per key channel) and as many key heads as value heads (kda_ref.py)
+    mlstm_update(C_state [S, H, K, V], n_state [S, H, K], m_state [S, H], q [B, H, K], k, v [B, H, V],
+                 i [B, H], f [B, H], state_indices [B], eps=1e-6) -> h fp32 [B, H, V]     (xLSTM's mLSTM decode)
+    mlstm_prefill(q [T, H, K], k, v [T, H, V], i [T, H], f [T, H], cu_seqlens [P+1], C_state, n_state,
+                  m_state, state_indices [P], has_initial_state [P], eps=1e-6, checkpoints=None)
+        -> h fp32 [T, H, V]
+        i, f: the soft-capped gate pre-activations; q scaled by K ** -0.5 inside; three fp32 states
+        (mlstm_ref.py); checkpoints as for mamba1_scan (any token). No Triton kernel yet: the Triton
+        set runs the same torch references
     rms_norm(x [..., D], weight [D], eps) -> [..., D]                   (rms_norm_ref.rms_norm)
     rms_norm_gated(x [..., D], gate | None, weight [D], group_size, eps, norm_before_gate,
                    cast_normed, out_dtype | None) -> [..., D]           (rms_norm_ref.rms_norm_gated_op)
@@ -52,7 +60,7 @@ a padded prefill sequence is computed from a zero state (the profile run relies 
 The Triton set does each of these in one launch, which is what a CUDA-graph decode step needs:
 its time at batch 1 is the number of kernels times a few microseconds (benchmarks/launch_count.py).
 
-Verify rows (speculative decoding): conv_update, mamba1_update, mamba2_update and gdn_update also
+Verify rows (speculative decoding): conv_update, mamba1_update, mamba2_update, gdn_update and mlstm_update also
 take the keywords query_start_loc [R+1] and num_accepted_tokens [R], with state_indices [R, 1 + k]
 (a row's state columns) and per-token inputs [T, ...]: every row's 1 + k tokens at most in one call,
 starting from column num_accepted - 1, the state after token j left in column j
@@ -78,6 +86,7 @@ from toolkit.kernels import (
     gumbel_ref,
     kda_ref,
     kv_cache_ref,
+    mlstm_ref,
     paged_attention_ref,
     rms_norm_ref,
     rotary_ref,
@@ -103,6 +112,8 @@ class Ops:
     gdn_prefill: Callable
     kda_update: Callable
     kda_prefill: Callable
+    mlstm_update: Callable
+    mlstm_prefill: Callable
     rms_norm: Callable
     rms_norm_gated: Callable
     mamba2_dt: Callable
@@ -125,6 +136,8 @@ TORCH_OPS = Ops(
     gdn_prefill=gated_delta_rule_ref.gdn_prefill_at_slots,
     kda_update=kda_ref.kda_update_at_slots,
     kda_prefill=kda_ref.kda_prefill_at_slots,
+    mlstm_update=mlstm_ref.mlstm_update_at_slots,
+    mlstm_prefill=mlstm_ref.mlstm_prefill_at_slots,
     rms_norm=rms_norm_ref.rms_norm,
     rms_norm_gated=rms_norm_ref.rms_norm_gated_op,
     mamba2_dt=selective_state_update_ref.mamba2_dt,
@@ -177,6 +190,9 @@ def triton_ops(device: torch.device) -> Ops:
         gdn_prefill=gated_delta_rule.gdn_prefill,
         kda_update=kda.kda_update,
         kda_prefill=kda.kda_prefill,
+        # no Triton mLSTM kernel exists yet: the Triton set runs the torch references
+        mlstm_update=mlstm_ref.mlstm_update_at_slots,
+        mlstm_prefill=mlstm_ref.mlstm_prefill_at_slots,
         rms_norm=rms_norm.rms_norm,
         rms_norm_gated=rms_norm.rms_norm_gated,
         mamba2_dt=selective_state_update.mamba2_dt,

@@ -604,6 +604,29 @@ def tiny_lfm3() -> PretrainedConfig:
 PRESETS["tiny-lfm3"] = tiny_lfm3
 
 
+def tiny_xlstm() -> PretrainedConfig:
+    """xLSTM (mLSTM blocks, attention-free): hidden 128 (HF's xLSTMCache rounds the q/k width up to a
+    multiple of 64, so at hidden 64 HF's cached generate breaks), 2 blocks of 2 heads, q/k 64 (32 a
+    head), v 128 (64 a head); FFN 384 (128 * 2.667 rounded up to 64); HF's chunkwise prefill in chunks
+    of 8 (its parity prompts run chunks and the recurrent tail); gate soft cap 4 and output logit soft
+    cap 5, small enough to bend the values they cap. HF initialises every projection named "gate"
+    (igate/fgate/ogate_preact and the FFN's proj_up_gate) to zero, so the FFN and the gates would add
+    exactly nothing; the preset's seeded weights give them random values, and the input / forget gate
+    biases non-trivial ones (xLSTMForCausalLM.init_random_weights)."""
+    from transformers import xLSTMConfig
+    return xLSTMConfig(
+        **{**_SHARED, "hidden_size": 128, "num_hidden_layers": 2},
+        num_heads=2,
+        chunk_size=8,
+        gate_soft_cap=4.0,
+        output_logit_soft_cap=5.0,
+        architectures=["xLSTMForCausalLM"],
+    )
+
+
+PRESETS["tiny-xlstm"] = tiny_xlstm
+
+
 # ---- Zoo III shape-true presets --------------------------------------------------------------------
 # Each is the transformers config class's defaults, which its docstring ties to a released checkpoint
 # (Qwen3_5TextConfig's: hidden 4096, 32 layers, 8.95B parameters, Qwen3.5-9B's text model), cut to
@@ -696,3 +719,14 @@ def lfm3_1_7b_shape() -> PretrainedConfig:
 
 
 PRESETS["lfm3-1.7b-shape"] = lfm3_1_7b_shape
+
+
+def xlstm_7b_shape_4l() -> PretrainedConfig:
+    """NX-AI/xLSTM-7b (xLSTMConfig's defaults), 4 of 32 mLSTM blocks: hidden 4096, 8 heads, q/k 2048 (256
+    a head), v 4096 (512 a head), FFN 10944, gate soft cap 15, logit soft cap 30; vocab 50304, untied
+    (1.22B parameters; a request's state is C [8, 256, 512] + n [8, 256] + m [8] fp32 per block)."""
+    from transformers import xLSTMConfig
+    return xLSTMConfig(num_hidden_layers=4, num_blocks=4, architectures=["xLSTMForCausalLM"])
+
+
+PRESETS["xlstm-7b-shape-4l"] = xlstm_7b_shape_4l

@@ -22,6 +22,7 @@ from toolkit.models.nemotron_h import NemotronHForCausalLM
 from toolkit.models.olmo_hybrid import OlmoHybridForCausalLM
 from toolkit.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from toolkit.models.qwen3_next import Qwen3NextForCausalLM
+from toolkit.models.xlstm import xLSTMForCausalLM
 from toolkit.models.zamba2 import Zamba2ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
@@ -39,6 +40,7 @@ MODEL_REGISTRY.update({cls.hf_architecture: cls for cls in (Zamba2ForCausalLM, F
 MODEL_REGISTRY.update({cls.hf_architecture: cls for cls in (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM,
                                                              OlmoHybridForCausalLM, KimiLinearForCausalLM,
                                                              Lfm2MoeForCausalLM, MiniMaxForCausalLM, Lfm3ForCausalLM)})
+MODEL_REGISTRY[xLSTMForCausalLM.hf_architecture] = xLSTMForCausalLM
 # checkpoints of other architectures that load as one of ours (a vision-language model, text-only)
 MODEL_REGISTRY.update({alias: cls for cls in list(MODEL_REGISTRY.values()) for alias in cls.hf_aliases})
 

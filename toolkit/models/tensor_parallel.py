@@ -27,7 +27,8 @@ SHARDABLE = ("LlamaForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM", "
              "BambaForCausalLM", "Lfm2ForCausalLM", "JambaForCausalLM", "GraniteMoeHybridForCausalLM",
              "NemotronHForCausalLM", "FalconH1ForCausalLM", "Zamba2ForCausalLM", "Qwen3NextForCausalLM",
              "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "OlmoHybridForCausalLM",
-             "KimiLinearForCausalLM", "Lfm2MoeForCausalLM", "MiniMaxForCausalLM", "Lfm3ForCausalLM")
+             "KimiLinearForCausalLM", "Lfm2MoeForCausalLM", "MiniMaxForCausalLM", "Lfm3ForCausalLM",
+             "xLSTMForCausalLM")
 
 
 def check_tensor_parallel(model: CausalLM, tp_size: int) -> None:

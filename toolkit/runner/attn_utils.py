@@ -17,6 +17,7 @@ from toolkit.attention.gdn import GDNMetadataBuilder
 from toolkit.attention.linear_attn import LinearAttentionMetadataBuilder
 from toolkit.attention.mamba1 import Mamba1MetadataBuilder
 from toolkit.attention.mamba2 import Mamba2MetadataBuilder
+from toolkit.attention.mlstm import MLSTMMetadataBuilder
 from toolkit.attention.paged_attn import PagedAttentionMetadataBuilder
 from toolkit.attention.short_conv import ShortConvMetadataBuilder
 from toolkit.kv_cache_spec import AttentionSpec, MambaSpec
@@ -56,6 +57,8 @@ def make_builder(group: KVCacheGroup, align: bool = False, checkpoints: bool = F
         return GDNMetadataBuilder(spec.chunk_size, **kw)
     if isinstance(spec, MambaSpec) and spec.mamba_type == "linear_attention":
         return LinearAttentionMetadataBuilder(spec.chunk_size, **kw)
+    if isinstance(spec, MambaSpec) and spec.mamba_type == "mlstm":
+        return MLSTMMetadataBuilder(**kw)
     raise ValueError(f"no metadata builder for cache spec {spec}")
 
 

@@ -14,6 +14,7 @@ import torch
 from toolkit.attention.gdn import GDNMetadataBuilder
 from toolkit.attention.mamba1 import Mamba1MetadataBuilder
 from toolkit.attention.mamba2 import Mamba2MetadataBuilder
+from toolkit.attention.mlstm import MLSTMMetadataBuilder
 from toolkit.attention.paged_attn import PagedAttentionMetadataBuilder
 from toolkit.attention.short_conv import ShortConvMetadataBuilder
 from toolkit.inspect import html as H
@@ -42,7 +43,7 @@ from toolkit.widgets import plots
 
 NO_RECORDS = "no records yet: add a request and step the engine (or call llm.warmup())"
 BUILDERS = (PagedAttentionMetadataBuilder, Mamba2MetadataBuilder, Mamba1MetadataBuilder,
-            ShortConvMetadataBuilder, GDNMetadataBuilder)
+            ShortConvMetadataBuilder, GDNMetadataBuilder, MLSTMMetadataBuilder)
 
 
 # ---- why a pane is empty -------------------------------------------------------------------------
