@@ -1,5 +1,5 @@
-"""The mLSTM recurrence (xLSTM's matrix LSTM) over per-request state, in torch. There is no Triton
-mLSTM kernel yet: both op sets run these references (toolkit/layers/ops.py).
+"""The mLSTM recurrence (xLSTM's matrix LSTM) over per-request state, in torch: the reference of
+`mlstm.py` (its Triton kernels, the Triton op set's; these are the torch op set's, toolkit/layers/ops.py).
 
 Notation: T tokens, H heads, K = qk head dim, V = v head dim, S state slots, P sequences. Per token,
 per head, with i, f the (soft-capped) input / forget gate pre-activations and q, k [K], v [V]:

@@ -66,10 +66,6 @@ TINY_PRESETS = ["tiny-llama", "tiny-mamba2", "tiny-bamba", "tiny-mamba", "tiny-f
                 "tiny-lfm2", "tiny-nemotron-h", "tiny-granite-hybrid", "tiny-zamba2", "tiny-falcon-h1",
                 "tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-olmo-hybrid",
                 "tiny-kimi-linear", "tiny-lfm2-moe", "tiny-minimax", "tiny-lfm3", "tiny-xlstm"]
-# Presets whose mixer has no Triton kernel yet (both backends run its torch reference): in every engine
-# suite but the Triton backend's own (test_backend_triton, kernel_workloads' recordings and compiles).
-NO_TRITON_KERNEL = {"tiny-xlstm"}
-TRITON_PRESETS = [p for p in TINY_PRESETS if p not in NO_TRITON_KERNEL]
 # The seven that the slower engine-wide checks run on (outputs independent of scheduling, the
 # property programs, ...): every sequence mixer but Gated DeltaNet (attention; Mamba1, FalconMamba's
 # normed Mamba1; Mamba2; LFM2's short conv) and the Bamba and Jamba hybrids. The others are larger

@@ -33,7 +33,7 @@ from toolkit import LLM, SamplingParams
 from toolkit.inspect.kernel_specs import KernelSpecs
 from toolkit.models import DEMO_MODELS, PRESETS
 
-from harness import BATCH_LIMITS, BATCH_PROMPT_LENS, DEVICE, F32, MAX_TOKENS, TRITON_PRESETS, prompts_of, run_by_hand
+from harness import BATCH_LIMITS, BATCH_PROMPT_LENS, DEVICE, F32, MAX_TOKENS, TINY_PRESETS, prompts_of, run_by_hand
 
 RECORDED = KernelSpecs()
 
@@ -103,9 +103,9 @@ def checkpoint_run(model: str, backend: str) -> list[tuple[list[int], int]]:
 
 PARITY_WORKLOADS: dict[str, Callable[[], object]] = {
     **{_parity_label(m, [23], 0, {}): (lambda m=m: parity_run(m, "triton", [23], 0))
-       for m in TRITON_PRESETS + ["demo-hybrid"]},
+       for m in TINY_PRESETS + ["demo-hybrid"]},
     **{_parity_label(m, BATCH_PROMPT_LENS, 1, BATCH_LIMITS):
-       (lambda m=m: parity_run(m, "triton", BATCH_PROMPT_LENS, 1, **BATCH_LIMITS)) for m in TRITON_PRESETS},
+       (lambda m=m: parity_run(m, "triton", BATCH_PROMPT_LENS, 1, **BATCH_LIMITS)) for m in TINY_PRESETS},
     "parity:demo-hybrid:sampled": lambda: sampled_run("triton"),
     **{f"checkpoints:{m}": (lambda m=m: checkpoint_run(m, "triton")) for m in CHECKPOINT_MODELS},
 }
@@ -252,21 +252,81 @@ def kda_run() -> None:
                             checkpoints=checkpoints)
 
 
+def mlstm_run() -> None:
+    """xLSTM's mLSTM kernels as a bf16 mixer launches them, with shapes of their own (a masked K tail,
+    two V blocks): decode rows with a padded one, verify rows, a prefill with and without checkpoints;
+    bf16 activations and gates, fp32 states."""
+    from test_kernel_mlstm import LENS, _inputs
+
+    from toolkit.kernels import mlstm
+    from toolkit.kernels.state_slots_ref import Checkpoints
+    gen = torch.Generator().manual_seed(0)
+    with recording("mlstm"):
+        h, kd, vd = 2, 12, 40
+        q, k, v, i, f = _inputs(gen, torch.bfloat16, sum(LENS), h, kd, vd, DEVICE)
+        states = (torch.zeros(12, h, kd, vd, device=DEVICE), torch.zeros(12, h, kd, device=DEVICE),
+                  torch.zeros(12, h, device=DEVICE))
+        rows = torch.tensor([3, -1, 0, 6], dtype=torch.int32, device=DEVICE)
+        mlstm.mlstm_update(*states, q[:4], k[:4], v[:4], i[:4], f[:4], rows)
+        cols = torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32, device=DEVICE)
+        qsl, acc = (torch.tensor(x, dtype=torch.int32, device=DEVICE) for x in ([0, 3, 5], [2, 1]))
+        mlstm.mlstm_update(*states, q[:5], k[:5], v[:5], i[:5], f[:5], cols, query_start_loc=qsl,
+                           num_accepted_tokens=acc)
+        n = len(LENS)
+        cu = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+        idx = torch.arange(n, dtype=torch.int32, device=DEVICE)
+        flags = torch.ones(n, dtype=torch.bool, device=DEVICE)
+        ckpt = Checkpoints(torch.tensor([0, 3], device=DEVICE), torch.tensor([9, 10], dtype=torch.int32, device=DEVICE))
+        for checkpoints in (None, ckpt):
+            mlstm.mlstm_prefill(q, k, v, i, f, cu, *states, idx, flags, checkpoints=checkpoints)
+
+
+def mlstm_shape_run() -> None:
+    """The mLSTM kernels at xLSTM-7b's head shape (xlstm-7b-shape-4l: 8 heads, K = 256, V = 512: a
+    [256, 32] tile of C per block of V, 16 blocks a head), bf16 inputs, fp32 states: decode rows with a
+    padded one, verify rows, a prefill with and without checkpoints. Kernel-level: an engine run of the shape preset
+    would spend its time in the torch projections of 4096-wide blocks, not in these kernels."""
+    from toolkit.kernels import mlstm
+    from toolkit.kernels.state_slots_ref import Checkpoints
+    gen = torch.Generator().manual_seed(0)
+    with recording("mlstm:xlstm-7b-shape"):
+        h, kd, vd, n = 8, 256, 512, 4
+        x = torch.randn(n, h * (2 * kd + vd) + 2 * h, generator=gen).to(device=DEVICE, dtype=torch.bfloat16)
+        q, k = x[:, :h * kd].view(n, h, kd), x[:, h * kd:2 * h * kd].view(n, h, kd)
+        v = x[:, 2 * h * kd:h * (2 * kd + vd)].view(n, h, vd)
+        i, f = x[:, h * (2 * kd + vd):].view(n, 2, h).unbind(1)
+        states = (torch.zeros(6, h, kd, vd, device=DEVICE), torch.zeros(6, h, kd, device=DEVICE),
+                  torch.zeros(6, h, device=DEVICE))
+        mlstm.mlstm_update(*states, q[:2], k[:2], v[:2], i[:2], f[:2],
+                           torch.tensor([1, -1], dtype=torch.int32, device=DEVICE))
+        mlstm.mlstm_update(*states, q[:3], k[:3], v[:3], i[:3], f[:3],
+                           torch.tensor([[1, 2, 3]], dtype=torch.int32, device=DEVICE),
+                           query_start_loc=torch.tensor([0, 3], dtype=torch.int32, device=DEVICE),
+                           num_accepted_tokens=torch.tensor([1], dtype=torch.int32, device=DEVICE))
+        ckpt = Checkpoints(torch.tensor([2], device=DEVICE), torch.tensor([5], dtype=torch.int32, device=DEVICE))
+        for checkpoints in (None, ckpt):
+            mlstm.mlstm_prefill(q, k, v, i, f, torch.tensor([0, 1, 4], dtype=torch.int32, device=DEVICE), *states,
+                                torch.tensor([0, 4], dtype=torch.int32, device=DEVICE),
+                                torch.ones(2, dtype=torch.bool, device=DEVICE), checkpoints=checkpoints)
+
+
 # bf16 (a GPU's default dtype) on every model; fp16 on a set that launches every kernel family
 # (attention and RoPE, Mamba1 and MoE, Mamba2 and the gated norm, short conv, Gated DeltaNet)
-BF16_MODELS = TRITON_PRESETS + list(DEMO_MODELS)
+BF16_MODELS = TINY_PRESETS + list(DEMO_MODELS)
 FP16_MODELS = ["tiny-bamba", "tiny-jamba", "tiny-lfm2", "tiny-qwen3-next", "tiny-mamba"]
 BF16_WORKLOADS: dict[str, Callable[[], object]] = {
     **{f"engine:{m}:bfloat16": (lambda m=m: engine_run(m, "bfloat16")) for m in BF16_MODELS},
     "gumbel_debug": gumbel_debug_run,
     "verify_rows": verify_rows_run,
     "kda": kda_run,
+    "mlstm": mlstm_run,
     "sliding_window": sliding_window_run,
 }
 FP16_WORKLOADS: dict[str, Callable[[], object]] = {
     f"engine:{m}:float16": (lambda m=m: engine_run(m, "float16")) for m in FP16_MODELS}
 SHAPE_WORKLOADS: dict[str, Callable[[], object]] = {
-    f"engine:{p}-trimmed:bfloat16": (lambda p=p: shape_run(p, "bfloat16")) for p in SHAPE_TRIMS}
+    **{f"engine:{p}-trimmed:bfloat16": (lambda p=p: shape_run(p, "bfloat16")) for p in SHAPE_TRIMS},
+    "mlstm:xlstm-7b-shape": mlstm_shape_run}
 EXTRA_WORKLOADS = {**BF16_WORKLOADS, **FP16_WORKLOADS, **SHAPE_WORKLOADS}
 WORKLOADS = {**PARITY_WORKLOADS, **EXTRA_WORKLOADS}
 

@@ -18,7 +18,7 @@ pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows; 
 
 from toolkit import LLM
 
-from harness import BATCH_LIMITS, BATCH_PROMPT_LENS, TRITON_PRESETS
+from harness import BATCH_LIMITS, BATCH_PROMPT_LENS, TINY_PRESETS
 from kernel_workloads import CHECKPOINT_MODELS, checkpoint_run, parity_run, sampled_run
 
 LOGITS_ATOL = 1e-4
@@ -35,12 +35,12 @@ def _assert_same(torch_res, triton_res):
             assert diff <= LOGITS_ATOL, f"request {rid}, output token {step}: logits differ by {diff:.2e}"
 
 
-@pytest.mark.parametrize("model", TRITON_PRESETS + ["demo-hybrid"])
+@pytest.mark.parametrize("model", TINY_PRESETS + ["demo-hybrid"])
 def test_single_request_triton_equals_torch(model):
     _assert_same(_run(model, "torch", [23], 0), _run(model, "triton", [23], 0))
 
 
-@pytest.mark.parametrize("model", TRITON_PRESETS)
+@pytest.mark.parametrize("model", TINY_PRESETS)
 def test_chunked_mixed_batch_triton_equals_torch(model):
     ref = _run(model, "torch", BATCH_PROMPT_LENS, 1, **BATCH_LIMITS)
     ours = _run(model, "triton", BATCH_PROMPT_LENS, 1, **BATCH_LIMITS)

@@ -4,8 +4,8 @@ reproduces HF transformers 5.24, for the preset and an HF-initialised checkpoint
 engine against HF's generate (`RunnerParityChecks`) and with a request preempted and recomputed, the
 mLSTM ops against HF's own kernels (chunkwise and recurrent, from non-zero initial states) and
 token by token (verify rows, checkpoints), the state after a prefill against HF's xLSTMCache,
-speculative decoding, cache mode "all", tensor parallelism by heads, the Triton backend (the same
-torch references: no Triton mLSTM kernel yet) and the checkpoint layout both ways.
+speculative decoding, cache mode "all", tensor parallelism by heads, the Triton backend (its mLSTM
+kernels, kernels/mlstm.py: the same tokens, logits within 1e-4) and the checkpoint layout both ways.
 """
 from __future__ import annotations
 
@@ -410,17 +410,20 @@ def test_sharded_load_reads_each_ranks_heads(tmp_path):
         assert_same_model(got, shard_model(load_model(folder, dtype=torch.float32, device="cpu").model, TPGroup(r, 2)))
 
 
-# ---- backend="triton": the same torch references (no Triton mLSTM kernel yet) -------------------------
+# ---- backend="triton": the mLSTM kernels (kernels/mlstm.py) -------------------------------------------
 @pytest.mark.slow
 def test_triton_backend_equals_torch():
     pytest.importorskip("triton")
+    from toolkit.kernels import mlstm
     res = {}
     for backend in ("torch", "triton"):
         with LLM(ARCH, **F32, backend=backend, **BATCH_LIMITS) as llm:
             res[backend] = run_by_hand(llm, prompts_of([23, 9], llm.vocab_size, seed=0), MAX_TOKENS)
             assert {r.backend for r in res[backend].records} == {backend}
-            assert llm.model_runner.model.backbone.blocks[0].mlstm_layer.ops.mlstm_update is \
-                mlstm_update_at_slots
+            ops = llm.model_runner.model.backbone.blocks[0].mlstm_layer.ops
+            want = ((mlstm.mlstm_update, mlstm.mlstm_prefill) if backend == "triton"
+                    else (mlstm_update_at_slots, mlstm_prefill_at_slots))
+            assert (ops.mlstm_update, ops.mlstm_prefill) == want
     assert res["torch"].tokens == res["triton"].tokens
     for rid, logits in res["triton"].logits.items():
         for a, b in zip(res["torch"].logits[rid], logits, strict=True):

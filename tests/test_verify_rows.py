@@ -1,5 +1,5 @@
 """Speculative decoding's verify rows in one op call per layer: every recurrent update op (conv, Mamba1,
-Mamba2, Gated DeltaNet), given vLLM's `query_start_loc` and `num_accepted_tokens` and state indices
+Mamba2, Gated DeltaNet, mLSTM), given vLLM's `query_start_loc` and `num_accepted_tokens` and state indices
 [R, 1 + k], equals the same op run token by token, each token's state first copied into its own
 column (what the runner did before, kernels/state_slots_ref.step_rows_at_columns): ragged rows (0 to k
 drafts), every accepted count, a padded row, fp32 and bf16 state caches. The torch references on the
@@ -60,6 +60,7 @@ CASES = {
     "mamba1": "mamba1_update",
     "mamba2": "mamba2_update",
     "gdn": "gdn_update",
+    "mlstm": "mlstm_update",
 }
 
 
@@ -84,6 +85,18 @@ def _case(name: str, t: int, device, gen):
         return rnd(NUM_SLOTS, h, p, n), [rnd(t, h, p), rnd(t, h), rnd(t, g, n), rnd(t, g, n)], \
             lambda op, cache, ins, idx, **v: op(cache, ins[0], ins[1], A, ins[2], ins[3], D, idx, dt_bias,
                                                  (0.0, 6.0), **v)
+    if name == "mlstm":
+        # the three states (C [H, K, V], n [H, K], m [H]) as views of one packed tensor [S, H, K*V + K + 1],
+        # so that a slot copy, a clone and a comparison take all three
+        h, kd, vd = 2, 8, 4
+        i_gate, f_gate = rnd(t, h, scale=2.0), rnd(t, h) + 2
+
+        def states(cache):
+            return (cache[..., :kd * vd].unflatten(-1, (kd, vd)), cache[..., kd * vd:kd * vd + kd],
+                    cache[..., -1])
+        return rnd(NUM_SLOTS, h, kd * vd + kd + 1, scale=0.5), [rnd(t, h, kd), rnd(t, h, kd), rnd(t, h, vd), i_gate,
+                                                                 f_gate], \
+            lambda op, cache, ins, idx, **v: op(*states(cache), *ins, idx, **v)
     hk, hv, kd, vd = 1, 2, 8, 4
     g_log = -torch.rand(t, hv, generator=gen).to(device)
     beta = torch.rand(t, hv, generator=gen).to(device)
@@ -91,11 +104,11 @@ def _case(name: str, t: int, device, gen):
         lambda op, cache, ins, idx, **v: op(cache, *ins, idx, **v)
 
 
-# (ops, case, state dtype): bf16 state caches where the op takes them (the Mamba1 and Gated DeltaNet
-# kernels take fp32 SSM caches only, as the mixers allocate them; their launchers refuse others)
+# (ops, case, state dtype): bf16 state caches where the op takes them (the Mamba1, Gated DeltaNet and
+# mLSTM kernels take fp32 state caches only, as the mixers allocate them; their launchers refuse others)
 COMBOS = [(ops, case, dtype) for ops in ("torch", "triton") for case in sorted(CASES)
           for dtype in (torch.float32, torch.bfloat16)
-          if not (ops == "triton" and case in ("mamba1", "gdn") and dtype != torch.float32)]
+          if not (ops == "triton" and case in ("mamba1", "gdn", "mlstm") and dtype != torch.float32)]
 
 
 @pytest.mark.parametrize("padded_tokens", [1, 1 + K])     # a padded row still has its token(s)

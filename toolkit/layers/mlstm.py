@@ -16,8 +16,8 @@ State per slot (`state_names`, all fp32, the references' layout: kernels/mlstm_r
     n_state [H, K]      the normaliser, HF's n
     m_state [H]         the stabiliser, HF's m without its trailing 1
 Decode and verify rows run `mlstm_update`, prefill rows `mlstm_prefill` (token by token, so cache mode
-"all" can save the state after any token). There is no Triton mLSTM kernel yet: both backends run the
-torch references.
+"all" can save the state after any token): the torch references on the torch backend, the Triton
+kernels of kernels/mlstm.py (the prefill the same sequential recurrence) on the Triton one.
 
 HF's weight_mode "fused" (qkv_opreact, ifgate_preact) is refused: HF's own init fails with it.
 """

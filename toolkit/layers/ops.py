@@ -46,8 +46,8 @@ a padded prefill sequence is computed from a zero state (the profile run relies 
                   m_state, state_indices [P], has_initial_state [P], eps=1e-6, checkpoints=None)
         -> h fp32 [T, H, V]
         i, f: the soft-capped gate pre-activations; q scaled by K ** -0.5 inside; three fp32 states
-        (mlstm_ref.py); checkpoints as for mamba1_scan (any token). No Triton kernel yet: the Triton
-        set runs the same torch references
+        (mlstm_ref.py); checkpoints as for mamba1_scan (any token). Triton: kernels/mlstm.py (the
+        prefill sequential over a sequence's tokens, as the reference)
     rms_norm(x [..., D], weight [D], eps) -> [..., D]                   (rms_norm_ref.rms_norm)
     rms_norm_gated(x [..., D], gate | None, weight [D], group_size, eps, norm_before_gate,
                    cast_normed, out_dtype | None) -> [..., D]           (rms_norm_ref.rms_norm_gated_op)
@@ -168,6 +168,7 @@ def triton_ops(device: torch.device) -> Ops:
         gumbel,
         kda,
         kv_cache,
+        mlstm,
         paged_attention,
         rms_norm,
         rotary,
@@ -190,9 +191,8 @@ def triton_ops(device: torch.device) -> Ops:
         gdn_prefill=gated_delta_rule.gdn_prefill,
         kda_update=kda.kda_update,
         kda_prefill=kda.kda_prefill,
-        # no Triton mLSTM kernel exists yet: the Triton set runs the torch references
-        mlstm_update=mlstm_ref.mlstm_update_at_slots,
-        mlstm_prefill=mlstm_ref.mlstm_prefill_at_slots,
+        mlstm_update=mlstm.mlstm_update,
+        mlstm_prefill=mlstm.mlstm_prefill,
         rms_norm=rms_norm.rms_norm,
         rms_norm_gated=rms_norm.rms_norm_gated,
         mamba2_dt=selective_state_update.mamba2_dt,
