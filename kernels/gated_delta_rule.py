@@ -53,7 +53,14 @@ import triton
 import triton.language as tl
 
 from .gated_delta_rule_ref import L2NORM_EPS
-from .launcher_checks import check_checkpoints, check_chunk_layout, check_index, check_verify_rows, verify_launch_args
+from .launcher_checks import (
+    check_checkpoints,
+    check_chunk_layout,
+    check_index,
+    check_verify_rows,
+    token_save_slots,
+    verify_launch_args,
+)
 from .state_slots import verify_row, zero_uncomputed_outputs
 from .state_slots_ref import Checkpoints
 
@@ -308,10 +315,7 @@ def delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     y = torch.empty(t, hv, vd, dtype=torch.float32, device=v.device)
     if t == 0 or nc == 0 or rows == 0:
         return y
-    save = state_indices                                      # a placeholder pointer when not saving
-    if saving:                                                # per-token save slot, -1 = none (no sync)
-        save = torch.full((t,), -1, dtype=torch.int32, device=v.device)
-        save.scatter_(0, checkpoints.token_index, checkpoints.slots.to(torch.int32))
+    save = token_save_slots(checkpoints if saving else None, t, state_indices)
     block_v, block_k = _blocks(kd, vd)
     _gdn_prefill_kernel[(rows, hv, triton.cdiv(vd, block_v))](
         ssm_state, q, k, v, g, beta, cu_chunk_seqlens, last_chunk_indices, state_indices, has_initial_state, save,

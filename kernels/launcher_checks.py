@@ -55,6 +55,16 @@ def check_checkpoints(checkpoints: Checkpoints | None, device: torch.device) -> 
     return m
 
 
+def token_save_slots(checkpoints: Checkpoints | None, num_tokens: int, placeholder: torch.Tensor) -> torch.Tensor:
+    """What a prefill kernel with checkpoints (HAS_CKPT) reads per token: the slot to store its state
+    in after that token, int32 [T], -1 = none, scattered on the device (no host sync). Without
+    checkpoints, `placeholder` (a pointer the kernel never reads)."""
+    if checkpoints is None or checkpoints.token_index.numel() == 0:
+        return placeholder
+    save = torch.full((num_tokens,), -1, dtype=torch.int32, device=placeholder.device)
+    return save.scatter_(0, checkpoints.token_index, checkpoints.slots.to(torch.int32))
+
+
 def rows_view(name: str, t: torch.Tensor) -> torch.Tensor:
     """t [..., D] -> a [rows, D] view, unit stride along D (any row stride), for the row-wise kernels."""
     if t.stride(-1) != 1:

@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launcher_checks import check_checkpoints, check_index, check_verify_rows, verify_launch_args
+from .launcher_checks import check_checkpoints, check_index, check_verify_rows, token_save_slots, verify_launch_args
 from .mlstm_ref import MLSTM_EPS
 from .state_slots import verify_row, zero_uncomputed_outputs
 from .state_slots_ref import Checkpoints
@@ -340,10 +340,7 @@ def mlstm_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: torch.Te
     y = torch.empty(t, nh, vd, dtype=torch.float32, device=v.device)
     if t == 0 or p == 0:
         return y
-    save = state_indices                                      # a placeholder pointer when not saving
-    if saving:                                                # per-token save slot, -1 = none (no sync)
-        save = torch.full((t,), -1, dtype=torch.int32, device=v.device)
-        save.scatter_(0, checkpoints.token_index, checkpoints.slots.to(torch.int32))
+    save = token_save_slots(checkpoints if saving else None, t, state_indices)
     block_k, block_v, warps = _blocks(kd, vd)
     _mlstm_prefill_kernel[(p, nh)](
         c_state, n_state, m_state, q, k, v, i, f, cu_seqlens, state_indices, has_initial_state, save, y,

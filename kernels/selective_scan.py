@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launcher_checks import check_checkpoints, check_verify_rows, verify_launch_args
+from .launcher_checks import check_checkpoints, check_verify_rows, token_save_slots, verify_launch_args
 from .state_slots import verify_row, zero_uncomputed_outputs
 from .state_slots_ref import Checkpoints
 
@@ -269,10 +269,7 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     y = torch.empty(t, di, dtype=torch.float32, device=x.device)
     if p == 0 or di == 0:
         return y
-    save = state_indices                                      # a placeholder pointer when not saving
-    if saving:                                                # per-token save slot, -1 = none (no sync)
-        save = torch.full((t,), -1, dtype=torch.int32, device=x.device)
-        save.scatter_(0, checkpoints.token_index, checkpoints.slots.to(torch.int32))
+    save = token_save_slots(checkpoints if saving else None, t, state_indices)
     block_d = min(triton.next_power_of_2(di), 32)
     _scan_kernel[(p, triton.cdiv(di, block_d))](
         x, dt, A, B, C, D if D is not None else A, cu_seqlens, ssm_state, state_indices,
