@@ -166,6 +166,11 @@ def test_lfm3_releases_out_of_window_blocks_and_its_tokens_do_not_change(caching
         assert llm.stats()["window_kv_blocks_total"] == window.num_blocks - 1
         released, most = run(llm, poison=True)
         report = llm.memory_report()
+        if caching:       # the window pool's registered blocks are listed with the others, by kind
+            kinds = {e.kind for e in llm.prefix_cache.entries}
+            assert kinds == {"kv block", "kv block (window 4)", "state page"}, kinds
+            assert llm.stats()["cached_kv_blocks"] == sum(e.kind.startswith("kv block") for e in
+                                                          llm.prefix_cache.entries)
     # between steps a request holds its window's blocks: cdiv(W - 1, bs) + 1 = 2
     assert max(most) <= 2 + math.ceil(16 / BS) and most[-1] <= 2
     monkeypatch.setattr(kv_cache, "make_kv_cache_groups",
