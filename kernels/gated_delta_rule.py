@@ -56,6 +56,7 @@ from .gated_delta_rule_ref import L2NORM_EPS
 from .launcher_checks import (
     check_checkpoints,
     check_chunk_layout,
+    check_devices,
     check_index,
     check_verify_rows,
     token_save_slots,
@@ -229,12 +230,6 @@ def _check_common(ssm_state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     return n, hk, hv, kd, vd, hv // hk
 
 
-def _check_devices(device: torch.device, **tensors: torch.Tensor) -> None:
-    for name, x in tensors.items():
-        if x.device != device:
-            raise ValueError(f"{name} is on {x.device}, v on {device}: all inputs must share a device")
-
-
 def _blocks(k_dim: int, v_dim: int) -> tuple[int, int]:
     """(BLOCK_V, BLOCK_K): the whole K in a tile (the delta rule reduces over K), V split so a tile
     holds at most 4096 fp32 values."""
@@ -263,7 +258,7 @@ def delta_rule_update(ssm_state: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     b, _, hv, kd, vd, r = _check_common(ssm_state, q, k, v, g, beta, "B" if verify is None else "T", g_per_k)
     if verify is None:
         check_index("state_indices", state_indices, b, f"B={b}")
-    _check_devices(v.device, ssm_state=ssm_state, q=q, k=k, g=g, beta=beta, state_indices=state_indices)
+    check_devices(v.device, ssm_state=ssm_state, q=q, k=k, g=g, beta=beta, state_indices=state_indices)
     y = torch.empty(b, hv, vd, dtype=torch.float32, device=v.device)
     rows = b if verify is None else verify[0]
     if b == 0:
@@ -308,7 +303,7 @@ def delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     t, _, hv, kd, vd, r = _check_common(ssm_state, q, k, v, g, beta, "T", g_per_k)
     nc, rows = check_chunk_layout(chunk_size, cu_chunk_seqlens, seq_idx, last_chunk_indices, state_indices,
                                   has_initial_state)
-    _check_devices(v.device, ssm_state=ssm_state, q=q, k=k, g=g, beta=beta, cu_chunk_seqlens=cu_chunk_seqlens,
+    check_devices(v.device, ssm_state=ssm_state, q=q, k=k, g=g, beta=beta, cu_chunk_seqlens=cu_chunk_seqlens,
                    seq_idx=seq_idx, last_chunk_indices=last_chunk_indices, state_indices=state_indices,
                    has_initial_state=has_initial_state)
     saving = check_checkpoints(checkpoints, v.device) > 0

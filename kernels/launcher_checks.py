@@ -55,6 +55,13 @@ def check_checkpoints(checkpoints: Checkpoints | None, device: torch.device) -> 
     return m
 
 
+def check_devices(device: torch.device, **tensors: torch.Tensor) -> None:
+    """Every tensor on `device` (v's, in the recurrent launchers), or an error naming the first that is not."""
+    for name, x in tensors.items():
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device}, v on {device}: all inputs must share a device")
+
+
 def token_save_slots(checkpoints: Checkpoints | None, num_tokens: int, placeholder: torch.Tensor) -> torch.Tensor:
     """What a prefill kernel with checkpoints (HAS_CKPT) reads per token: the slot to store its state
     in after that token, int32 [T], -1 = none, scattered on the device (no host sync). Without

@@ -57,7 +57,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .launcher_checks import check_checkpoints, check_index, check_verify_rows, token_save_slots, verify_launch_args
+from .launcher_checks import (
+    check_checkpoints,
+    check_devices,
+    check_index,
+    check_verify_rows,
+    token_save_slots,
+    verify_launch_args,
+)
 from .mlstm_ref import MLSTM_EPS
 from .state_slots import verify_row, zero_uncomputed_outputs
 from .state_slots_ref import Checkpoints
@@ -264,12 +271,6 @@ def _check_common(c_state: torch.Tensor, n_state: torch.Tensor, m_state: torch.T
     return n, nh, kd, vd
 
 
-def _check_devices(device: torch.device, **tensors: torch.Tensor) -> None:
-    for name, x in tensors.items():
-        if x.device != device:
-            raise ValueError(f"{name} is on {x.device}, v on {device}: all inputs must share a device")
-
-
 def _blocks(k_dim: int, v_dim: int) -> tuple[int, int, int]:
     """(BLOCK_K, BLOCK_V, num_warps): the whole K in a tile (h reduces over K), V walked in blocks so
     a tile holds at most TILE_ELEMENTS fp32 values (and at most 32 columns); 8 warps above 4096."""
@@ -299,7 +300,7 @@ def mlstm_update(c_state: torch.Tensor, n_state: torch.Tensor, m_state: torch.Te
     b, nh, kd, vd = _check_common(c_state, n_state, m_state, q, k, v, i, f, "B" if verify is None else "T")
     if verify is None:
         check_index("state_indices", state_indices, b, f"B={b}")
-    _check_devices(v.device, c_state=c_state, n_state=n_state, m_state=m_state, q=q, k=k, i=i, f=f,
+    check_devices(v.device, c_state=c_state, n_state=n_state, m_state=m_state, q=q, k=k, i=i, f=f,
                    state_indices=state_indices)
     y = torch.empty(b, nh, vd, dtype=torch.float32, device=v.device)
     rows = b if verify is None else verify[0]
@@ -334,7 +335,7 @@ def mlstm_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: torch.Te
     p = state_indices.shape[0]
     check_index("cu_seqlens", cu_seqlens, p + 1, f"P+1={p + 1}")
     check_index("has_initial_state", has_initial_state, p, f"P={p}", (torch.bool, torch.int32, torch.int64))
-    _check_devices(v.device, c_state=c_state, n_state=n_state, m_state=m_state, q=q, k=k, i=i, f=f,
+    check_devices(v.device, c_state=c_state, n_state=n_state, m_state=m_state, q=q, k=k, i=i, f=f,
                    cu_seqlens=cu_seqlens, state_indices=state_indices, has_initial_state=has_initial_state)
     saving = check_checkpoints(checkpoints, v.device) > 0
     y = torch.empty(t, nh, vd, dtype=torch.float32, device=v.device)

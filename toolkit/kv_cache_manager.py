@@ -63,6 +63,18 @@ def block_hashes(token_ids: Sequence[int], block_size: int, known: list[BlockHas
     return known
 
 
+def window_start_block(num_computed: int, window: int, block_size: int) -> int:
+    """The first block a sliding window of W tokens reads when its next query is at position
+    `num_computed`: keys from num_computed - W + 1 on (vLLM's `get_num_skipped_tokens`)."""
+    return max(num_computed - window + 1, 0) // block_size
+
+
+def window_blocks(window: int, block_size: int) -> int:
+    """Full blocks a sliding window needs cached before a prefix hit's end: cdiv(W - 1, bs) (vLLM's
+    `sliding_window_contiguous_blocks`)."""
+    return -(-(window - 1) // block_size)
+
+
 def window_hit(cached: list[bool], limit: int, need: int) -> int:
     """A sliding-window group's hit in blocks, at most `limit` (vLLM's
     `SlidingWindowManager.find_longest_cache_hit`): the end of the rightmost run of `need` consecutive
@@ -432,11 +444,10 @@ class KVCacheManager:
         page; aligned Mamba pages to release)."""
         plan = []
         for g, (group, ids) in enumerate(zip(self.groups, self.block_ids(req_id))):
-            if g in self.window_pools:      # no lookahead: a draft model writes at the full group's ids
+            if g in self.window_pools:      # no lookahead: a draft model writes at the full group's ids;
+                # blocks out of the window were released after the last step (trim_windows)
                 first, end = self._window_start(g, num_computed), -(-num_after // group.block_size)
-                start = self._window_released_upto.get((req_id, g), 0)
-                plan.append((max(end - max(len(ids), first), 0),
-                             [c for c in range(start, min(first, len(ids))) if ids[c]]))
+                plan.append((max(end - max(len(ids), first), 0), []))
             elif group.kind == "attention":
                 tokens = num_after + self.num_lookahead_tokens
                 if self.num_lookahead_tokens and self.max_model_len is not None:
@@ -470,35 +481,28 @@ class KVCacheManager:
         return sorted(c for c in need if c >= len(ids) or not ids[c]), release
 
     def _window_start(self, g: int, num_computed: int) -> int:
-        """The first column a sliding-window group's row needs when its next query is at position
-        `num_computed`: that query reads keys from num_computed - W + 1 on (vLLM's
-        `SlidingWindowManager.get_num_skipped_tokens`)."""
         group = self.groups[g]
-        return max(num_computed - group.sliding_window + 1, 0) // group.block_size
-
-    def _release_window(self, req_id: str, g: int, columns: list[int]) -> None:
-        """Sliding-window group g: the request's blocks at `columns` (out of its window) go back to the
-        pool (registered ones stay cached there, hittable) and its row holds the null id there. The
-        runner's row keeps the old ids (the kernel never reads keys before the window)."""
-        row = self._ids[req_id][g]
-        self.pool(g).free([row[c] for c in columns], req_id)
-        for c in columns:
-            row[c] = 0
-        key = (req_id, g)
-        self._window_released_upto[key] = max(self._window_released_upto.get(key, 0), columns[-1] + 1)
+        return window_start_block(num_computed, group.sliding_window, group.block_size)
 
     def trim_windows(self, req_id: str, num_computed: int) -> None:
-        """After a step: release the request's sliding-window blocks that its next query (at position
-        `num_computed`) no longer reads, so that what it holds between steps is its window only. Work in
-        the columns released."""
+        """After a step (the scheduler calls it for every scheduled request, before the next step's
+        allocation): the request's sliding-window blocks that its next query (at position
+        `num_computed`) no longer reads go back to the pool (registered ones stay cached there,
+        hittable), and its row holds the null id there; what it holds between steps is its window
+        only. The runner's row keeps the old ids (the kernel never reads keys before the window). Work
+        in the columns released."""
         held = self._ids.get(req_id)
         if held is None:
             return
         for g in self.window_pools:
-            start = self._window_released_upto.get((req_id, g), 0)
-            release = [c for c in range(start, min(self._window_start(g, num_computed), len(held[g]))) if held[g][c]]
+            row, key = held[g], (req_id, g)
+            start, first = self._window_released_upto.get(key, 0), self._window_start(g, num_computed)
+            release = [c for c in range(start, min(first, len(row))) if row[c]]
             if release:
-                self._release_window(req_id, g, release)
+                self.pool(g).free([row[c] for c in release], req_id)
+                for c in release:
+                    row[c] = 0
+            self._window_released_upto[key] = max(start, min(first, len(row)))
 
     def can_allocate(self, req_id: str, num_computed: int, num_after: int, num_drafts: int = 0) -> bool:
         return self._fits(self._plan(req_id, num_computed, num_after, num_drafts))
@@ -522,9 +526,7 @@ class KVCacheManager:
         created = req_id not in self._ids
         held = self._ids.setdefault(req_id, tuple([] for _ in self.groups))
         for g, (_, release) in enumerate(plan):          # no longer needed whether or not we grow
-            if release and g in self.window_pools:
-                self._release_window(req_id, g, release)
-            elif release:
+            if release:
                 self.pool(g).free([held[g][c] for c in release], req_id)
                 for c in release:
                     held[g][c] = 0
@@ -636,10 +638,8 @@ class KVCacheManager:
                             window_cached=window)
 
     def _window_blocks(self, g: int) -> int:
-        """Full blocks a sliding-window group needs cached before a hit's end: cdiv(W - 1, bs) (vLLM's
-        `sliding_window_contiguous_blocks`)."""
         group = self.groups[g]
-        return -(-(group.sliding_window - 1) // group.block_size)
+        return window_blocks(group.sliding_window, group.block_size)
 
     def prefix_hit(self, lookup: PrefixLookup, hashes: list[BlockHash]) -> PrefixHit | None:
         """The ids a lookup's hit adopts (None without a hit): every attention block; a sliding

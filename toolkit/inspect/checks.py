@@ -41,6 +41,7 @@ import torch
 
 from toolkit.errors import InvariantError
 from toolkit.inspect.step_record import CacheLedger, Violation
+from toolkit.kv_cache_manager import window_blocks, window_start_block
 from toolkit.kv_cache_spec import PAD_SLOT_ID
 
 
@@ -276,7 +277,7 @@ def check_metadata(groups, scheduled, ledger: CacheLedger, where: str,
                 want = list(ledger.holdings.get(rid, [[]] * len(ledger.group_kinds))[gm.group_id])
                 got = rows[row, :len(want)].tolist()
                 if window is not None:       # from the first block the row's first query reads
-                    first = max(scheduled[row].num_computed_before - window + 1, 0) // gm.metadata.block_size
+                    first = window_start_block(scheduled[row].num_computed_before, window, gm.metadata.block_size)
                     got, want = [0] * first + got[first:], [0] * first + want[first:]
                     if 0 in want[first:]:
                         out.append(Violation(
@@ -403,7 +404,7 @@ def check_hits_backed(scheduler, sched_out, where: str) -> list[Violation]:
             pool, bs, ids = kv.pool(g), group.block_size, kv.block_ids(new.req_id)[g]
             label = f"{where}, request {new.req_id!r}, group {g} ({group.kind})"
             if kv.windowed(g):      # a sliding window: the blocks of the window before the hit's end
-                wanted = range(max(hit // bs - -(-(group.sliding_window - 1) // bs), 0), hit // bs)
+                wanted = range(max(hit // bs - window_blocks(group.sliding_window, bs), 0), hit // bs)
             else:
                 wanted = range(hit // bs) if group.kind == "attention" else [hit // bs - 1]
             for b in wanted:

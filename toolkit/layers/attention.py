@@ -170,6 +170,4 @@ class PagedAttention(nn.Module):
             raise RuntimeError(f"{self.layer_name}: no KV cache bound (call bind_kv_cache first)")
         n = min(int(md.num_actual_tokens), q.shape[0])
         self.ops.write_kv_cache(self.kv_cache, k[:n], v[:n], md.slot_mapping[:n])
-        if self.sliding_window is None:
-            return self.ops.paged_attention(q, self.kv_cache, md, self.scale)
         return self.ops.paged_attention(q, self.kv_cache, md, self.scale, sliding_window=self.sliding_window)
