@@ -7,7 +7,6 @@ they become the user's `Logprob` dicts, and the parent/children of an `n` > 1 re
 """
 from __future__ import annotations
 
-import dataclasses
 import enum
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -16,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from toolkit.errors import InvalidRequestError
-from toolkit.sampling import SamplingParams, child_seed
+from toolkit.sampling import SamplingParams, child_seed, copy_params
 
 if TYPE_CHECKING:       # a sibling floor: request.py does not import the KV manager at run time
     from toolkit.kv_cache_manager import PrefixLookup
@@ -304,8 +303,8 @@ def make_children(parent: Request) -> list[Request]:
     children = []
     for i in range(params.n):
         seed = child_seed(parent.sampling_seed, i)
-        child_params = dataclasses.replace(params, n=1, prompt_logprobs=None,
-                                           seed=None if params.seed is None else seed)
+        child_params = copy_params(params, n=1, prompt_logprobs=None,
+                                    seed=None if params.seed is None else seed)
         children.append(Request(child_id(parent.request_id, i), list(parent.prompt_token_ids), child_params,
                                 parent.eos_token_ids, prompt=parent.prompt, sampling_seed=seed, index=i,
                                 parent=parent))
@@ -323,7 +322,7 @@ def own_params(params: SamplingParams | None) -> SamplingParams:
     params = SamplingParams() if params is None else params
     if not isinstance(params, SamplingParams):
         raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-    return dataclasses.replace(params)
+    return copy_params(params)
 
 
 def prompt_token_ids(prompt: Prompt, encode: Callable[[str], list[int]]) -> tuple[str | None, list[int]]:

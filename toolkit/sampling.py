@@ -31,6 +31,8 @@ vLLM gives `seed + index`), so child i reproduces a lone request with that seed.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -55,6 +57,14 @@ class SamplingParams:
     prompt_logprobs: int | None = None         # per prompt token (after the first): the same
     stop: list[str] | str | None = None        # stop strings, matched on the detokenized output
     min_tokens: int = 0                        # no EOS / stop id / stop string before this many tokens
+    repetition_penalty: float = 1.0            # > 0; tokens of the prompt and the output: / (logit > 0) or *
+    presence_penalty: float = 0.0              # [-2, 2]; subtracted once from each token the output holds
+    frequency_penalty: float = 0.0             # [-2, 2]; subtracted per occurrence in the output
+    min_p: float = 0.0                         # [0, 1]; drop tokens less likely than min_p x the most likely
+    logit_bias: dict[int, float] | None = None     # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None     # only these can be sampled
+    bad_words: list[str] | None = None         # words never generated (their last token is banned after the rest)
+    skip_special_tokens: bool = True           # the output text leaves special tokens out
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> InvalidRequestError:
@@ -62,6 +72,9 @@ class SamplingParams:
 
         def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_number(v: object) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", "must be an int >= 1")
@@ -103,10 +116,74 @@ class SamplingParams:
             raise bad("stop", "must be a str or a list of non-empty strs")
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", f"must be an int in [0, max_tokens={self.max_tokens}]")
+        if not is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be a finite number > 0 (1.0: off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not is_number(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(name, "must be a number in [-2, 2] (0: off)")
+        if not is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be a number in [0, 1] (0: off)")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                    is_int(t) and t >= 0 and is_number(b) for t, b in self.logit_bias.items()):
+                raise bad("logit_bias", "must be a dict of token id (int >= 0) -> finite number")
+            self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            allowed = self.allowed_token_ids
+            if isinstance(allowed, (str, bytes, dict)) or not hasattr(allowed, "__iter__"):
+                raise bad("allowed_token_ids", "must be a non-empty list of token ids (ints >= 0)")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids or not all(is_int(t) and t >= 0 for t in self.allowed_token_ids):
+                raise bad("allowed_token_ids", "must be a non-empty list of token ids (ints >= 0)")
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str):
+                self.bad_words = [self.bad_words]
+            if isinstance(self.bad_words, (bytes, dict)) or not hasattr(self.bad_words, "__iter__"):
+                raise bad("bad_words", "must be a list of non-empty strs")
+            self.bad_words = list(self.bad_words)
+            if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise bad("bad_words", "must be a list of non-empty strs")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise bad("skip_special_tokens", "must be a bool")
+
+    @property
+    def penalized(self) -> bool:
+        """Any of repetition, presence or frequency penalty on (they read the request's tokens)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def explicit_fields(self) -> frozenset[str]:
+        """The fields the caller passed to the constructor (a generation config's defaults fill the
+        others: `LLM(generation_config="auto")`); every field for an object made otherwise."""
+        return getattr(self, "_explicit", frozenset(f.name for f in dataclasses.fields(self)))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _record_explicit_fields(cls: type) -> type:
+    """Wrap the dataclass __init__ so that an object knows which fields its caller passed."""
+    init = cls.__init__
+    names = [f.name for f in dataclasses.fields(cls)]
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        object.__setattr__(self, "_explicit", frozenset(names[:len(args)]) | frozenset(kwargs))
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+SamplingParams = _record_explicit_fields(SamplingParams)
+
+
+def copy_params(params: SamplingParams, **changes) -> SamplingParams:
+    """`dataclasses.replace` (validated again) that keeps which fields the caller had set."""
+    out = dataclasses.replace(params, **changes)
+    object.__setattr__(out, "_explicit", params.explicit_fields | frozenset(changes))
+    return out
 
 
 def child_seed(seed: int, index: int) -> int:
