@@ -119,6 +119,12 @@ PARAMS = {
                  SamplingParams(max_tokens=8, temperature=0.9, seed=4, logprobs=0, min_tokens=6,
                                 stop_token_ids=[7], stop=["\n\n", "zz"]),
                  SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)],
+    # the logits processors: penalties (token counts on the device), min_p, bias, allowed ids, bad words
+    "penalties": [SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5,
+                                 logit_bias={5: 1.5}, bad_words=["ab"], ignore_eos=True),
+                  SamplingParams(max_tokens=8, temperature=0.9, seed=6, frequency_penalty=0.4, min_p=0.1,
+                                 allowed_token_ids=list(range(3, 90)), ignore_eos=True),
+                  SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)],
 }
 
 
@@ -256,13 +262,15 @@ def test_moe_dense_path_equals_the_sparse_path(monkeypatch, preset):
 # speculative decoding: a verify step (drafts on every row, some rejected) syncs once too -- the
 # verification, the rollback and the accepted counts run on the host copy of the sampled ids; with
 # prefix caching also the pre-copy from the accepted column and the boundary copy into a checkpoint
-@pytest.mark.parametrize("caching", [False, True], ids=["no-caching", "prefix-caching"])
-@pytest.mark.parametrize("preset", ["tiny-bamba", "tiny-qwen3-next"])
-def test_a_verify_step_syncs_once(monkeypatch, preset, caching):
+@pytest.mark.parametrize("preset, caching, penalties", [
+    ("tiny-bamba", False, False), ("tiny-bamba", True, False), ("tiny-qwen3-next", False, False),
+    ("tiny-qwen3-next", True, False), ("tiny-bamba", False, True)])
+def test_a_verify_step_syncs_once(monkeypatch, preset, caching, penalties):
     from harness import ScriptedProposer
 
     prompts = [list(range(3 + i, 3 + i + 5 + 4 * i)) for i in range(3)]
-    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                            **(dict(repetition_penalty=1.2, frequency_penalty=0.3) if penalties else {}))
     engine = dict(device="cpu", dtype="float32", backend="torch", max_num_seqs=4, max_num_batched_tokens=64,
                   max_model_len=128)
     plain = LLM(preset, inspect="off", **engine)

@@ -54,7 +54,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 
 from toolkit import LLM, InvalidRequestError, SamplingParams
 from toolkit.kv_cache_spec import PAD_SLOT_ID
-from toolkit.runner.sampler import Sampler
+from toolkit.runner.sampler import LogitsRows, Sampler
 from toolkit.sampling import derive_seed
 
 from harness import ENGINE_PRESETS
@@ -287,8 +287,8 @@ def sample_alone(logits: torch.Tensor, sp: SamplingParams, position: int) -> int
     """The engine's sampler on one row: the token these logits give at this position."""
     sampler = Sampler(1, torch.device("cpu"))
     sampler.add_request(0, sp, sp.seed if sp.seed is not None else 0)
-    return int(sampler(logits[None].float(), np.zeros(1, dtype=np.int64), torch.tensor([position]),
-                       np.ones(1, dtype=bool))[0])
+    rows = LogitsRows.of(np.zeros(1, dtype=np.int64), torch.tensor([position]), np.ones(1, dtype=bool))
+    return int(sampler(logits[None].float(), rows)[0])
 
 
 def assert_same_as_alone(rid: str, prompt, ref_params: SamplingParams, got: tuple, got_logits,

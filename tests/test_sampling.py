@@ -5,7 +5,7 @@ import torch
 
 from toolkit.errors import InvalidRequestError
 from toolkit.kernels.gumbel_ref import _mix32, _token_terms, gumbel_noise, row_keys, split_seed
-from toolkit.runner.sampler import Sampler, apply_top_k_top_p
+from toolkit.runner.sampler import LogitsRows, Sampler, apply_top_k_top_p
 from toolkit.sampling import MIN_TEMPERATURE, SamplingParams, derive_seed
 
 CPU = torch.device("cpu")
@@ -57,7 +57,7 @@ def test_sampled_frequencies_follow_the_probabilities():
     s = Sampler(1, CPU)
     s.add_request(0, SamplingParams(temperature=1.0, seed=3), seed=3)
     logits = probs.log().expand(n, 4)
-    sampled = s(logits, np.zeros(n, dtype=np.int64), torch.arange(n), np.ones(n, dtype=bool))
+    sampled = s(logits, LogitsRows.of(np.zeros(n, dtype=np.int64), torch.arange(n), np.ones(n, dtype=bool)))
     freq = torch.bincount(sampled, minlength=4).float() / n
     assert torch.allclose(freq, probs, atol=0.03), freq
 
@@ -75,13 +75,13 @@ def test_seeded_rows_sample_independently_of_batch_position():
     params = SamplingParams(temperature=1.0, seed=123)
     alone = Sampler(4, CPU)
     alone.add_request(0, params, seed=123)
-    first = [alone(logits[1:2], np.array([0]), torch.tensor([p]), np.array([True])).item()
+    first = [alone(logits[1:2], LogitsRows.of(np.array([0]), torch.tensor([p]), np.array([True]))).item()
              for p in range(5)]
     batched = Sampler(4, CPU)
     batched.add_request(2, SamplingParams(temperature=0.0), 0)
     batched.add_request(3, params, seed=123)
     batched.add_request(1, SamplingParams(temperature=1.0, seed=5), 5)
-    got = [batched(logits, np.array([2, 3, 1]), torch.tensor([9, p, 4]), np.ones(3, bool))[1].item()
+    got = [batched(logits, LogitsRows.of(np.array([2, 3, 1]), torch.tensor([9, p, 4]), np.ones(3, bool)))[1].item()
            for p in range(5)]
     assert got == first
 
@@ -91,7 +91,7 @@ def test_rows_that_draw_nothing_take_the_argmax():
     s = Sampler(2, CPU)
     s.add_request(0, SamplingParams(temperature=100.0), seed=1)
     s.add_request(1, SamplingParams(temperature=100.0), seed=1)
-    draws = [s(logits, np.array([0, 1]), torch.tensor([p, p]), np.array([True, False])).tolist()
+    draws = [s(logits, LogitsRows.of(np.array([0, 1]), torch.tensor([p, p]), np.array([True, False]))).tolist()
              for p in range(40)]
     assert all(d[1] == 1 for d in draws) and len({d[0] for d in draws}) == 3
 
@@ -101,7 +101,7 @@ def test_greedy_is_argmax():
     s = Sampler(2, CPU)
     s.add_request(0, SamplingParams(temperature=0.0), 0)
     s.add_request(1, SamplingParams(temperature=0.0), 0)
-    assert s(logits, np.array([0, 1]), torch.tensor([1, 1]), np.ones(2, bool)).tolist() == [1, 0]
+    assert s(logits, LogitsRows.of(np.array([0, 1]), torch.tensor([1, 1]), np.ones(2, bool))).tolist() == [1, 0]
 
 
 def test_tiny_temperature_is_floored_and_stays_finite():
@@ -110,7 +110,7 @@ def test_tiny_temperature_is_floored_and_stays_finite():
     assert s.temperature[0] == np.float32(MIN_TEMPERATURE)
     logits = torch.tensor([[1.0, 3.0, 2.0]])
     # at T = 1e-2 a gap of 1 is 100 nats: the sampler picks the argmax, with no NaN on the way
-    assert s(logits, np.array([0]), torch.tensor([0]), np.array([True])).tolist() == [1]
+    assert s(logits, LogitsRows.of(np.array([0]), torch.tensor([0]), np.array([True]))).tolist() == [1]
 
 
 def test_noise_is_the_same_on_cuda_when_present():

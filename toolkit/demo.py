@@ -1,4 +1,4 @@
-"""The main job: `python -m toolkit demo [--model NAME]`.
+"""The main job: `python -m toolkit demo [--model NAME] [--revision R]`.
 
 Builds a model, warms it up, serves 4 requests of mixed lengths under a small token budget (so
 prefills are chunked and steps mix prefills with decodes), prints one row per step, then each
@@ -12,6 +12,7 @@ import sys
 from toolkit.inspect.step_record import StepRecord
 from toolkit.llm import LLM
 from toolkit.models import DEMO_MODELS, PRESETS
+from toolkit.models.hub import HubSource
 from toolkit.sampling import SamplingParams
 
 DEFAULT_MODEL = "demo-hybrid"
@@ -40,11 +41,22 @@ def print_table(header: list[str], rows: list[list[str]]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
 
 
+def hub_line(hub: HubSource) -> str:
+    """Which commit of a Hub repo runs (a branch moves) and where its files are."""
+    asked = hub.revision_requested or "the default branch"
+    return f"hub   {hub.repo_id} at commit {hub.commit_sha} ({asked}), files in {hub.folder}"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME",
                         help=f"a trained demo model ({', '.join(DEMO_MODELS)}), a preset (random "
-                             f"weights) or an HF model folder (config.json + *.safetensors); "
+                             f"weights), an HF model folder (config.json + *.safetensors) or a Hugging Face Hub "
+                             f"repo id org/name (safetensors only; HF_HUB_OFFLINE=1: from the cache only); "
                              f"default {DEFAULT_MODEL}. Presets: {', '.join(PRESETS)}")
+    parser.add_argument("--revision", default=None, metavar="R",
+                        help="a Hub repo's branch, tag or commit sha (default: its default branch)")
+    parser.add_argument("--download-dir", default=None, metavar="DIR",
+                        help="the cache folder of Hub downloads (default: HF_HUB_CACHE, ~/.cache/huggingface/hub)")
     parser.add_argument("--max-tokens", type=int, default=24, help="tokens to generate per request (default 24)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=32,
                         help="token budget of one step; small values chunk the prompts (default 32)")
@@ -57,9 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     with LLM(args.model, device=args.device, max_num_seqs=args.max_num_seqs,
-             max_num_batched_tokens=args.max_num_batched_tokens, inspect="off") as llm:
+             max_num_batched_tokens=args.max_num_batched_tokens, inspect="off", revision=args.revision,
+             download_dir=args.download_dir) as llm:
         print(f"model {args.model}: {type(llm.model).__name__}, model state "
               f"{llm.stats()['model_state']}, device {llm.cfg.device}, dtype {llm.cfg.dtype}")
+        if llm.hub_source is not None:
+            print(hub_line(llm.hub_source))
         timings = llm.warmup(progress=args.progress or sys.stderr.isatty())
         print("warmup: " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in timings.items()))
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)

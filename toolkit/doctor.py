@@ -1,7 +1,8 @@
 """`python -m toolkit doctor`: the first thing to run on a new machine.
 
-It prints the versions (python, torch, CUDA, triton, transformers) and the device (its compute
-capability on a GPU), then runs each check and prints one line per check:
+It prints the versions (python, torch, CUDA, triton, transformers; and huggingface_hub with the
+Hub cache folder that `LLM("org/name")` downloads into, and whether HF_HUB_OFFLINE keeps it to that
+cache) and the device (its compute capability on a GPU), then runs each check and prints one line per check:
 
     NAME  PASS|FAIL|SKIP  VALUE  DETAIL
 
@@ -54,6 +55,7 @@ import torch
 from toolkit.config import triton_installed
 from toolkit.llm import LLM
 from toolkit.models import save_hf_folder
+from toolkit.models.hub import cache_dir, offline_variable
 from toolkit.sampling import SamplingParams
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
@@ -158,6 +160,14 @@ def busy_note() -> str:
 def _version_line(v: dict) -> str:
     return (f"versions  python {v['python']} | torch {v['torch']} | CUDA {v['cuda'] or 'none (CPU build)'} | "
             f"triton {v['triton'] or 'not installed'} | transformers {v['transformers']}")
+
+
+def hub_note() -> str:
+    """The Hub client's part of the versions line: where Hub ids are cached, and whether an offline
+    variable (read now, as the loader reads it) keeps loading to that cache."""
+    offline = offline_variable()
+    mode = f"{offline} set: cache only" if offline else "HF_HUB_OFFLINE unset: downloads allowed"
+    return f" | huggingface_hub {_dist_version('huggingface_hub')} (cache {cache_dir()}, {mode})"
 
 
 def _device_line(d: dict) -> str:
@@ -549,7 +559,7 @@ def run(args: argparse.Namespace) -> int:
                   timing_preset=args.timing_preset, new_tokens=32 if cuda else 16, repeats=3, busy=busy_note())
     info = {"versions": versions(), "device": device_info()}
     if not args.json:
-        print(_version_line(info["versions"]))
+        print(_version_line(info["versions"]) + hub_note())
         print(_device_line(info["device"]), flush=True)
     results = []
     # --json: whatever a check prints (a library's notice) goes to stderr, so stdout is one JSON object

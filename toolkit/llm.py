@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from toolkit.chat import chat, public_tokenizer
 from toolkit.config import (
     RunnerConfig,
     resolve_backend,
@@ -21,6 +22,7 @@ from toolkit.config import (
 )
 from toolkit.distributed import TPGroup, launched_group
 from toolkit.errors import EngineClosedError, InvalidRequestError, NotSupportedYetError, ToolkitError
+from toolkit.generation_config import check_generation_config, load_generation_defaults
 from toolkit.inspect import checks, faults
 from toolkit.inspect.capture import LayerSpec, RequestSpec, check_capture_mode
 from toolkit.inspect.memory import MemoryMarks, MemoryReport, collect, resolve_trace_budget
@@ -31,6 +33,7 @@ from toolkit.inspect.step_record import StepRecord
 from toolkit.inspect.trace import Trace
 from toolkit.kv_cache_manager import prefix_cache_stats
 from toolkit.models import load_model
+from toolkit.models.loader import tokenizer_folder
 from toolkit.request import (
     Prompt,
     Request,
@@ -48,7 +51,7 @@ from toolkit.runner.executor import TPExecutor, check_no_engine_group
 from toolkit.runner.kv_cache import scheduler_groups
 from toolkit.runner.model_runner import ModelRunner
 from toolkit.runner.spec_decode import SpecDecodeStats
-from toolkit.sampling import SamplingParams, check_seed, derive_seed
+from toolkit.sampling import SamplingParams, check_seed, derive_seed, tokenize_bad_words
 from toolkit.scheduler import Scheduler
 from toolkit.tokenizer import collect_eos_token_ids, load_tokenizer
 
@@ -66,7 +69,8 @@ class LLM:
                  enforce_eager: bool = False, cudagraph_mode: str = "auto",
                  enable_prefix_caching: bool = False, num_state_pages: int | None = None,
                  mamba_cache_mode: str | None = None, speculative_config: dict | None = None,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, revision: str | None = None, download_dir: str | None = None,
+                 tokenizer: str | None = None, generation_config: str = "auto"):
         # what Reset in the StepInspector (or a user) needs to build the same engine again
         self.init_args: dict[str, Any] = dict(
             model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
@@ -76,13 +80,15 @@ class LLM:
             inspect_requests=inspect_requests, checks=checks, backend=backend, enforce_eager=enforce_eager,
             cudagraph_mode=cudagraph_mode, enable_prefix_caching=enable_prefix_caching,
             num_state_pages=num_state_pages, mamba_cache_mode=mamba_cache_mode,
-            speculative_config=speculative_config, tensor_parallel_size=tensor_parallel_size)
+            speculative_config=speculative_config, tensor_parallel_size=tensor_parallel_size,
+            revision=revision, download_dir=download_dir, tokenizer=tokenizer, generation_config=generation_config)
         # arguments first, so that a bad one fails before the model loads
         if inspect not in MODES:
             raise ValueError(f"inspect={inspect!r}: use one of {MODES}")
         self.trace = Trace(trace_capacity, max_bytes=resolve_trace_budget(trace_max_bytes))
         check_capture_mode(inspect, inspect_layers, inspect_requests)
         check_seed(seed)
+        check_generation_config(generation_config)
         self.speculative_config = resolve_speculative_config(speculative_config)
         k = self.speculative_config.num_speculative_tokens if self.speculative_config else 0
         dev, dt = resolve_device_dtype(device, dtype)
@@ -101,7 +107,9 @@ class LLM:
         self._executor: TPExecutor | None = None
         # rank 0's shard; a configuration that cannot shard raises here, before any worker starts
         loaded = load_model(model, dtype=dt, device=dev, seed=seed,
-                            tp=self.tp if self.tp is not None else TPGroup(0, tensor_parallel_size))
+                            tp=self.tp if self.tp is not None else TPGroup(0, tensor_parallel_size),
+                            revision=revision, download_dir=download_dir)
+        self.hub_source = loaded.hub      # repo, commit sha and snapshot folder of a Hub id; None otherwise
         self.hf_config = loaded.config
         self.cfg = RunnerConfig(device=dev, dtype=dt, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
@@ -113,16 +121,22 @@ class LLM:
                                 num_speculative_tokens=k)
         self.model_name = model
         self.vocab_size = int(loaded.config.vocab_size)
-        self.tokenizer_dir = loaded.tokenizer_dir       # save_hf_folder(llm, ...) copies it
-        self.tokenizer = load_tokenizer(loaded.tokenizer_dir, self.vocab_size)
+        # save_hf_folder(llm, ...) copies it; `tokenizer`: another folder or Hub repo's tokenizer files
+        self.tokenizer_dir = (loaded.tokenizer_dir if tokenizer is None
+                              else tokenizer_folder(tokenizer, download_dir=download_dir))
+        self.tokenizer = load_tokenizer(self.tokenizer_dir, self.vocab_size)
         self.eos_token_ids = collect_eos_token_ids(loaded.config, loaded.source, self.tokenizer)
+        # the model's sampling defaults (generation_config.json): fill each request's unset fields
+        self.generation_defaults = load_generation_defaults(generation_config, loaded.source)
 
         draft_model = None        # speculative_config method "draft_model": run inside rank 0's runner
         if self.speculative_config is not None and self.speculative_config.method == "draft_model":
             draft_model = self._load_draft(self.speculative_config, dev, dt, seed)
         if self.tp is None:       # start ranks 1..N-1 (they load and shard their own copy)
             planted = faults.active()
-            self._executor = TPExecutor(tensor_parallel_size, model, self.cfg, self.speculative_config,
+            # a Hub id's ranks read the snapshot rank 0 resolved: the same commit, no request
+            self._executor = TPExecutor(tensor_parallel_size, loaded.hub.folder if loaded.hub else model,
+                                        self.cfg, self.speculative_config,
                                         worker_hooks=WorkerInspectorFactory(recording, self.checks),
                                         worker_context=functools.partial(faults.inject, *planted) if planted else None)
             self.tp = self._executor.group
@@ -186,8 +200,10 @@ class LLM:
                       request_id: str | None, taken: set[str] = frozenset()) -> Request:
         """Validate everything a step could fail on; `taken`: ids claimed by the same call."""
         self._check_open()
-        params = own_params(params)
+        params = self.generation_defaults.apply(own_params(params))     # the model's defaults, unset fields
         text, ids = prompt_token_ids(prompt, self.tokenizer.encode)
+        if params.bad_words:
+            tokenize_bad_words(params, functools.partial(self.tokenizer.encode, add_special_tokens=False))
         self.limits.check(ids, params)
         request_id = self._request_ids.claim(request_id, self.scheduler.requests, taken)
         for i in range(params.n if params.n > 1 else 0):    # the ids its children will take
@@ -340,6 +356,23 @@ class LLM:
                 self.abort_request(rid)         # frees its blocks and row; the id stays used
             raise
         return [done[i] for i in ids]
+
+    def chat(self, messages: list, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation ([{"role", "content"}, ...]) or a list of them, each
+        rendered with the chat template and generated (toolkit/chat.py); outputs in order."""
+        self._check_open()
+        return chat(self, messages, sampling_params, use_tqdm, chat_template, add_generation_prompt,
+                    continue_final_message)
+
+    def get_tokenizer(self) -> Any:
+        """The tokenizer (vLLM's name): an HF folder's transformers tokenizer, else the ByteTokenizer."""
+        return public_tokenizer(self.tokenizer)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's name: SamplingParams with the model's generation defaults (toolkit/generation_config.py)."""
+        return self.generation_defaults.sampling_params()
 
     # ---- inspection ---------------------------------------------------------------------------
     def set_inspect_filter(self, layers: LayerSpec = None, requests: RequestSpec = None) -> str:

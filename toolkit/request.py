@@ -8,6 +8,7 @@ they become the user's `Logprob` dicts, and the parent/children of an `n` > 1 re
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -203,6 +204,15 @@ def decode_new_text(req: Request, decode: Callable[[list[int]], str], upto: int)
     return after[len(before):]
 
 
+def output_decoder(req: Request, decode: Callable[..., str]) -> Callable[[list[int]], str]:
+    """`decode` as the request's output text wants it: special tokens left out unless
+    `SamplingParams.skip_special_tokens` is False (vLLM). The flag is passed only then, so a plain
+    `decode(ids)` (a tokenizer's, whose default skips them) serves the default."""
+    if req.sampling_params.skip_special_tokens:
+        return decode
+    return functools.partial(decode, skip_special_tokens=False)
+
+
 def check_stop_strings(req: Request, decode: Callable[[list[int]], str], drop_last: bool) -> str | None:
     """After a token was appended: whether the request's output text now contains one of its stop
     strings, ending in text that the tokens since the last check added (so a stop string spread
@@ -212,7 +222,7 @@ def check_stop_strings(req: Request, decode: Callable[[list[int]], str], drop_la
     a stop token whose text is left out. Text made by the first `min_tokens` tokens is not
     searched (vLLM)."""
     params = req.sampling_params
-    new = decode_new_text(req, decode, len(req.output_token_ids) - drop_last)
+    new = decode_new_text(req, output_decoder(req, decode), len(req.output_token_ids) - drop_last)
     text = (req.output_text or "") + new
     req.output_text = text
     if len(req.output_token_ids) <= params.min_tokens:
@@ -258,7 +268,7 @@ def completion_output(req: Request, decode: Callable[[list[int]], str]) -> Compl
         shown = req.output_token_ids
         if req.finish_reason() == "stop" and not params.include_stop_str_in_output:
             shown = shown[:-1]
-        text = decode(shown)
+        text = output_decoder(req, decode)(shown)
     logprobs = cumulative = None
     if params.logprobs is not None:
         logprobs = [d for rows in req.logprobs for d in logprob_dicts(rows, decode)]
@@ -357,6 +367,11 @@ class RequestLimits:
             if k is not None and k > self.vocab_size:
                 raise InvalidRequestError(f"SamplingParams.{name}={k}: more than the vocabulary "
                                           f"({self.vocab_size} tokens)")
+        for name, ids_of in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+            outside = sorted(t for t in ids_of or () if t >= self.vocab_size)
+            if outside:
+                raise InvalidRequestError(f"SamplingParams.{name} has token ids {outside[:5]} outside the "
+                                          f"vocabulary [0, {self.vocab_size})")
         bad_stops = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stops:
             raise InvalidRequestError(f"SamplingParams.stop_token_ids {bad_stops[:5]} are outside the "

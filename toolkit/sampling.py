@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from toolkit.errors import InvalidRequestError
@@ -152,6 +153,12 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        """`bad_words` as token sequences (vLLM's `_bad_words_token_ids`), set by the engine that
+        queues the request (`tokenize_bad_words`: it knows the tokenizer)."""
+        return getattr(self, "_bad_words_token_ids", [])
+
+    @property
     def explicit_fields(self) -> frozenset[str]:
         """The fields the caller passed to the constructor (a generation config's defaults fill the
         others: `LLM(generation_config="auto")`); every field for an object made otherwise."""
@@ -162,6 +169,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+_PRIVATE = ("_explicit", "_bad_words_token_ids")     # attributes set beside the fields
+
+
 def _record_explicit_fields(cls: type) -> type:
     """Wrap the dataclass __init__ so that an object knows which fields its caller passed."""
     init = cls.__init__
@@ -169,6 +179,8 @@ def _record_explicit_fields(cls: type) -> type:
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
+        for private in _PRIVATE:            # SamplingParams(**vars(other)) passes them: not fields
+            kwargs.pop(private, None)
         object.__setattr__(self, "_explicit", frozenset(names[:len(args)]) | frozenset(kwargs))
         init(self, *args, **kwargs)
 
@@ -180,10 +192,29 @@ SamplingParams = _record_explicit_fields(SamplingParams)
 
 
 def copy_params(params: SamplingParams, **changes) -> SamplingParams:
-    """`dataclasses.replace` (validated again) that keeps which fields the caller had set."""
+    """`dataclasses.replace` (validated again) that keeps which fields the caller had set (and the
+    bad words' token ids)."""
     out = dataclasses.replace(params, **changes)
     object.__setattr__(out, "_explicit", params.explicit_fields | frozenset(changes))
+    if params.bad_words_token_ids and "bad_words" not in changes:
+        object.__setattr__(out, "_bad_words_token_ids", params.bad_words_token_ids)
     return out
+
+
+def tokenize_bad_words(params: SamplingParams, encode: Callable[[str], list[int]]) -> None:
+    """Set `params.bad_words_token_ids` as vLLM does: each word encoded without special tokens,
+    as written (leading spaces stripped) and with one leading space when that makes a different
+    first token of the same length (a word in the middle of a text). `encode(text)` adds no
+    special tokens."""
+    out: list[list[int]] = []
+    for word in params.bad_words or []:
+        plain = encode(word.lstrip())
+        if plain:
+            out.append(plain)
+        spaced = encode(" " + word.lstrip())
+        if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+            out.append(spaced)
+    object.__setattr__(params, "_bad_words_token_ids", out)
 
 
 def child_seed(seed: int, index: int) -> int:

@@ -1,7 +1,11 @@
 """Build a model from a preset name or a HF-format folder; write HF-format folders.
 
 Folder format (what `transformers` writes): config.json plus either model.safetensors or
-model.safetensors.index.json with its shards. Only safetensors are read (never pickles).
+model.safetensors.index.json with its shards. Only safetensors are read (never pickles), and never a
+config that asks for custom code (`auto_map`, what `trust_remote_code` would run).
+
+A name that is neither a preset, a demo model nor a folder, of the form `org/name`, is a Hugging Face Hub
+repo id: its snapshot is fetched into the Hub cache (`toolkit.models.hub`) and loaded as a folder.
 
 Sharded loading (`load_model(..., tp=TPGroup(rank, N))`): a folder's model is built on the meta
 device and sharded there (`shard_model`: slicing meta tensors is free), which records on each sharded
@@ -13,6 +17,7 @@ as is every tensor when loading unsharded (the default), one tensor at a time.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import json
 import os
@@ -30,21 +35,24 @@ from toolkit.distributed import SINGLE, TPGroup
 from toolkit.errors import CheckpointError, UnknownModelError, UnsupportedArchitectureError
 from toolkit.layers.parallel import source_slice
 from toolkit.models.base import CausalLM
+from toolkit.models.hub import (
+    PICKLE_SUFFIXES,
+    SAFE_INDEX,
+    SAFE_WEIGHTS,
+    TOKENIZER_FILES,
+    HubSource,
+    fetch_model,
+    fetch_tokenizer,
+    is_repo_id,
+)
 from toolkit.models.lazy_checkpoint import LazyTensor, open_checkpoint, read
 from toolkit.models.presets import PRESETS
 from toolkit.models.registry import MODEL_REGISTRY, get_model_class
 from toolkit.models.tensor_parallel import check_tensor_parallel, shard_model
 
-SAFE_WEIGHTS = "model.safetensors"
-SAFE_INDEX = "model.safetensors.index.json"
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
-    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
-)
 # trained byte-level models shipped inside the package (scripts/train_demo_models.py)
 DEMO_ROOT = Path(__file__).resolve().parent / "demo"
 DEMO_MODELS = {"demo-hybrid": DEMO_ROOT / "demo-hybrid", "demo-mamba": DEMO_ROOT / "demo-mamba"}
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 # checkpoint entries that are not parameters (old Llama checkpoints store the RoPE buffer)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -55,6 +63,7 @@ class LoadedModel:
     config: PretrainedConfig
     source: str | None              # the folder it came from; None for a preset
     tokenizer_dir: str | None       # folder holding tokenizer files, None if there are none
+    hub: HubSource | None = None    # repo, commit and snapshot folder when loaded by Hub id
 
 
 def _list(names: list[str], limit: int = 20) -> str:
@@ -73,14 +82,18 @@ def _finish(model: CausalLM, device: torch.device, dtype: torch.dtype) -> Causal
 
 def load_model(
     model: str | os.PathLike, *, dtype: torch.dtype, device: torch.device | str, seed: int = 0,
-    tp: TPGroup = SINGLE,
+    tp: TPGroup = SINGLE, revision: str | None = None, download_dir: str | os.PathLike | None = None,
 ) -> LoadedModel:
-    """Preset name -> config + `init_random_weights(seed)`; existing folder -> HF checkpoint.
+    """Preset name -> config + `init_random_weights(seed)`; existing folder -> HF checkpoint; else a Hub
+    repo id `org/name` -> its snapshot at `revision` (a branch, tag or commit sha; None: the default
+    branch), fetched into `download_dir` (None: the Hub cache) and loaded as a folder (`.hub` says which
+    commit). `revision` and `download_dir` with a preset or a folder raise ValueError: those have no versions.
 
-    Preset names take precedence over folders of the same name. Errors: UnknownModelError (neither
-    a preset nor a folder), CheckpointError (no/invalid config.json, no safetensors weights,
-    missing/unexpected/misshapen tensors), UnsupportedArchitectureError (architecture not in
-    MODEL_REGISTRY). Stored weights of any float dtype are cast to `dtype`.
+    Preset names take precedence over folders of the same name, folders over Hub ids. Errors:
+    UnknownModelError (neither a preset, a folder nor a Hub repo; or the Hub refused, each with its way
+    out), CheckpointError (no/invalid config.json, no safetensors weights, missing/unexpected/misshapen
+    tensors), UnsupportedArchitectureError (architecture not in MODEL_REGISTRY, or custom code).
+    Stored weights of any float dtype are cast to `dtype`.
 
     `tp`: the model comes back sharded for this rank (`shard_model` is then a no-op on it). A preset
     is built whole (its seeded weights need the whole tensors) and then sharded; a folder is read
@@ -90,6 +103,7 @@ def load_model(
     device = torch.device(device)
     name = os.fspath(model)
     if name in PRESETS:
+        _no_hub_arguments(name, "a preset (random weights from a seed)", revision, download_dir)
         config = PRESETS[name]()
         cls = get_model_class(config)
         m = cls(config)
@@ -97,12 +111,47 @@ def load_model(
         m.init_random_weights(seed)
         return LoadedModel(shard_model(_finish(m, device, dtype), tp), config, None, None)
     folder = model_folder(name)
-    if folder is None:
+    if folder is not None:
+        _no_hub_arguments(name, "a shipped demo model" if name in DEMO_MODELS else "a local folder", revision,
+                          download_dir)
+        return _load_folder(folder, dtype, device, tp)
+    if not is_repo_id(name):
         raise UnknownModelError(
             f"'{name}' is neither a preset, a shipped demo model nor an existing folder; presets: "
             f"{', '.join(PRESETS)}; demo models: {', '.join(DEMO_MODELS)}"
         )
-    return _load_folder(folder, dtype, device, tp)
+    hub = fetch_model(name, revision=revision, download_dir=download_dir)
+    try:
+        loaded = _load_folder(Path(hub.folder), dtype, device, tp)
+    except (CheckpointError, UnsupportedArchitectureError) as err:   # name the repo and commit, not just the cache
+        raise type(err)(f"Hub repo {hub.label}: {err}") from err
+    return dataclasses.replace(loaded, hub=hub)
+
+
+def _no_hub_arguments(name: str, kind: str, revision: str | None, download_dir: str | os.PathLike | None) -> None:
+    """Refuse Hub-only arguments for a model that is not fetched: silently ignoring `revision` would load
+    other weights than the ones asked for."""
+    given = [f"{k}={v!r}" for k, v in (("revision", revision), ("download_dir", download_dir)) if v is not None]
+    if given:
+        raise ValueError(f"{' and '.join(given)} given for '{name}', {kind}: only a Hub repo id (org/name) has "
+                         "revisions and downloads")
+
+
+def tokenizer_folder(name: str | os.PathLike, *, download_dir: str | os.PathLike | None = None) -> str:
+    """The folder with the tokenizer files `LLM(tokenizer=name)` names: a shipped demo model, an existing
+    folder, or a Hub repo id (its tokenizer files only, at the default branch). A preset has none."""
+    name = os.fspath(name)
+    folder = model_folder(name)
+    if folder is None and not is_repo_id(name):
+        why = ("a preset: presets have no tokenizer files" if name in PRESETS
+               else "neither a shipped demo model, an existing folder nor a Hub repo id (org/name)")
+        raise UnknownModelError(f"tokenizer='{name}' is {why}; leave tokenizer unset for the model's own")
+    if folder is None:
+        folder = Path(fetch_tokenizer(name, download_dir=download_dir).folder)
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise CheckpointError(f"tokenizer='{name}': no tokenizer files in {folder} (expected one of "
+                              f"{', '.join(TOKENIZER_FILES)})")
+    return str(folder)
 
 
 def model_folder(name: str | os.PathLike) -> Path | None:
@@ -126,6 +175,13 @@ def _read_config(folder: Path) -> PretrainedConfig:
         raise CheckpointError(f"{cfg_path}: config.json is not a JSON object")
     archs = raw.get("architectures") or []
     supported = ", ".join(sorted(MODEL_REGISTRY))
+    auto_map = raw.get("auto_map")
+    if auto_map:   # refused before transformers reads the config: AutoConfig would look for that code
+        classes = ", ".join(sorted(auto_map)) if isinstance(auto_map, dict) else str(auto_map)
+        raise UnsupportedArchitectureError(
+            f"{folder}: config.json asks for custom code (auto_map: {classes}), which runnerscope never runs "
+            f"(there is no trust_remote_code); supported architectures: {supported}"
+        )
     if archs and archs[0] not in MODEL_REGISTRY:
         raise UnsupportedArchitectureError(
             f"{folder}: architecture '{archs[0]}' is not supported; supported architectures: {supported}"

@@ -42,7 +42,7 @@ from toolkit.runner.input_batch import staging_regions as input_regions
 from toolkit.runner.kv_cache import allocate_kv_caches, check_prefill_checkpoints, make_kv_cache_groups
 from toolkit.runner.model_states import init_model_state
 from toolkit.runner.request_states import RequestStates
-from toolkit.runner.sampler import Sampler, compute_logprobs
+from toolkit.runner.sampler import LogitsRows, Sampler, compute_logprobs
 from toolkit.runner.spec_decode import NgramProposer, VerifyResult, kept_on_device, verify
 from toolkit.runner.staging import Staging
 from toolkit.scheduler import NewRequestData, SchedulerOutput
@@ -174,7 +174,7 @@ class ModelRunner:
             self.block_tables.append_block_ids(idx, new.block_ids, overwrite=True)
             self.model_state.add_request(idx, new)
             self.sampler.add_request(idx, new.sampling_params, new.sampling_seed, new.num_prompt_tokens,
-                                     new.min_tokens_stop_ids, new.num_prompt_logprobs)
+                                     new.min_tokens_stop_ids, new.num_prompt_logprobs, new.prefill_token_ids)
         self._copy_forked(sched_out.scheduled_new_reqs)
         cached = sched_out.scheduled_cached_reqs
         for req_id, new_ids, computed in zip(cached.req_ids, cached.new_block_ids,
@@ -287,21 +287,26 @@ class ModelRunner:
         positions_np = batch.seq_lens_cpu_upper_bound.numpy()[:batch.num_reqs]
         kept_device = None
         if batch.num_draft_tokens is None:
-            sampled = self.sampler(logits, batch.idx_mapping_np, batch.seq_lens, draws, positions_np,
-                                   idx_mapping=batch.idx_mapping)
+            rows = LogitsRows(batch.idx_mapping_np, batch.idx_mapping, batch.seq_lens, positions_np, draws,
+                              last_outputs=self._last_outputs(batch, positions_np))
+            sampled = self.sampler(logits, rows)
+            self.sampler.count_kept(rows, sampled)
         else:       # each logits row samples the token at its own position: its token's + 1
             per_row = 1 + batch.num_draft_tokens
             positions_np = np.repeat(positions_np - batch.num_draft_tokens, per_row) + \
                 np.arange(len(logits)) - np.repeat(batch.cu_num_logits_np[:-1], per_row)
             logit_tokens = batch.logits_indices
-            sampled = self.sampler(logits, np.repeat(batch.idx_mapping_np, per_row),
-                                   batch.positions[logit_tokens] + 1, np.repeat(draws, per_row), positions_np,
-                                   idx_mapping=batch.token_req_rows[logit_tokens])
+            next_draft = batch.draft_ids[logit_tokens + 1]
+            rows = LogitsRows(np.repeat(batch.idx_mapping_np, per_row), batch.token_req_rows[logit_tokens],
+                              batch.positions[logit_tokens] + 1, positions_np, np.repeat(draws, per_row),
+                              drafts=next_draft, max_drafts=int(batch.num_draft_tokens.max()),
+                              last_outputs=self._last_outputs(batch, positions_np, per_row))
+            sampled = self.sampler(logits, rows)
             # the rows' kept counts on the device too (the host's come after the sync, from `verify`)
-            kept_device = kept_on_device(sampled, batch.draft_ids[logit_tokens + 1],
-                                         torch.searchsorted(batch.query_start_loc[1:], logit_tokens.to(torch.int32),
-                                                            right=True),
-                                         batch.num_reqs)
+            logit_rows = torch.searchsorted(batch.query_start_loc[1:], logit_tokens.to(torch.int32), right=True)
+            kept_device = kept_on_device(sampled, next_draft, logit_rows, batch.num_reqs)
+            self.sampler.count_kept(rows, sampled, torch.arange(len(sampled), device=sampled.device)
+                                    <= kept_device[1][logit_rows])
         pending = self._logprobs(state, sampled)       # device work, copied to the host without blocking
         clock.mark("sample")
         sampled_np = sampled.cpu().numpy()      # the step's one device -> host copy (a sync)
@@ -322,6 +327,22 @@ class ModelRunner:
         clock.mark("sample", event=False)
         state.timings = dict(clock.host)
         return out
+
+    def _last_outputs(self, batch: InputBatch, positions_np: np.ndarray, per_row: np.ndarray | None = None):
+        """`LogitsRows.last_outputs` for this step: (logits row i, n) -> the last n output tokens
+        before its position, from the request's known tokens and, past them, its row's drafts."""
+        rs, sampler = self.req_states, self.sampler
+        drafts = batch.draft_token_ids or {}
+
+        def last_outputs(i: int, n: int) -> list[int]:
+            row = i if per_row is None else int(np.searchsorted(batch.cu_num_logits_np, i, side="right")) - 1
+            idx, position = batch.idx_mapping_np[row], int(positions_np[i])
+            start, known = max(int(sampler.num_prompt_tokens[idx]), position - n), int(rs.total_len[idx])
+            out = rs.all_token_ids[idx, start:min(position, known)].numpy().tolist()
+            if position > known:
+                out += drafts.get(batch.req_ids[row], [])[max(start - known, 0):position - known]
+            return out
+        return last_outputs
 
     def _propose(self, batch: InputBatch) -> dict[str, list[int]]:
         """Drafts for the next step of each row that consumed all its known tokens (its next step

@@ -1,15 +1,49 @@
-"""The Sampler the runner calls after the forward: the min_tokens mask, greedy, temperature, top-k
-and top-p, with position-keyed Gumbel noise (the arithmetic is described in toolkit/sampling.py);
-and `compute_logprobs`, the logprobs of chosen tokens (raw: log_softmax of the fp32 logits, before
-any of those), on the device."""
+"""The Sampler the runner calls after the forward: the logits processors (allowed ids, bad words,
+min_tokens, logit bias, penalties: toolkit/runner/logits_processors.py), greedy, temperature, min_p,
+top-k and top-p, with position-keyed Gumbel noise (the arithmetic is described in
+toolkit/sampling.py); and `compute_logprobs`, the logprobs of chosen tokens (raw: log_softmax of the
+fp32 logits, before any of those), on the device."""
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from toolkit.host import to_device
 from toolkit.kernels.gumbel_ref import gumbel_argmax_ref, split_seed
+from toolkit.runner.logits_processors import (
+    RowEdits,
+    TokenCounts,
+    apply_min_p,
+    apply_penalties,
+    apply_sparse_edits,
+    sparse_edits,
+)
 from toolkit.sampling import MIN_TEMPERATURE, SamplingParams
+
+
+@dataclass
+class LogitsRows:
+    """The logits rows of a step as the sampler reads them: L = one per batch row, or 1 + d per
+    verify row (a sample at each of its positions)."""
+    idx_mapping_np: np.ndarray              # int [L]: each logits row's request row (req_idx)
+    idx_mapping: torch.Tensor | None        # device int64 [L], the same (None: copied when needed)
+    positions: torch.Tensor                 # device int [L]: the position each row's sample takes
+    positions_np: np.ndarray                # int [L], the same on the host
+    draws_np: np.ndarray                    # bool [L]: False where the sample is thrown away (partial prefill)
+    drafts: torch.Tensor | None = None      # device int64 [L] (steps with drafts): the draft each row's
+                                            # sample is compared to, -1 after a verify row's last
+    max_drafts: int = 0                     # the most drafts a row carries
+    # (i, n) -> the last n output tokens before logits row i's position (a verify row's drafts included):
+    # read only for requests with bad_words
+    last_outputs: Callable[[int, int], Sequence[int]] | None = None
+
+    @classmethod
+    def of(cls, idx_mapping_np: np.ndarray, positions: torch.Tensor, draws_np: np.ndarray) -> LogitsRows:
+        """Rows without drafts or bad words, from the host (tests, a sampler used alone)."""
+        return cls(np.asarray(idx_mapping_np), None, positions, positions.cpu().numpy(), np.asarray(draws_np))
 
 
 class Sampler:
@@ -30,15 +64,21 @@ class Sampler:
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)        # -1: no logprobs
         self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # -1: no prompt logprobs
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        self.min_len = np.zeros(max_num_reqs, dtype=np.int64)   # stop ids masked at positions below
-        self.min_tokens_stop_ids: list[tuple[int, ...]] = [()] * max_num_reqs
-        self.packed = np.zeros((max_num_reqs, 5), dtype=np.int64)     # temp bits, top_k, top_p bits, seed lo, hi
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)          # 0: off
+        self.penalized = np.zeros(max_num_reqs, dtype=bool)            # any of the three penalties on
+        self.edits: list[RowEdits | None] = [None] * max_num_reqs      # bias, allowed ids, bad words, min_tokens
+        self.token_counts = TokenCounts(max_num_reqs, device)
+        # temp bits, top_k, top_p bits, seed lo, hi, min_p bits, repetition, presence, frequency penalty bits
+        self.packed = np.zeros((max_num_reqs, 9), dtype=np.int64)
         self._packed_device: torch.Tensor | None = None               # None: refresh before the next use
 
     def add_request(self, req_idx: int, params: SamplingParams, seed: int, num_prompt_tokens: int = 0,
-                    min_tokens_stop_ids: tuple[int, ...] = (), num_prompt_logprobs: int | None = None) -> None:
+                    min_tokens_stop_ids: tuple[int, ...] = (), num_prompt_logprobs: int | None = None,
+                    token_ids: Sequence[int] = ()) -> None:
         """`seed`: the request's own seed, or the one derived for it at arrival; the min_tokens
-        mask covers `min_tokens_stop_ids` at positions below num_prompt_tokens + min_tokens."""
+        mask covers `min_tokens_stop_ids` at positions below num_prompt_tokens + min_tokens.
+        `token_ids`: the request's known tokens (its prompt, then its outputs when resumed): a
+        penalized request's counts start from them."""
         t = float(params.temperature)
         self.temperature[req_idx] = 0.0 if t == 0.0 else max(t, MIN_TEMPERATURE)
         self.top_k[req_idx] = max(params.top_k, 0)
@@ -47,10 +87,22 @@ class Sampler:
         self.num_logprobs[req_idx] = -1 if params.logprobs is None else params.logprobs
         self.num_prompt_logprobs[req_idx] = -1 if num_prompt_logprobs is None else num_prompt_logprobs
         self.num_prompt_tokens[req_idx] = num_prompt_tokens
-        self.min_len[req_idx] = num_prompt_tokens + params.min_tokens if min_tokens_stop_ids else 0
-        self.min_tokens_stop_ids[req_idx] = tuple(min_tokens_stop_ids)
+        self.min_p[req_idx] = params.min_p
+        self.penalized[req_idx] = params.penalized
+        if params.penalized:
+            self.token_counts.add_request(req_idx, token_ids[:num_prompt_tokens], token_ids[num_prompt_tokens:])
+        edits = RowEdits(
+            bias_ids=None if not params.logit_bias else np.fromiter(params.logit_bias, np.int64),
+            bias_values=None if not params.logit_bias else np.array(list(params.logit_bias.values()), np.float32),
+            allowed_ids=None if params.allowed_token_ids is None else np.array(params.allowed_token_ids, np.int64),
+            bad_words=tuple(tuple(w) for w in params.bad_words_token_ids),
+            min_tokens_ids=tuple(min_tokens_stop_ids),
+            min_len=num_prompt_tokens + params.min_tokens if min_tokens_stop_ids else 0)
+        self.edits[req_idx] = None if edits.empty else edits
         self.packed[req_idx] = (_float_bits(self.temperature[req_idx]), self.top_k[req_idx],
-                                _float_bits(self.top_p[req_idx]), *self.seeds[req_idx])
+                                _float_bits(self.top_p[req_idx]), *self.seeds[req_idx], _float_bits(params.min_p),
+                                _float_bits(params.repetition_penalty), _float_bits(params.presence_penalty),
+                                _float_bits(params.frequency_penalty))
         self._packed_device = None
 
     def remove_request(self, req_idx: int) -> None:
@@ -59,63 +111,80 @@ class Sampler:
         self.top_p[req_idx] = 1.0
         self.seeds[req_idx] = 0
         self.num_logprobs[req_idx] = self.num_prompt_logprobs[req_idx] = -1
-        self.num_prompt_tokens[req_idx] = self.min_len[req_idx] = 0
-        self.min_tokens_stop_ids[req_idx] = ()
+        self.num_prompt_tokens[req_idx] = 0
+        self.min_p[req_idx] = 0.0
+        self.penalized[req_idx] = False
+        self.edits[req_idx] = None
+        self.token_counts.remove_request(req_idx)
         # the packed table is left as it is: a removed row is gathered by no batch until it is added again
 
     def device_params(self, idx_mapping: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(temperature float32, top_k int64, top_p float32, seeds int64 [., 2]) of the rows
-        `idx_mapping` (device int64 [B]) names, gathered on the device."""
+        """(temperature float32, top_k int64, top_p float32, seeds int64 [., 2], min_p, repetition,
+        presence and frequency penalty float32) of the rows `idx_mapping` (device int64 [B]) names,
+        gathered on the device."""
         if self._packed_device is None:
             self._packed_device = to_device(self.packed, idx_mapping.device)
         p = self._packed_device[idx_mapping]
-        return (p[:, 0].to(torch.int32).view(torch.float32), p[:, 1], p[:, 2].to(torch.int32).view(torch.float32),
-                p[:, 3:5])
+        floats = p.to(torch.int32).view(torch.float32)
+        return floats[:, 0], p[:, 1], floats[:, 2], p[:, 3:5], floats[:, 5], floats[:, 6], floats[:, 7], floats[:, 8]
 
-    def apply_min_tokens(self, logits: torch.Tensor, idx_mapping_np: np.ndarray,
-                         positions_np: np.ndarray) -> torch.Tensor:
-        """The logits with each row's stop ids at -inf while the token it samples (at
-        `positions_np`) comes before its min_tokens-th output (a copy; `logits` is left raw).
-        The (row, id) pairs are built on the host: one host-to-device copy, no sync."""
-        masked = np.nonzero(positions_np < self.min_len[idx_mapping_np])[0]
-        if not len(masked):
+    def process(self, logits: torch.Tensor, rows: LogitsRows) -> torch.Tensor:
+        """The logits every row's choice is made from, greedy rows' too: allowed ids, bad words,
+        min_tokens, logit bias (one host-to-device copy of the edits, when a row has any) and the
+        penalties (token counts on the device). `logits` itself is left raw (logprobs read it)."""
+        idx = rows.idx_mapping_np
+        edits = [self.edits[i] for i in idx]
+        table = sparse_edits(edits, rows.positions_np, rows.last_outputs) if any(edits) else None
+        penalized = self.penalized[idx].any()
+        if table is None and not penalized:
             return logits
-        pairs = np.array([(row, t) for row in masked for t in self.min_tokens_stop_ids[idx_mapping_np[row]]],
-                         dtype=np.int64).reshape(-1, 2).T
-        index = to_device(np.ascontiguousarray(pairs), logits.device)
-        # the fill value made on the device (torch.tensor(-inf, device=...) would copy it from pageable
-        # host memory: a synchronising copy on a GPU)
-        return logits.index_put((index[0], index[1]), torch.full((), float("-inf"), device=logits.device,
-                                                                 dtype=logits.dtype))
+        logits = logits.float()
+        if rows.idx_mapping is None:
+            rows.idx_mapping = to_device(np.ascontiguousarray(idx, dtype=np.int64), logits.device)
+        if table is not None:
+            logits = apply_sparse_edits(logits, to_device(table[0], logits.device), table[1])
+        if penalized:
+            self.token_counts.flush(logits.shape[-1])
+            counts, in_prompt = self.token_counts.rows(rows.idx_mapping, rows.drafts, rows.max_drafts)
+            *_, repetition, presence, frequency = self.device_params(rows.idx_mapping)
+            logits = apply_penalties(logits, counts, in_prompt, repetition, presence, frequency)
+        return logits
 
-    def __call__(self, logits: torch.Tensor, idx_mapping_np: np.ndarray, positions: torch.Tensor,
-                 draws_np: np.ndarray, positions_np: np.ndarray | None = None,
-                 idx_mapping: torch.Tensor | None = None) -> torch.Tensor:
-        """logits: float32 [B, V] in batch order; idx_mapping_np: int [B] row -> req_idx
-        (`idx_mapping`: the same on the device, when the runner has it staged; else it is copied);
-        positions: device int [B], the position each sampled token takes (`positions_np`: the same
-        on the host, needed for the min_tokens mask); draws_np: bool [B], False for rows whose
-        sample is thrown away (partial prefill chunks: they draw nothing and take the argmax).
-        Returns int64 [B]."""
-        if positions_np is not None:
-            logits = self.apply_min_tokens(logits, idx_mapping_np, positions_np)
+    def count_kept(self, rows: LogitsRows, sampled: torch.Tensor, kept: torch.Tensor | None = None) -> None:
+        """After sampling: add the kept samples to the penalized requests' output counts (nothing
+        to do when no row of the step is penalized). `kept`: device bool [L] (a step with drafts: the
+        samples up to each row's last kept one); else the rows that draw."""
+        if not self.penalized[rows.idx_mapping_np].any():
+            return
+        if kept is None:
+            kept = (torch.ones(len(sampled), dtype=torch.bool, device=sampled.device) if rows.draws_np.all()
+                    else to_device(rows.draws_np, sampled.device))
+        self.token_counts.commit(rows.idx_mapping, sampled, kept)
+
+    def __call__(self, logits: torch.Tensor, rows: LogitsRows) -> torch.Tensor:
+        """logits: float32 [L, V] in logits-row order. Rows that draw nothing (partial prefill
+        chunks) take the argmax. Returns int64 [L]."""
+        logits = self.process(logits, rows)
         greedy = logits.argmax(dim=-1)
+        idx_mapping_np, draws_np = rows.idx_mapping_np, rows.draws_np
         temperature = self.temperature[idx_mapping_np]
         random_rows = draws_np & (temperature > 0)
         if not random_rows.any():
             return greedy
         dev = logits.device
-        if idx_mapping is None:
-            idx_mapping = to_device(np.ascontiguousarray(idx_mapping_np, dtype=np.int64), dev)
-        temp, top_k_dev, top_p_dev, seeds = self.device_params(idx_mapping)
+        if rows.idx_mapping is None:
+            rows.idx_mapping = to_device(np.ascontiguousarray(idx_mapping_np, dtype=np.int64), dev)
+        temp, top_k_dev, top_p_dev, seeds, min_p_dev, *_ = self.device_params(rows.idx_mapping)
         # a row that draws and is not greedy; every row draws in a decode step (no copy then)
         random_dev = temp > 0 if draws_np.all() else to_device(random_rows, dev)
         scaled = logits.float() / torch.where(random_dev, temp, 1.0)[:, None]
+        if ((self.min_p[idx_mapping_np] > 0) & random_rows).any():
+            scaled = apply_min_p(scaled, min_p_dev)
         top_k, top_p = self.top_k[idx_mapping_np], self.top_p[idx_mapping_np]
         if ((top_k > 0) & (top_k < logits.shape[-1]) & random_rows).any() or \
                 ((top_p < 1.0) & random_rows).any():
             scaled = apply_top_k_top_p(scaled, top_k_dev, top_p_dev)
-        sampled = self.gumbel_argmax(scaled, seeds, positions)
+        sampled = self.gumbel_argmax(scaled, seeds, rows.positions)
         return torch.where(random_dev, sampled, greedy)
 
 

@@ -313,10 +313,20 @@ class StepInspector:
         rec = self.record
         if rec is None:
             return H.wrap(H.escape("StepInspector: empty trace"))
-        return H.wrap(H.title(f"StepInspector ({self.position.value})") + step_record_html(rec))
+        hub = hub_label(self.llm)
+        title = f"StepInspector {hub} ({self.position.value})" if hub else f"StepInspector ({self.position.value})"
+        return H.wrap(H.title(title) + step_record_html(rec))
 
     def __repr__(self) -> str:
-        return f"StepInspector({self.llm.model_name!r}, {len(self.llm.trace)} records, showing {self.slider.value})"
+        name = hub_label(self.llm) or self.llm.model_name
+        return f"StepInspector({name!r}, {len(self.llm.trace)} records, showing {self.slider.value})"
+
+
+def hub_label(llm: LLM) -> str | None:
+    """`org/name@<short sha>` for an engine loaded by Hub id, so that the title says which commit is on
+    screen (a branch moves); None otherwise."""
+    hub = getattr(llm, "hub_source", None)
+    return hub.label if hub is not None else None
 
 
 def _split(text: str) -> list[str]:
