@@ -35,7 +35,7 @@ def _logits(rows: int, seed: int = 0) -> torch.Tensor:
 
 def _processed(params: SamplingParams, prompt: list[int], outputs: list[int], logits: torch.Tensor) -> torch.Tensor:
     """The sampler's processing of one row whose request has these prompt and output tokens."""
-    sampler = Sampler(2, CPU)
+    sampler = Sampler(2, CPU, vocab_size=V)
     sampler.add_request(1, params, 0, len(prompt), token_ids=prompt + outputs)
     position = len(prompt) + len(outputs)
     history = prompt + outputs
@@ -112,7 +112,7 @@ def test_a_verify_rows_positions_count_the_drafts_before_them():
     drafts = [11, 30, 11]
     params = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.3, presence_penalty=0.2)
     logits = _logits(len(drafts) + 1, 4)
-    sampler = Sampler(1, CPU)
+    sampler = Sampler(1, CPU, vocab_size=V)
     sampler.add_request(0, params, 0, len(PROMPT), token_ids=PROMPT + OUTPUTS)
     start = len(PROMPT) + len(OUTPUTS)
     rows = LogitsRows(np.zeros(4, dtype=np.int64), torch.zeros(4, dtype=torch.long), torch.arange(4) + start,

@@ -74,7 +74,8 @@ def load_reference(llm: Any, reference: Any) -> torch.nn.Module:
             for p in hf.parameters():
                 p.data = p.data.clone()
         return hf.eval()
-    folder = model_folder(name) or name          # a shipped demo model's folder, or the folder itself
+    hub = getattr(llm, "hub_source", None)       # a Hub id: the snapshot it loaded (same commit, no request)
+    folder = hub.folder if hub is not None else model_folder(name) or name   # a demo model's folder, or the folder
     return AutoModelForCausalLM.from_pretrained(os.fspath(folder), dtype=torch.float32).eval()
 
 

@@ -57,6 +57,8 @@ class TensorWatch:
                   else [("input_buffers", runner.input_buffers)])
         if hasattr(runner, "req_states"):
             owners.append(("req_states", runner.req_states))
+        if hasattr(runner, "sampler"):          # the penalties' token counts
+            owners.append(("sampler.token_counts", runner.sampler.token_counts))
         for owner, obj in owners:
             for attr, value in vars(obj).items():
                 if isinstance(value, torch.Tensor):

@@ -48,15 +48,15 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 class TokenCounts:
     """Per request row on the device: `in_prompt` bool [R, V] (the prompt's tokens) and `counts`
-    int32 [R, V] (each token's occurrences in the output kept so far). Allocated at the first
-    request with a penalty (R x V x 5 bytes: 195 MB at 256 rows of a 152k vocabulary); a row is
-    meaningful only while a penalized request holds it."""
+    int32 [R, V] (each token's occurrences in the output kept so far); a row is meaningful only
+    while a penalized request holds it. Allocated with the runner, as vLLM's MRV2 allocates its
+    penalty state (R x V x 5 bytes: 195 MB at 256 rows of a 152k vocabulary on a GPU), so that
+    memory_report and warmup see it and a large batch fails at start, not at its first penalty."""
 
-    def __init__(self, max_num_reqs: int, device: torch.device):
-        self.max_num_reqs = max_num_reqs
+    def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device):
         self.device = device
-        self.in_prompt: torch.Tensor | None = None
-        self.counts: torch.Tensor | None = None
+        self.in_prompt = torch.zeros((max_num_reqs, vocab_size), dtype=torch.bool, device=device)
+        self.counts = torch.zeros((max_num_reqs, vocab_size), dtype=torch.int32, device=device)
         self._pending: dict[int, tuple[Sequence[int], Sequence[int]]] = {}   # row -> (prompt, outputs)
 
     def add_request(self, req_idx: int, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
@@ -66,15 +66,12 @@ class TokenCounts:
     def remove_request(self, req_idx: int) -> None:
         self._pending.pop(req_idx, None)
 
-    def flush(self, vocab_size: int) -> None:
+    def flush(self) -> None:
         """Write the queued rows: their prompt masks and output counts, from one host-to-device copy
         laid out [admitted rows | (row, prompt id) pairs | (row, output id) pairs] (host-known sizes:
         the device slices them without a sync)."""
         if not self._pending:
             return
-        if self.counts is None:            # the logits' width: the vocabulary the sampler sees
-            self.in_prompt = torch.zeros((self.max_num_reqs, vocab_size), dtype=torch.bool, device=self.device)
-            self.counts = torch.zeros((self.max_num_reqs, vocab_size), dtype=torch.int32, device=self.device)
         rows = list(self._pending)
 
         def pairs(kind: int) -> np.ndarray:             # [2 * n]: rows then ids
@@ -114,8 +111,7 @@ class TokenCounts:
     def commit(self, idx_mapping: torch.Tensor, sampled: torch.Tensor, kept: torch.Tensor) -> None:
         """Count the step's kept samples: sampled int64 [L] at request rows idx_mapping [L], kept bool
         [L] (a sample thrown away: a partial prefill's, or a rejected draft's position)."""
-        if self.counts is not None:
-            self.counts.index_put_((idx_mapping, sampled), kept.to(torch.int32), accumulate=True)
+        self.counts.index_put_((idx_mapping, sampled), kept.to(torch.int32), accumulate=True)
 
 
 BAN, BIAS, ALLOW = 0, 1, 2      # kinds of a sparse edit

@@ -138,7 +138,7 @@ class ModelRunner:
                 self.block_tables.tables[attn[0].group_id] if attn else None,
                 attn[0].num_blocks if attn else None)
             self.proposer = proposer
-        self.sampler = Sampler(cfg.max_num_seqs, cfg.device, self.ops.gumbel_argmax)
+        self.sampler = Sampler(cfg.max_num_seqs, cfg.device, self.ops.gumbel_argmax, self.model.config.vocab_size)
         # a padded decode batch of size rows holds size * (1 + k) tokens: at most the step's token
         # budget (the persistent buffers' size), and the model's own graph limit (a MoE layer's)
         graph_tokens = min(model.max_graph_tokens() or cfg.max_num_batched_tokens, cfg.max_num_batched_tokens)

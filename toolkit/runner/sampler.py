@@ -54,7 +54,7 @@ class Sampler:
     parameters there by the staged idx_mapping, so it copies nothing of its own (MRV2 keeps its
     sampling states on the device the same way)."""
 
-    def __init__(self, max_num_reqs: int, device: torch.device, gumbel_argmax=None):
+    def __init__(self, max_num_reqs: int, device: torch.device, gumbel_argmax=None, vocab_size: int = 0):
         self.device = device
         self.gumbel_argmax = gumbel_argmax or gumbel_argmax_ref   # the backend's op (toolkit/layers/ops.py)
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)   # 0: greedy
@@ -67,7 +67,7 @@ class Sampler:
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)          # 0: off
         self.penalized = np.zeros(max_num_reqs, dtype=bool)            # any of the three penalties on
         self.edits: list[RowEdits | None] = [None] * max_num_reqs      # bias, allowed ids, bad words, min_tokens
-        self.token_counts = TokenCounts(max_num_reqs, device)
+        self.token_counts = TokenCounts(max_num_reqs, vocab_size, device)    # penalties
         # temp bits, top_k, top_p bits, seed lo, hi, min_p bits, repetition, presence, frequency penalty bits
         self.packed = np.zeros((max_num_reqs, 9), dtype=np.int64)
         self._packed_device: torch.Tensor | None = None               # None: refresh before the next use
@@ -144,7 +144,10 @@ class Sampler:
         if table is not None:
             logits = apply_sparse_edits(logits, to_device(table[0], logits.device), table[1])
         if penalized:
-            self.token_counts.flush(logits.shape[-1])
+            if self.token_counts.counts.shape[-1] != logits.shape[-1]:
+                raise ValueError(f"the penalties' token counts cover {self.token_counts.counts.shape[-1]} tokens, "
+                                 f"the logits {logits.shape[-1]}: Sampler(vocab_size=...) must be the logits' width")
+            self.token_counts.flush()
             counts, in_prompt = self.token_counts.rows(rows.idx_mapping, rows.drafts, rows.max_drafts)
             *_, repetition, presence, frequency = self.device_params(rows.idx_mapping)
             logits = apply_penalties(logits, counts, in_prompt, repetition, presence, frequency)
