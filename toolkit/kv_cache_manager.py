@@ -54,12 +54,14 @@ def hash_block(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
     return digest.digest()
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, known: list[BlockHash]) -> list[BlockHash]:
+def block_hashes(token_ids: Sequence[int], block_size: int, known: list[BlockHash], offset: int = 0) -> list[BlockHash]:
     """The chained hashes of every full block of `token_ids`; `known` (a prefix of them, computed
-    before) is extended in place and returned."""
-    for i in range(len(known), len(token_ids) // block_size):
+    before) is extended in place and returned. `offset`: token_ids are the sequence's tokens from
+    that index on (at most len(known) * block_size), so a caller extending the hashes of a long
+    request passes only its tail."""
+    for i in range(len(known), (offset + len(token_ids)) // block_size):
         known.append(hash_block(known[-1] if known else None,
-                                token_ids[i * block_size:(i + 1) * block_size]))
+                                token_ids[i * block_size - offset:(i + 1) * block_size - offset]))
     return known
 
 

@@ -139,6 +139,15 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] (a new list), without joining the whole prompt and output."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
     @property
     def forks(self) -> bool:
         """An n > 1 request that has not forked yet: it computes all but its last prompt token."""

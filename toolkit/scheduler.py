@@ -440,10 +440,11 @@ class Scheduler:
                 continue
             hashes = req.block_hashes
             if len(hashes) < req.num_computed_tokens // self.block_size:   # a block filled: hash it
-                tokens = req.all_token_ids
+                start = len(hashes) * self.block_size       # the tail only: work per block, not per token held
+                tokens = req.token_slice(start, req.num_tokens)
                 if accepted and req_id in sched_out.scheduled_spec_decode_tokens:
-                    tokens = list(tokens) + list(accepted[req_id][:-1])
-                hashes = block_hashes(tokens, self.block_size, hashes)
+                    tokens += accepted[req_id][:-1]
+                hashes = block_hashes(tokens, self.block_size, hashes, offset=start)
             self.kv.cache_computed(req_id, hashes, req.num_computed_tokens)
 
     def update_from_output(self, sched_out: SchedulerOutput, sampled: dict[str, int],
