@@ -357,3 +357,15 @@ def test_a_step_writing_a_cached_page_is_caught():
     llm.scheduler.kv.state_pool.register(running, b"stale", 5)
     with pytest.raises(InvariantError, match=rf"cached_ids_not_written.*request 'a'.*writes id {running}"):
         llm.step()
+
+
+def test_hashes_extended_from_a_requests_tail_equal_hashing_it_whole():
+    """The scheduler hashes a filled block from the request's tail (`token_slice`, `offset`), never
+    joining its whole prompt and output: the same chain as hashing every token."""
+    req = Request("r", list(range(3, 40)), SamplingParams(), frozenset())
+    req.output_token_ids = list(range(100, 130))
+    whole = block_hashes(req.all_token_ids, 4, [])
+    known = block_hashes(req.prompt_token_ids[:13], 4, [])            # 3 blocks hashed before
+    start = len(known) * 4
+    assert block_hashes(req.token_slice(start, req.num_tokens), 4, known, offset=start) == whole
+    assert all(req.token_slice(a, b) == req.all_token_ids[a:b] for a in range(0, 67, 5) for b in range(a, 68, 7))
