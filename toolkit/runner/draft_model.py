@@ -123,7 +123,7 @@ class DraftModelSpeculator(Proposer):
         self.state_tensors = [t for g in self.kv_cache_groups if g.kind == "mamba"
                               for name in g.layer_names for t in self.kv_caches[name]]
         # one staging, k banks: bank 0 the catch-up forward's inputs, bank j the j-th guess forward's,
-        # all written before the first forward and sent by one flush (one copy per dtype)
+        # all written before the first forward and sent by one flush (one copy)
         widths = [g.width for g in self.kv_cache_groups]
         int32, int64 = {}, {}
         for j in range(k):

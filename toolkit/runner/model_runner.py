@@ -234,7 +234,7 @@ class ModelRunner:
             input_batch.idx_mapping_np, input_batch.query_start_loc_np, input_batch.num_computed_tokens_np,
             None if padded is None else padded * graphs.tokens_per_row)
         self.model_state.stage_state(input_batch, self.block_tables, self.staging)
-        self.staging.flush()                    # the step's host data, one copy per dtype (staging.py)
+        self.staging.flush()                    # the step's host data in one copy (staging.py)
         if input_batch.input_ids_sampled:
             gather_sampled_input_ids(self.input_buffers, self.req_states, input_batch)
         clock.mark("prepare_inputs")
