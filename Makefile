@@ -1,6 +1,7 @@
 # `make demo`: the main job on the shipped demo-hybrid model (no download). `make test`: the whole test suite
-# (`make test-fast`: its 3-minute tier for iteration).
-# Both create .venv if it is missing (pip takes a CPU torch wheel on disk when there is one: see README, Install).
+# (`make test-fast`: its 3-minute tier for iteration). `make docs`: the documentation site, into site/.
+# All create .venv if it is missing (pip takes a CPU torch wheel on disk when there is one: see
+# docs/guides/install.md).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
@@ -10,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
-.PHONY: demo test test-fast lint bench browser-setup notebooks
+.PHONY: demo test test-fast lint bench browser-setup notebooks docs docs-serve
 demo: $(VENV)/.installed
 	$(PY) -m toolkit demo
 
@@ -19,7 +20,7 @@ demo: $(VENV)/.installed
 # -n: pytest-xdist, one worker per core (at most 4); loadgroup keeps the Triton recordings and their
 # compile test in one worker; --durations: the 15 slowest tests, printed at the end of every run
 PYTEST := TRITON_INTERPRET=1 $(VENV)/bin/pytest -n auto --maxprocesses 4 --dist loadgroup --durations=15
-test: $(VENV)/.installed lint browser-setup
+test: $(VENV)/.installed lint browser-setup docs
 	$(PYTEST) tests
 
 # the iteration tier (under 3 minutes on 2 cores): the core's unit tests, the per-family parity files,
@@ -43,3 +44,14 @@ bench: $(VENV)/.installed
 # JupyterLab on the tutorials (notebooks/README.md); --allow-root only when run as root (containers)
 notebooks: $(VENV)/.installed
 	$(VENV)/bin/jupyter lab notebooks/ $$( [ "$$(id -u)" = 0 ] && echo --allow-root )
+
+# The documentation site (mkdocs.yml, docs/): built strictly (a warning, a broken link or anchor fails it),
+# with nothing fetched from the network; `make test` builds it too. NO_MKDOCS_2_WARNING: Material's banner
+# about its successor, printed on every build, is not a build warning.
+MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
+docs: $(VENV)/.installed
+	$(MKDOCS) build --strict --quiet
+
+# http://127.0.0.1:8000, rebuilt on every change (docs/, notebooks/, benchmarks/RESULTS.md, toolkit/)
+docs-serve: $(VENV)/.installed
+	$(MKDOCS) serve

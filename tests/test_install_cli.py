@@ -1,5 +1,6 @@
 """Install and run anywhere: the CLI's help and one-line errors, imports without warnings or
-triton, a wheel installed into a fresh venv, the README's "Use" example as written."""
+triton, a wheel installed into a fresh venv, the README's "Use" example and the docs' inspection
+examples as written."""
 from __future__ import annotations
 
 import os
@@ -148,14 +149,17 @@ def test_nothing_points_outside_the_repository():
     assert not hits, hits
 
 
-def _readme_blocks(title: str) -> list[str]:
-    section = (REPO / "README.md").read_text().split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
-    return [b.split("```", 1)[0] for b in section.split("```python\n")[1:]]
+def _doc_blocks(page: str) -> list[str]:
+    """The ```python blocks of a docs page (the README's Inspect and Widgets examples moved there)."""
+    text = (REPO / "docs" / page).read_text()
+    return [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
 
 
-def test_readme_inspect_and_widgets_examples_run_as_written(tmp_path):
-    trace_block, budget_block, fault_block, compare_block = _readme_blocks("Inspect")
-    proc = run([PY, "-c", trace_block + "\n" + compare_block], cwd=tmp_path)
+def test_docs_inspect_and_widgets_examples_run_as_written(tmp_path):
+    trace_block, budget_block = _doc_blocks("guides/inspection.md")
+    fault_block, _ = _doc_blocks("guides/checks-and-faults.md")
+    compare_block, diff_block, _ = _doc_blocks("guides/compare.md")
+    proc = run([PY, "-c", trace_block + "\n" + compare_block + "\n" + diff_block], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "first divergence at step" in proc.stdout and "layer 2 (model.layers.2)" in proc.stdout
     assert "traces agree" in proc.stdout and (tmp_path / "run1" / "tensors.safetensors").is_file()
@@ -166,7 +170,7 @@ def test_readme_inspect_and_widgets_examples_run_as_written(tmp_path):
         "all 4 recurrent layers; requests chosen by <lambda>"]
     fault = run([PY, "-c", fault_block], cwd=tmp_path)     # the example ends in the error it shows
     assert fault.returncode != 0 and "InvariantError" in fault.stderr and "fresh_slot_is_zero" in fault.stderr
-    (widgets_block,) = _readme_blocks("Widgets")
+    widgets_block = _doc_blocks("guides/inspector.md")[0]
     shown = run([PY, "-c", widgets_block.replace("StepInspector(llm)", "print(repr(StepInspector(llm)))")],
                 cwd=tmp_path)
     assert shown.returncode == 0 and "StepInspector('tiny-bamba'" in shown.stdout, shown.stderr

@@ -57,7 +57,7 @@ from toolkit.tokenizer import collect_eos_token_ids, load_tokenizer
 
 
 class LLM:
-    """`LLM("tiny-bamba")` or `LLM("/path/to/hf_folder")`; see README for every argument."""
+    """`LLM("tiny-bamba")` or `LLM("/path/to/hf_folder")`; docs/guides/engine.md groups every argument."""
 
     def __init__(self, model: str, *, device: str | torch.device = "auto",
                  dtype: str | torch.dtype = "auto", max_num_seqs: int = 16,
