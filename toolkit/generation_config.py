@@ -21,7 +21,6 @@ Which values are in force is logged once, as a warning of the "toolkit.generatio
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.errors import CheckpointError, InvalidRequestError
+from toolkit.models.loader import read_json_object
 from toolkit.sampling import SamplingParams, copy_params
 
 log = logging.getLogger(__name__)
@@ -94,12 +94,7 @@ def load_generation_defaults(setting: str | os.PathLike, model_folder: str | Non
 
 def read_defaults(path: Path) -> dict[str, Any]:
     """vLLM's sampling fields of a generation_config.json, under SamplingParams' names, checked."""
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path}: unreadable ({err})") from err
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path}: not a JSON object")
+    raw = read_json_object(path)
     values = {name: raw[key] for key, name in FIELDS.items() if raw.get(key) is not None}
     try:
         SamplingParams(**values)

@@ -163,16 +163,23 @@ def model_folder(name: str | os.PathLike) -> Path | None:
     return folder if folder.is_dir() else None
 
 
+def read_json_object(path: Path) -> dict:
+    """A checkpoint's JSON file (config.json, generation_config.json) as a dict; CheckpointError
+    naming the file when it cannot be read or is not a JSON object."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable {path.name} ({e})") from e
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: {path.name} is not a JSON object")
+    return raw
+
+
 def _read_config(folder: Path) -> PretrainedConfig:
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise CheckpointError(f"{folder}: no config.json (not a HF model folder)")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{cfg_path}: unreadable config.json ({e})") from e
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{cfg_path}: config.json is not a JSON object")
+    raw = read_json_object(cfg_path)
     archs = raw.get("architectures") or []
     supported = ", ".join(sorted(MODEL_REGISTRY))
     auto_map = raw.get("auto_map")
