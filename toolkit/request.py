@@ -247,6 +247,8 @@ def check_stop_strings(req: Request, decode: Callable[[list[int]], str], drop_la
 
 @dataclass
 class CompletionOutput:
+    """One sample of a request (vLLM's): its text and token ids, why it finished, and its logprobs
+    when asked for. `index` is the sample's number among the request's n."""
     index: int
     text: str
     token_ids: list[int]
@@ -258,6 +260,9 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
+    """A finished request as `generate`, `chat` and `step().outputs` return it (vLLM's): the prompt,
+    one CompletionOutput per sample, the prompt logprobs when asked for, and the prompt tokens its
+    admission took from the prefix cache."""
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]

@@ -45,6 +45,10 @@ MAX_SEED = 2**64 - 1
 
 @dataclass
 class SamplingParams:
+    """How one request is sampled and when it stops: vLLM's fields, names and meanings, validated
+    when constructed (a bad value raises InvalidRequestError naming the field). The sampling rule
+    is in this module's docstring; `explicit_fields` records which fields the caller passed (a
+    model's generation config fills the others)."""
     max_tokens: int = 16
     temperature: float = 1.0
     top_k: int = 0            # 0 or -1: off

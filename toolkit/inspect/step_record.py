@@ -229,6 +229,12 @@ class SpecRow:
 
 @dataclass
 class StepRecord:
+    """What one engine step did, as the runner saw it (`llm.step()` returns it; `llm.trace` keeps
+    the recent ones): snapshots of the InputBatch and the per-group metadata the runner used, the
+    logits, the sampled and kept tokens, the scheduler's ledger, timings, and the violations of
+    the runtime checks; in inspect="full" also each recurrent layer's state before and after.
+    `metadata(kind)`, `kept_logits(request_id)` and `logprob_of(request_id)` read it; in Jupyter it
+    shows as tables."""
     step_index: int | None                       # the user's step counter; None for warmup
     scheduled: list[ScheduledRequest]            # in batch order (decodes first)
     preempted_request_ids: list[str]

@@ -54,6 +54,11 @@ _COUNTED = {"input_batch", "attn_metadata", "states", "logits", "top_logit_value
 
 
 class Trace:
+    """The engine's recent StepRecords (`llm.trace`), oldest first, at most `capacity` of them and,
+    with `max_bytes`, within a host-memory budget (older records' states, then logits, are dropped
+    first, never a record's metadata). Indexable and sliceable; `for_request`, `by_stage` and
+    `user_steps` filter it; `save` / `load` keep it on disk; `equals` compares two."""
+
     def __init__(self, capacity: int | None = 256, records: Iterable[StepRecord] = (),
                  max_bytes: int | None = None):
         if capacity is not None and (not isinstance(capacity, int) or capacity < 1):

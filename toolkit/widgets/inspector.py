@@ -56,6 +56,12 @@ PROGRESS_EVERY_S = 0.1      # Run N / Run to end update their progress at most ~
 
 
 class StepInspector:
+    """A Jupyter widget over an LLM: Step, Run N, Run to end, Reset and Add request buttons, a
+    history slider over `llm.trace`, and one tab per view (batch, metadata, block tables, states,
+    timeline, warmup and memory, prefix cache, speculation), each a pure render of the selected
+    StepRecord. The same actions are methods (`step`, `run`, `run_to_end`, `add_request`, `reset`,
+    `use`). Needs inspect="metadata" or "full"."""
+
     def __init__(self, llm: LLM, max_tokens: int = 16):
         if llm.inspect == "off":
             raise ValueError("StepInspector reads llm.trace, which inspect='off' leaves empty: "
