@@ -41,6 +41,7 @@ class ByteTokenizer:
     PAD, BOS, EOS, OFFSET = 0, 1, 2, 3
     SPECIAL_TEXT = {PAD: "<pad>", BOS: "<s>", EOS: "</s>"}
     _SPECIAL_RE = re.compile("(" + "|".join(re.escape(t) for t in SPECIAL_TEXT.values()) + ")")
+    _SPECIAL_ID = {text: i for i, text in SPECIAL_TEXT.items()}
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
@@ -50,9 +51,8 @@ class ByteTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = [self.BOS] if add_special_tokens else []
-        special = {t: i for i, t in self.SPECIAL_TEXT.items()}
         for k, part in enumerate(self._SPECIAL_RE.split(text)):     # odd k: a special token's text
-            ids += [special[part]] if k % 2 else [b + self.OFFSET for b in part.encode("utf-8")]
+            ids += [self._SPECIAL_ID[part]] if k % 2 else [b + self.OFFSET for b in part.encode("utf-8")]
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

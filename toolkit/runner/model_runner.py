@@ -305,8 +305,7 @@ class ModelRunner:
             # the rows' kept counts on the device too (the host's come after the sync, from `verify`)
             logit_rows = torch.searchsorted(batch.query_start_loc[1:], logit_tokens.to(torch.int32), right=True)
             kept_device = kept_on_device(sampled, next_draft, logit_rows, batch.num_reqs)
-            self.sampler.count_kept(rows, sampled, torch.arange(len(sampled), device=sampled.device)
-                                    <= kept_device[1][logit_rows])
+            self.sampler.count_kept(rows, sampled, (kept_device[1], logit_rows))
         pending = self._logprobs(state, sampled)       # device work, copied to the host without blocking
         clock.mark("sample")
         sampled_np = sampled.cpu().numpy()      # the step's one device -> host copy (a sync)

@@ -67,6 +67,7 @@ class Sampler:
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)          # 0: off
         self.penalized = np.zeros(max_num_reqs, dtype=bool)            # any of the three penalties on
         self.edits: list[RowEdits | None] = [None] * max_num_reqs      # bias, allowed ids, bad words, min_tokens
+        self.has_edits = np.zeros(max_num_reqs, dtype=bool)            # edits[i] is not None (a vector test)
         self.token_counts = TokenCounts(max_num_reqs, vocab_size, device)    # penalties
         # temp bits, top_k, top_p bits, seed lo, hi, min_p bits, repetition, presence, frequency penalty bits
         self.packed = np.zeros((max_num_reqs, 9), dtype=np.int64)
@@ -99,6 +100,7 @@ class Sampler:
             min_tokens_ids=tuple(min_tokens_stop_ids),
             min_len=num_prompt_tokens + params.min_tokens if min_tokens_stop_ids else 0)
         self.edits[req_idx] = None if edits.empty else edits
+        self.has_edits[req_idx] = not edits.empty
         self.packed[req_idx] = (_float_bits(self.temperature[req_idx]), self.top_k[req_idx],
                                 _float_bits(self.top_p[req_idx]), *self.seeds[req_idx], _float_bits(params.min_p),
                                 _float_bits(params.repetition_penalty), _float_bits(params.presence_penalty),
@@ -115,6 +117,7 @@ class Sampler:
         self.min_p[req_idx] = 0.0
         self.penalized[req_idx] = False
         self.edits[req_idx] = None
+        self.has_edits[req_idx] = False
         self.token_counts.remove_request(req_idx)
         # the packed table is left as it is: a removed row is gathered by no batch until it is added again
 
@@ -133,8 +136,8 @@ class Sampler:
         min_tokens, logit bias (one host-to-device copy of the edits, when a row has any) and the
         penalties (token counts on the device). `logits` itself is left raw (logprobs read it)."""
         idx = rows.idx_mapping_np
-        edits = [self.edits[i] for i in idx]
-        table = sparse_edits(edits, rows.positions_np, rows.last_outputs) if any(edits) else None
+        table = (sparse_edits([self.edits[i] for i in idx], rows.positions_np, rows.last_outputs)
+                 if self.has_edits[idx].any() else None)
         penalized = self.penalized[idx].any()
         if table is None and not penalized:
             return logits
@@ -153,13 +156,18 @@ class Sampler:
             logits = apply_penalties(logits, counts, in_prompt, repetition, presence, frequency)
         return logits
 
-    def count_kept(self, rows: LogitsRows, sampled: torch.Tensor, kept: torch.Tensor | None = None) -> None:
+    def count_kept(self, rows: LogitsRows, sampled: torch.Tensor,
+                   last_kept: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """After sampling: add the kept samples to the penalized requests' output counts (nothing
-        to do when no row of the step is penalized). `kept`: device bool [L] (a step with drafts: the
-        samples up to each row's last kept one); else the rows that draw."""
+        to do when no row of the step is penalized). A step with drafts: `last_kept` = (the logits
+        row of each batch row's last kept sample [B], each logits row's batch row [L]), the samples
+        up to it are kept; else the rows that draw."""
         if not self.penalized[rows.idx_mapping_np].any():
             return
-        if kept is None:
+        if last_kept is not None:
+            last, batch_row = last_kept
+            kept = torch.arange(len(sampled), device=sampled.device) <= last[batch_row]
+        else:
             kept = (torch.ones(len(sampled), dtype=torch.bool, device=sampled.device) if rows.draws_np.all()
                     else to_device(rows.draws_np, sampled.device))
         self.token_counts.commit(rows.idx_mapping, sampled, kept)
