@@ -7,9 +7,18 @@
 #       the prerequisites it can, prints each part's exact commands and, for the test parts, how many tests
 #       the selection collects (pytest --collect-only), and runs nothing; tests/test_gpu_check_script.py
 #       runs it in CI.
-#   No PART: every part, in order (more than one device command's time: use it only with no time limit).
+#   No PART: every part but `first`, in order (more than one device command's time: use it only with no
+#       time limit).
+#   `bash benchmarks/gpu_check.sh first`: the one command for a 15-minute device lease (issue 41): what tells
+#       most, in this order, each command with its own limit (`@N` below) and all inside FIRST_TIMEOUT
+#       (default 470 s) so that a failure or a hang in one leaves the rest running.
 #
 # part     estimate  what
+# first    ~8 min    doctor's CUDA lines (kernels compiled on CUDA tensors, CUDA vs CPU fp32, graphs vs eager);
+#                    decode (batch 1 and 128) and prefill (128 x 64) of mamba2-130m-, bamba-300m- and
+#                    lfm2-350m-shape in bf16: eager, graphs, HF generate, fraction of the roofline, one
+#                    process per preset; the ten-cycle memory test; then the graphs and kernels tests until
+#                    the time is out
 # doctor   ~3 min    python -m toolkit doctor, first: versions, device, kernels compiled on CUDA tensors, then
 #                    on 6 tiny presets Triton vs torch, CUDA vs CPU fp32, padded decode and CUDA graphs vs
 #                    eager, and the decode step at batch 1 and 16 (eager, graphs, HF)
@@ -60,6 +69,7 @@ PY="${PYTHON:-python3}"
 PART_TIMEOUT="${PART_TIMEOUT:-540}"
 DRY="${DRY_RUN:-0}"
 ALL_PARTS=(doctor kernels backend parity graphs bench tp)
+FIRST_TIMEOUT="${FIRST_TIMEOUT:-470}"
 
 usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; echo "parts: ${ALL_PARTS[*]}"; }
 
@@ -68,7 +78,7 @@ for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
         -h|--help) usage; exit 0 ;;
-        *) if [[ " ${ALL_PARTS[*]} " == *" $arg "* ]]; then parts+=("$arg")
+        *) if [[ " first ${ALL_PARTS[*]} " == *" $arg "* ]]; then parts+=("$arg")
            else echo "gpu_check.sh: unknown part '$arg'"; usage; exit 2; fi ;;
     esac
 done
@@ -76,7 +86,7 @@ done
 
 # ---- each part's estimate and commands (the test parts: one pytest selection of whole files) -----------
 estimate_of() {  # estimated device minutes on a cold Triton cache (see the header)
-    case "$1" in doctor) echo 3 ;; kernels) echo 4 ;; backend) echo 3 ;; parity) echo 5 ;; graphs) echo 3 ;;
+    case "$1" in first) echo 8 ;; doctor) echo 3 ;; kernels) echo 4 ;; backend) echo 3 ;; parity) echo 5 ;; graphs) echo 3 ;;
                  bench) echo 6 ;; tp) echo 3 ;; esac
 }
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs --durations=10)
@@ -86,10 +96,20 @@ tests_of() {    # the test files of a test part (empty for the others)
         backend) echo tests/test_backend_triton.py ;;
         parity)  echo tests/test_parity_*.py ;;
         graphs)  echo tests/test_cudagraph.py tests/test_model_state_routing.py tests/test_warmup.py ;;
+        first)   echo "$(tests_of graphs) $(tests_of kernels)" ;;
     esac
 }
-commands_of() { # one command per line
+commands_of() { # one command per line; "@N " first: that command stops after at most N seconds
     case "$1" in
+        first)
+            echo "@90 $PY -m toolkit doctor --check kernel_compile --check device_vs_cpu --check graphs_vs_eager"
+            # the first preset pays the cold Triton cache (one compilation per kernel variant)
+            for preset_limit in mamba2-130m-shape:110 bamba-300m-shape:100 lfm2-350m-shape:90; do
+                echo "@${preset_limit#*:} $PY benchmarks/gpu_decode.py --dtype bfloat16 --presets ${preset_limit%:*} --batches 1 128 --repeats 2 --hf-repeats 1"
+            done
+            echo "@60 ${PYTEST[*]} tests/test_cudagraph.py -k ten_cycles"
+            echo "${PYTEST[*]} $(tests_of graphs)"
+            echo "${PYTEST[*]} $(tests_of kernels)" ;;
         doctor) echo "$PY -m toolkit doctor" ;;
         kernels|backend|parity|graphs) echo "${PYTEST[*]} $(tests_of "$1")" ;;
         bench)
@@ -188,11 +208,10 @@ if [ "$DRY" = 1 ]; then
             done
             echo "  selects $total tests in $(echo "$sel" | wc -w) file(s)"
             [ "$total" -gt 0 ] || { echo "  no tests selected"; status=1; }
-        else
-            for script in $(commands_of "$part" | awk '{print $2}' | grep '\.py$'); do
-                [ -f "$script" ] || { echo "  missing: $script"; status=1; }
-            done
         fi
+        for script in $(commands_of "$part" | sed 's/^@[0-9]* //' | awk '{print $2}' | grep '\.py$'); do
+            [ -f "$script" ] || { echo "  missing: $script"; status=1; }
+        done
     done
     echo "dry run: $([ $status = 0 ] && echo ok || echo FAILED)"
     exit $status
@@ -202,16 +221,24 @@ fi
 [ $prereq = 0 ] || { echo "gpu_check.sh: prerequisites missing (above)"; exit 1; }
 status=0
 for part in "${parts[@]}"; do
-    echo "==== part $part (estimate ~$(estimate_of "$part") min; stops itself after ${PART_TIMEOUT} s)"
+    budget=$PART_TIMEOUT; [ "$part" = first ] && budget=$FIRST_TIMEOUT
+    echo "==== part $part (estimate ~$(estimate_of "$part") min; stops itself after ${budget} s)"
     start=$SECONDS
     part_rc=0
     mapfile -t cmds < <(commands_of "$part")
     for cmd in "${cmds[@]}"; do
-        left=$((PART_TIMEOUT - (SECONDS - start)))
+        left=$((budget - (SECONDS - start)))
+        if [[ "$cmd" == @* ]]; then
+            own=${cmd%% *}; own=${own#@}; cmd=${cmd#* }
+            [ "$own" -lt "$left" ] && left=$own
+        fi
         if [ $left -le 10 ]; then echo "part $part: out of time before: $cmd"; part_rc=124; break; fi
-        echo "\$ $cmd"
+        echo "\$ $cmd   (at most $left s)"
+        cmd_start=$SECONDS
         # SIGINT first: pytest prints its summary of what ran; KILL 20 s later if it does not stop
-        timeout -s INT -k 20 "$left" $cmd </dev/null || part_rc=$?
+        timeout -s INT -k 20 "$left" $cmd </dev/null; rc=$?
+        echo "---- rc $rc in $((SECONDS - cmd_start)) s"
+        [ $rc = 0 ] || part_rc=$rc
     done
     echo "==== part $part: rc $part_rc in $((SECONDS - start)) s (estimate ~$(estimate_of "$part") min)"
     [ $part_rc = 0 ] || status=1

@@ -54,7 +54,7 @@ def parse_parts(out: str) -> dict[str, dict]:
 
 
 def test_dry_run_checks_prerequisites_and_selects_tests_in_every_part(dry_run):
-    lines = dry_run.splitlines()
+    lines = [line for line in dry_run.splitlines() if not line.startswith("dry run: would install")]
     assert lines[0].startswith("python ") and "| torch " in lines[0] and "| transformers " in lines[0]
     assert "prerequisite:" not in dry_run and lines[-1] == "dry run: ok"
     parts = parse_parts(dry_run)
@@ -77,6 +77,29 @@ def test_dry_run_checks_prerequisites_and_selects_tests_in_every_part(dry_run):
     assert {f"tests/{p.name}" for p in REPO.glob("tests/test_kernel_*.py")} <= selected
     assert {f"tests/{p.name}" for p in REPO.glob("tests/test_parity_*.py")} <= selected
     assert parts["kernels"]["selects"] >= 150 and parts["parity"]["selects"] >= 150
+
+
+def test_the_first_part_fits_one_lease_in_the_order_that_tells_most():
+    """`first` (issue 41): one device command; every command has its own limit (`@N`), the fixed ones
+    add up to less than the part's budget, in the order doctor, the three presets' decode figures,
+    the ten-cycle memory test, then the graphs and kernels tests."""
+    proc = run_script("--dry-run", "first")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    part = parse_parts(proc.stdout)["first"]
+    assert part["minutes"] <= 8 and part["selects"] > 200
+    limits = [int(c[0][1:]) if c[0].startswith("@") else None for c in part["commands"]]
+    cmds = [c[1:] if c[0].startswith("@") else c for c in part["commands"]]
+    assert cmds[0][1:] == ["-m", "toolkit", "doctor", "--check", "kernel_compile", "--check", "device_vs_cpu",
+                           "--check", "graphs_vs_eager"]
+    presets = [c[c.index("--presets") + 1] for c in cmds if "benchmarks/gpu_decode.py" in c]
+    assert presets == ["mamba2-130m-shape", "bamba-300m-shape", "lfm2-350m-shape"]
+    assert "ten_cycles" in cmds[4] and "tests/test_warmup.py" in cmds[5] and "tests/test_kernel_mamba2.py" in cmds[6]
+    fixed = [n for n in limits if n is not None]
+    assert len(fixed) == 5 and sum(fixed) < 470
+    for cmd in cmds:
+        assert cmd[0] == sys.executable and not STOP_EARLY & set(cmd)
+        for path in (a for a in cmd if a.endswith(".py")):
+            assert (REPO / path).is_file(), path
 
 
 def test_the_script_never_stops_at_the_first_failure():
