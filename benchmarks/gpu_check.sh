@@ -228,11 +228,10 @@ for part in "${parts[@]}"; do
     mapfile -t cmds < <(commands_of "$part")
     for cmd in "${cmds[@]}"; do
         left=$((budget - (SECONDS - start)))
-        if [[ "$cmd" == @* ]]; then
-            own=${cmd%% *}; own=${own#@}; cmd=${cmd#* }
-            [ "$own" -lt "$left" ] && left=$own
-        fi
+        own=$left
+        if [[ "$cmd" == @* ]]; then own=${cmd%% *}; own=${own#@}; cmd=${cmd#* }; fi
         if [ $left -le 10 ]; then echo "part $part: out of time before: $cmd"; part_rc=124; break; fi
+        [ "$own" -lt "$left" ] && left=$own
         echo "\$ $cmd   (at most $left s)"
         cmd_start=$SECONDS
         # SIGINT first: pytest prints its summary of what ran; KILL 20 s later if it does not stop
