@@ -331,7 +331,7 @@ def test_ssd_scan_reference_checkpoint_is_the_prefix_final_state():
 
 def test_ssd_scan_checkpoints_named_when_wrong():
     args, state, idx, has_init = _case(torch.float32, 2, 8, 8, 1, [3, 5], [0, 0], [0, 1], 2, True, 8)
-    tok, slots = torch.tensor([0]), torch.tensor([1])
+    tok, slots = torch.tensor([0], device=state.device), torch.tensor([1], device=state.device)
     with pytest.raises(ValueError, match=r"checkpoints.token_index must be int64 \[M\], got torch.float32"):
         ssd.ssd_scan(*args, state, idx, has_init, checkpoints=Checkpoints(tok.float(), slots))
     with pytest.raises(ValueError, match=r"checkpoints.slots must be int32/int64 \[M=1\], got torch.int64 \(0,\)"):

@@ -99,6 +99,17 @@ class BlockTables:
             self.staging.written(f"block_table_{g}", num_rows)
         return tuple(t[:num_rows] for t in self.input_block_tables)
 
+    def distinct_state_slots(self, num_rows: int, groups: dict[int, int]) -> None:
+        """The capture check's dummy rows (model_runner._check_graph): in each recurrent state group
+        of `groups` (group id -> its slots besides the null one), row r reads and writes state slot
+        r + 1 in every column, staged (cycling when a group has fewer slots than rows). Rows that
+        shared the null slot would race on it in a compiled kernel (a row reads the slot while
+        others write it), so eager and replayed forwards could differ with nothing wrong."""
+        for g, slots in groups.items():
+            ids = 1 + np.arange(num_rows, dtype=np.int32) % max(slots, 1)
+            self.staging.host(f"block_table_{g}")[:num_rows] = ids[:, None]
+            self.staging.written(f"block_table_{g}", num_rows)
+
     def pad_slot_mappings(self, num_tokens: int) -> torch.Tensor:
         """int64 [G, num_tokens] view of slot mappings that write nothing (PAD_SLOT_ID), staged."""
         host = self.staging.host("slot_mappings")

@@ -479,11 +479,12 @@ class ModelRunner:
     def _check_graph(self, size: int, run_eager, replay) -> str | None:
         """A graph's replay against the eager forward on the same dummy batch (cudagraph.py): None
         when the greedy tokens are equal and the logits within the dtype's tolerance, else the
-        first differing output. The null state slot, which dummy rows read and write, is zeroed
-        before each run so that both start from the same state."""
+        first differing output. The check's dummy rows read and write state slots 1..size, one
+        each (`_prepare_dummy(vary_tokens=True)`: rows sharing the null slot race on it on a GPU),
+        zeroed before each run so that both start from the same state."""
         logits = []
         for run in (run_eager, replay):
-            self._zero_null_slots()
+            self._zero_state_slots(size + 1)
             logits.append(self.model.compute_logits(run()[:size]).float())
         want, got = logits
         atol, rtol = CHECK_TOLERANCE.get(self.cfg.dtype, CHECK_TOLERANCE[torch.float32])
@@ -497,12 +498,13 @@ class ModelRunner:
                 f"logit {col}: eager {float(want[row, col]):.6g}, graph {float(got[row, col]):.6g} "
                 f"(tolerance {atol:g} + {rtol:g} * |eager|)")
 
-    def _zero_null_slots(self) -> None:
+    def _zero_state_slots(self, count: int) -> None:
+        """Zero recurrent state slots 0..count-1 (the null slot and the capture check's)."""
         for group in self.kv_cache_groups:
             if group.kind == "mamba":
                 for name in group.layer_names:
                     for t in self.kv_caches[name]:
-                        t[0].zero_()
+                        t[:count].zero_()
 
     def _prepare_dummy(self, num_reqs: int, num_tokens: int, for_capture: bool = False, vary_tokens: bool = False):
         """Write a dummy batch into the persistent buffers and build its metadata. Returns
@@ -512,6 +514,9 @@ class ModelRunner:
         drafts = self.cfg.num_speculative_tokens if for_capture else 0
         batch = make_dummy(self.input_buffers, num_reqs, num_tokens, drafts)
         block_tables = self.block_tables.null_block_tables(num_reqs)
+        if vary_tokens:     # the capture check: one state slot per row (a slot per request fits)
+            self.block_tables.distinct_state_slots(
+                num_reqs, {g.group_id: g.num_blocks - 1 for g in self.kv_cache_groups if g.kind == "mamba"})
         slot_mappings = self.block_tables.pad_slot_mappings(num_tokens)
         self.staging.flush()
         if vary_tokens:
