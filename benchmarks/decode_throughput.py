@@ -11,7 +11,9 @@ Each measurement is the best of --repeats runs after one warm-up run. The runner
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import sys
 import tempfile
 import time
 
@@ -21,6 +23,7 @@ from transformers import AutoModelForCausalLM
 from toolkit import LLM, SamplingParams
 from toolkit.models import save_hf_folder
 
+sys.path.insert(0, os.path.dirname(__file__))   # table.py beside it, also under PYTHONSAFEPATH=1
 from table import print_markdown_table
 
 

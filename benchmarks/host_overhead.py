@@ -19,7 +19,9 @@ forward; "other" is that total minus the stages.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -27,6 +29,7 @@ import torch
 from toolkit import LLM, SamplingParams
 from toolkit.models import PRESETS
 
+sys.path.insert(0, os.path.dirname(__file__))   # table.py beside it, also under PYTHONSAFEPATH=1
 from table import print_markdown_table
 
 STAGES = ("schedule", "prepare_inputs", "build_metadata", "sample", "update")

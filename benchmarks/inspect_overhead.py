@@ -11,7 +11,9 @@ hits them alike. Run it on an idle machine: on 2 cores another busy process swam
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import sys
 import time
 
 import torch
@@ -19,6 +21,7 @@ import torch
 from toolkit import LLM, SamplingParams
 from toolkit.request import request_output
 
+sys.path.insert(0, os.path.dirname(__file__))   # table.py beside it, also under PYTHONSAFEPATH=1
 from table import print_markdown_table
 
 

@@ -18,11 +18,14 @@ Tokens with the cache on must equal tokens with it off (checked). CPU, fp32, ins
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import sys
 import time
 
 from toolkit import LLM, SamplingParams
 
+sys.path.insert(0, os.path.dirname(__file__))   # table.py beside it, also under PYTHONSAFEPATH=1
 from table import print_markdown_table
 
 

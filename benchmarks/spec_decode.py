@@ -30,10 +30,13 @@ turns into speed.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 from toolkit import LLM, SamplingParams
 
+sys.path.insert(0, os.path.dirname(__file__))   # table.py beside it, also under PYTHONSAFEPATH=1
 from table import print_markdown_table
 
 TEXTS = [

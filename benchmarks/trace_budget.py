@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 import warnings
 
@@ -27,6 +28,7 @@ from toolkit.inspect.memory import fmt_bytes, resolve_trace_budget
 from toolkit.inspect.record_views import step_record_html
 from toolkit.widgets.panes import why_no_states
 
+sys.path.insert(0, os.path.dirname(__file__))   # table.py beside it, also under PYTHONSAFEPATH=1
 from table import print_markdown_table
 
 PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -173,7 +173,7 @@ def test_graphs_equal_eager_on_gpu(model):
     with LLM(model, **cfg, max_num_seqs=8, enforce_eager=True) as llm:
         eager = _collect(llm)
     assert graphs[0] == eager[0]
-    assert any(r.graph == "graph" for r in graphs[1])
+    assert any(r.graph == ("padded eager" if unsafe else "graph") for r in graphs[1])
 
 
 def _collect(llm: LLM, params: SamplingParams = GREEDY, prompt_lens: list[int] = PROMPT_LENS):

@@ -102,6 +102,17 @@ def test_the_first_part_fits_one_lease_in_the_order_that_tells_most():
             assert (REPO / path).is_file(), path
 
 
+def test_benchmarks_find_their_table_helper_under_pythonsafepath():
+    """gpu_check.sh runs the scripts with PYTHONSAFEPATH=1, which also keeps a script's own folder off
+    sys.path: a script importing table.py must put its folder there itself (spec_decode.py did not,
+    and failed on the H200)."""
+    for script in sorted((REPO / "benchmarks").glob("*.py")):
+        text = script.read_text()
+        if re.search(r"^from table import", text, re.M):
+            head = text[:text.index("from table import")]
+            assert "sys.path.insert(0, os.path.dirname(__file__))" in head, script.name
+
+
 def test_the_script_never_stops_at_the_first_failure():
     text = SCRIPT.read_text()
     code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
