@@ -14,7 +14,7 @@
 #       (default 470 s) so that a failure or a hang in one leaves the rest running.
 #
 # part     estimate  what
-# first    ~8 min    doctor's CUDA lines (kernels compiled on CUDA tensors, CUDA vs CPU fp32, graphs vs eager);
+# first    ~6 min    doctor's CUDA lines (kernels compiled on CUDA tensors, CUDA vs CPU fp32, graphs vs eager);
 #                    decode (batch 1 and 128) and prefill (128 x 64) of mamba2-130m-, bamba-300m- and
 #                    lfm2-350m-shape in bf16: eager, graphs, HF generate, fraction of the roofline, one
 #                    process per preset; the ten-cycle memory test; then the graphs and kernels tests until
@@ -22,15 +22,15 @@
 # doctor   ~3 min    python -m toolkit doctor, first: versions, device, kernels compiled on CUDA tensors, then
 #                    on 6 tiny presets Triton vs torch, CUDA vs CPU fp32, padded decode and CUDA graphs vs
 #                    eager, and the decode step at batch 1 and 16 (eager, graphs, HF)
-# kernels  ~4 min    tests/test_kernel_*.py on CUDA tensors (RUNNERSCOPE_TEST_DEVICE=cuda, tests/harness.py
+# kernels  ~3 min    tests/test_kernel_*.py on CUDA tensors (RUNNERSCOPE_TEST_DEVICE=cuda, tests/harness.py
 #                    KERNEL_DEVICE): every Triton kernel, compiled, against its torch reference, small shapes and
 #                    the real-shape cases (mamba2-130m, mamba-130m, lfm2-350m, Qwen3-Next GDN), and the internal
-#                    prefill checkpoints of cache mode "all"; 224 tests
+#                    prefill checkpoints of cache mode "all"; 289 tests
 # backend  ~3 min    tests/test_backend_triton.py: backend="triton" vs "torch" on CUDA, every preset, fp32
 #                    (greedy tokens, logits 1e-4) and cache mode "all"; 33 tests, ~63 engine builds
 # parity   ~5 min    tests/test_parity_*.py: the runner's HF-parity tests on CUDA in fp32 (backend "auto" =
 #                    Triton; TF32 off, see tests/harness.py); 215 tests, ~150 engine builds and HF models
-# graphs   ~3 min    tests/test_cudagraph.py (graphs equal eager for every preset, memory back to baseline),
+# graphs   ~2 min    tests/test_cudagraph.py (graphs equal eager for every preset, memory back to baseline),
 #                    tests/test_model_state_routing.py, tests/test_warmup.py; 82 tests
 # bench    ~6 min    kernels per decode step (benchmarks/launch_count.py), the kernel micro-benchmarks
 #                    (kernel_bench.py: bandwidth vs the measured copy bandwidth; SSD prefill vs HF), decode
@@ -42,8 +42,9 @@
 #                    killed worker named; needs at least 2 GPUs, else it prints "tp: not run" (the H200 machine
 #                    has one)
 #
-# How the estimates were made (nothing has run on a GPU yet; each part prints its real time at the end, so
-# correct them here after the first run): a part may start on a fresh machine, so every part pays a cold
+# Measured on an H200 on 2026-12-04 (benchmarks/RESULTS.md, "First GPU run"): `first` 364 s on a cold machine
+# (doctor's three lines 36 s, the three presets 35 / 54 / 44 s, ten cycles 16 s, graphs 59 s, kernels 120 s);
+# graphs alone on a cold Triton cache took more than 83 s. The other parts are still estimates, made so: a part may start on a fresh machine, so every part pays a cold
 # Triton cache: one compilation (~1 s) per kernel variant it meets (a kernel x dtypes x block sizes; the
 # kernel tests meet ~150, each engine part ~100-200); plus the host time of the same tests measured on a
 # CPU (one thread; the tiny models are host-bound on a GPU too): parity 130 s, graphs 60 s, backend and
@@ -86,7 +87,7 @@ done
 
 # ---- each part's estimate and commands (the test parts: one pytest selection of whole files) -----------
 estimate_of() {  # estimated device minutes on a cold Triton cache (see the header)
-    case "$1" in first) echo 8 ;; doctor) echo 3 ;; kernels) echo 4 ;; backend) echo 3 ;; parity) echo 5 ;; graphs) echo 3 ;;
+    case "$1" in first) echo 6 ;; doctor) echo 3 ;; kernels) echo 3 ;; backend) echo 3 ;; parity) echo 5 ;; graphs) echo 2 ;;
                  bench) echo 6 ;; tp) echo 3 ;; esac
 }
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs --durations=10)
