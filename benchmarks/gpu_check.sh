@@ -72,7 +72,7 @@ DRY="${DRY_RUN:-0}"
 ALL_PARTS=(doctor kernels backend parity graphs bench tp)
 FIRST_TIMEOUT="${FIRST_TIMEOUT:-470}"
 
-usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; echo "parts: ${ALL_PARTS[*]}"; }
+usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; echo "parts: first ${ALL_PARTS[*]}"; }
 
 parts=()
 for arg in "$@"; do
