@@ -136,18 +136,34 @@ def test_shutdown_releases_the_graph_manager_first():
 def test_the_capture_check_gives_each_dummy_row_its_own_state_slot():
     """Dummy rows that share the null state slot race on it in a compiled kernel (a row reads the slot
     while another writes it), which made the capture check drop sizes 4..128 on an H200 with nothing
-    wrong in the graphs. The check's batch puts row r on slot r + 1 in every recurrent group (attention
-    rows stay on the null block; slot mappings write nothing); the capture's own dummy stays on null."""
+    wrong in the graphs. The check's batch puts each row on a scratch slot of its own: free, holding
+    nothing cached (the pool says which), in every column of every recurrent group; attention rows
+    stay on the null block; the capture's own dummy stays on null."""
     with LLM("tiny-bamba", cudagraph_mode="padded_eager", max_num_seqs=4) as llm:
-        runner = llm.model_runner
+        runner, pool = llm.model_runner, llm.scheduler.kv.state_pool
+        scratch = pool.scratch_ids(4)
+        assert len(scratch) == 4 and 0 not in scratch and all(pool.is_free(i) for i in scratch)
+        runner._check_slots = scratch                 # what capture_cudagraphs keeps
         _, checked, _, _ = runner._prepare_dummy(4, 4, True, vary_tokens=True)
         kinds = [g.kind for g in runner.kv_cache_groups]
         assert "mamba" in kinds and "attention" in kinds
         for g, table in zip(runner.kv_cache_groups, checked):
-            want = torch.arange(1, 5)[:, None].expand(4, table.shape[1]) if g.kind == "mamba" else 0
+            want = torch.tensor(scratch)[:, None].expand(4, table.shape[1]) if g.kind == "mamba" else 0
             assert torch.equal(table.cpu().long(), torch.zeros_like(table.cpu().long()) + want), g.kind
         captured = runner._prepare_dummy(4, 4, True)[1]
         assert all(int(t.abs().max()) == 0 for t in captured)
+
+
+def test_scratch_slots_never_hold_a_cached_checkpoint():
+    """A second warmup after serving (prefix caching on) must not overwrite a cached state page: the
+    capture check's scratch slots are free ids with no prefix-cache entry."""
+    from toolkit.kv_cache_manager import BlockPool
+    pool = BlockPool(6, "state pages")
+    a = pool.allocate(3, "r")                      # ids 1, 2, 3
+    pool.register(a[0], ("h", 0), 0)
+    pool.free(a, "r")                              # 1 cached (tail of the queue), 2 and 3 plain
+    assert pool.scratch_ids(10) == [2, 3, 4, 5]    # every free id but the cached 1, queue order
+    assert pool.scratch_ids(2) == [2, 3] and pool.is_free(1)
 
 
 # ---- on a GPU ----------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ caught.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -121,6 +122,11 @@ class BlockPool:
     def is_free(self, i: int) -> bool:
         """Id i waits in the free queue (held by nobody; cached or not)."""
         return i in self._free
+
+    def scratch_ids(self, n: int) -> list[int]:
+        """Up to n free ids that hold nothing cached (no prefix-cache entry): ids whose content
+        nobody reads, which a warmup check may write (and then zero) without losing anything."""
+        return list(itertools.islice((i for i in self._free if i not in self.hash_of), n))
 
     def allocate(self, n: int, holder: str) -> list[int]:
         if n > len(self._free):

@@ -427,7 +427,11 @@ class LLM:
         return timings
 
     def _capture(self, progress: bool) -> CaptureReport:
-        report = self.model_runner.capture_cudagraphs(progress)
+        # the capture check's dummy rows each write a state slot of their own: free ones that hold
+        # nothing a prefix hit could read (a cached checkpoint stays untouched)
+        sizes = self.model_runner.cudagraph_manager.sizes
+        scratch = self.scheduler.kv.state_pool.scratch_ids(sizes[-1] if sizes else 0)
+        report = self.model_runner.capture_cudagraphs(progress, scratch_slots=scratch)
         self.cudagraph_report = report
         if progress:
             dropped = f"; {len(report.failed)} dropped to eager: {sorted(report.failed)}" if report.failed else ""

@@ -99,15 +99,15 @@ class BlockTables:
             self.staging.written(f"block_table_{g}", num_rows)
         return tuple(t[:num_rows] for t in self.input_block_tables)
 
-    def distinct_state_slots(self, num_rows: int, groups: dict[int, int]) -> None:
+    def distinct_state_slots(self, num_rows: int, groups: dict[int, list[int]]) -> None:
         """The capture check's dummy rows (model_runner._check_graph): in each recurrent state group
-        of `groups` (group id -> its slots besides the null one), row r reads and writes state slot
-        r + 1 in every column, staged (cycling when a group has fewer slots than rows). Rows that
-        shared the null slot would race on it in a compiled kernel (a row reads the slot while
-        others write it), so eager and replayed forwards could differ with nothing wrong."""
-        for g, slots in groups.items():
-            ids = 1 + np.arange(num_rows, dtype=np.int32) % max(slots, 1)
-            self.staging.host(f"block_table_{g}")[:num_rows] = ids[:, None]
+        of `groups` (group id -> slots the check may use), row r reads and writes slot ids[r] in every
+        column, staged (cycling when there are fewer slots than rows; the null slot when none).
+        Rows that shared one slot would race on it in a compiled kernel (a row reads the slot while
+        another writes it), so eager and replayed forwards could differ with nothing wrong."""
+        for g, ids in groups.items():
+            slots = np.asarray(ids or [0], dtype=np.int32)
+            self.staging.host(f"block_table_{g}")[:num_rows] = slots[np.arange(num_rows) % len(slots), None]
             self.staging.written(f"block_table_{g}", num_rows)
 
     def pad_slot_mappings(self, num_tokens: int) -> torch.Tensor:

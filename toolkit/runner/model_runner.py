@@ -149,6 +149,7 @@ class ModelRunner:
             graph_mode = "padded_eager"
         self.cudagraph_manager = CudaGraphManager(graph_mode, cfg.max_num_seqs, cfg.device,
                                                   graph_tokens, 1 + cfg.num_speculative_tokens)
+        self._check_slots: list[int] = []       # the capture check's scratch state slots (capture_cudagraphs)
         self.execute_state: ExecuteModelState | None = None
         self.observer: StepObserver | None = None
         self.clock = StageClock(use_events=cfg.device.type == "cuda")
@@ -465,11 +466,13 @@ class ModelRunner:
         return ExecuteModelState(batch, attn_metadata, forward(), block_tables=block_tables)
 
     @on_device
-    def capture_cudagraphs(self, progress: bool = False, check: bool = True):
+    def capture_cudagraphs(self, progress: bool = False, check: bool = True, scratch_slots: list[int] = ()):
         """Warmup's last stage on CUDA: one graph per decode capture size (cudagraph.py), each
         checked against the eager forward (`check`). The dummy batch and its metadata are prepared
         outside the capture (host work and host-to-device copies cannot be captured); the graph
-        records the forward."""
+        records the forward. `scratch_slots`: free state slots holding nothing cached (the
+        scheduler's pool says which), one per row of the check's dummy batch (see _check_graph)."""
+        self._check_slots = list(scratch_slots)
         with torch.inference_mode():
             return self.cudagraph_manager.capture(
                 lambda size, vary_tokens=False: self._prepare_dummy(
@@ -479,13 +482,15 @@ class ModelRunner:
     def _check_graph(self, size: int, run_eager, replay) -> str | None:
         """A graph's replay against the eager forward on the same dummy batch (cudagraph.py): None
         when the greedy tokens are equal and the logits within the dtype's tolerance, else the
-        first differing output. The check's dummy rows read and write state slots 1..size, one
-        each (`_prepare_dummy(vary_tokens=True)`: rows sharing the null slot race on it on a GPU),
-        zeroed before each run so that both start from the same state."""
+        first differing output. Each dummy row reads and writes a scratch state slot of its own
+        (`_prepare_dummy(vary_tokens=True)`: rows sharing the null slot race on it on a GPU), zeroed
+        before each run so that both start from the same state, and after (a free slot is zero)."""
+        slots = [0, *self._check_slots[:size]]
         logits = []
         for run in (run_eager, replay):
-            self._zero_state_slots(size + 1)
+            self._zero_state_slots(slots)
             logits.append(self.model.compute_logits(run()[:size]).float())
+        self._zero_state_slots(slots)
         want, got = logits
         atol, rtol = CHECK_TOLERANCE.get(self.cfg.dtype, CHECK_TOLERANCE[torch.float32])
         tokens = want.argmax(-1) != got.argmax(-1)
@@ -498,13 +503,14 @@ class ModelRunner:
                 f"logit {col}: eager {float(want[row, col]):.6g}, graph {float(got[row, col]):.6g} "
                 f"(tolerance {atol:g} + {rtol:g} * |eager|)")
 
-    def _zero_state_slots(self, count: int) -> None:
-        """Zero recurrent state slots 0..count-1 (the null slot and the capture check's)."""
+    def _zero_state_slots(self, slots: list[int]) -> None:
+        """Zero these recurrent state slots (the null slot and the capture check's)."""
+        index = torch.tensor(slots, device=self.device)
         for group in self.kv_cache_groups:
             if group.kind == "mamba":
                 for name in group.layer_names:
                     for t in self.kv_caches[name]:
-                        t[:count].zero_()
+                        t.index_fill_(0, index, 0)
 
     def _prepare_dummy(self, num_reqs: int, num_tokens: int, for_capture: bool = False, vary_tokens: bool = False):
         """Write a dummy batch into the persistent buffers and build its metadata. Returns
@@ -514,9 +520,9 @@ class ModelRunner:
         drafts = self.cfg.num_speculative_tokens if for_capture else 0
         batch = make_dummy(self.input_buffers, num_reqs, num_tokens, drafts)
         block_tables = self.block_tables.null_block_tables(num_reqs)
-        if vary_tokens:     # the capture check: one state slot per row (a slot per request fits)
+        if vary_tokens:     # the capture check: a scratch state slot per row (see _check_graph)
             self.block_tables.distinct_state_slots(
-                num_reqs, {g.group_id: g.num_blocks - 1 for g in self.kv_cache_groups if g.kind == "mamba"})
+                num_reqs, {g.group_id: self._check_slots for g in self.kv_cache_groups if g.kind == "mamba"})
         slot_mappings = self.block_tables.pad_slot_mappings(num_tokens)
         self.staging.flush()
         if vary_tokens:
