@@ -12,8 +12,14 @@
 #   `bash benchmarks/gpu_check.sh first`: the one command for a 15-minute device lease (issue 41): what tells
 #       most, in this order, each command with its own limit (`@N` below) and all inside FIRST_TIMEOUT
 #       (default 470 s) so that a failure or a hang in one leaves the rest running.
+#   `bash benchmarks/gpu_check.sh second`: the next lease's command, for what `first` left unrun on
+#       2026-12-04: the GPU graph tests' fix, HF parity on CUDA, Triton vs torch on CUDA, speculative
+#       decoding's speed; same limits scheme, inside FIRST_TIMEOUT.
 #
 # part     estimate  what
+# second   ~8 min    what first left unrun: tests/test_cudagraph.py's GPU tests (graphs vs eager, ten cycles),
+#                    the HF-parity tests on CUDA, spec_decode.py on bamba-300m-shape (n-gram off / on,
+#                    bf16), then backend="triton" vs "torch" on CUDA until the time is out
 # first    ~6 min    doctor's CUDA lines (kernels compiled on CUDA tensors, CUDA vs CPU fp32, graphs vs eager);
 #                    decode (batch 1 and 128) and prefill (128 x 64) of mamba2-130m-, bamba-300m- and
 #                    lfm2-350m-shape in bf16: eager, graphs, HF generate, fraction of the roofline, one
@@ -72,14 +78,14 @@ DRY="${DRY_RUN:-0}"
 ALL_PARTS=(doctor kernels backend parity graphs bench tp)
 FIRST_TIMEOUT="${FIRST_TIMEOUT:-470}"
 
-usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; echo "parts: first ${ALL_PARTS[*]}"; }
+usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; echo "parts: first second ${ALL_PARTS[*]}"; }
 
 parts=()
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
         -h|--help) usage; exit 0 ;;
-        *) if [[ " first ${ALL_PARTS[*]} " == *" $arg "* ]]; then parts+=("$arg")
+        *) if [[ " first second ${ALL_PARTS[*]} " == *" $arg "* ]]; then parts+=("$arg")
            else echo "gpu_check.sh: unknown part '$arg'"; usage; exit 2; fi ;;
     esac
 done
@@ -87,7 +93,7 @@ done
 
 # ---- each part's estimate and commands (the test parts: one pytest selection of whole files) -----------
 estimate_of() {  # estimated device minutes on a cold Triton cache (see the header)
-    case "$1" in first) echo 6 ;; doctor) echo 3 ;; kernels) echo 3 ;; backend) echo 3 ;; parity) echo 5 ;; graphs) echo 2 ;;
+    case "$1" in first) echo 6 ;; second) echo 8 ;; doctor) echo 3 ;; kernels) echo 3 ;; backend) echo 3 ;; parity) echo 5 ;; graphs) echo 2 ;;
                  bench) echo 6 ;; tp) echo 3 ;; esac
 }
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs --durations=10)
@@ -98,6 +104,7 @@ tests_of() {    # the test files of a test part (empty for the others)
         parity)  echo tests/test_parity_*.py ;;
         graphs)  echo tests/test_cudagraph.py tests/test_model_state_routing.py tests/test_warmup.py ;;
         first)   echo "$(tests_of graphs) $(tests_of kernels)" ;;
+        second)  echo "tests/test_cudagraph.py $(tests_of parity) $(tests_of backend)" ;;
     esac
 }
 commands_of() { # one command per line; "@N " first: that command stops after at most N seconds
@@ -111,6 +118,11 @@ commands_of() { # one command per line; "@N " first: that command stops after at
             echo "@60 ${PYTEST[*]} tests/test_cudagraph.py -k ten_cycles"
             echo "${PYTEST[*]} $(tests_of graphs)"
             echo "${PYTEST[*]} $(tests_of kernels)" ;;
+        second)
+            echo "@90 ${PYTEST[*]} tests/test_cudagraph.py -k gpu"   # graphs vs eager per preset, ten cycles
+            echo "@220 ${PYTEST[*]} $(tests_of parity)"
+            echo "@80 $PY benchmarks/spec_decode.py --device cuda --dtype bfloat16 --presets bamba-300m-shape --ks 2 --repeats 2 --draft"
+            echo "${PYTEST[*]} $(tests_of backend)" ;;
         doctor) echo "$PY -m toolkit doctor" ;;
         kernels|backend|parity|graphs) echo "${PYTEST[*]} $(tests_of "$1")" ;;
         bench)
@@ -222,7 +234,7 @@ fi
 [ $prereq = 0 ] || { echo "gpu_check.sh: prerequisites missing (above)"; exit 1; }
 status=0
 for part in "${parts[@]}"; do
-    budget=$PART_TIMEOUT; [ "$part" = first ] && budget=$FIRST_TIMEOUT
+    budget=$PART_TIMEOUT; [ "$part" = first ] || [ "$part" = second ] && budget=$FIRST_TIMEOUT
     echo "==== part $part (estimate ~$(estimate_of "$part") min; stops itself after ${budget} s)"
     start=$SECONDS
     part_rc=0

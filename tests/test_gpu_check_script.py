@@ -36,7 +36,7 @@ def test_bash_syntax():
 def dry_run():
     if sys.version_info < (3, 11):
         pytest.skip("the script needs Python >= 3.11 (PYTHONSAFEPATH), its dry run says so")
-    proc = run_script("--dry-run", *PARTS, "first")     # every part and `first`: one collection
+    proc = run_script("--dry-run", *PARTS, "first", "second")     # every part: one collection
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -58,8 +58,8 @@ def test_dry_run_checks_prerequisites_and_selects_tests_in_every_part(dry_run):
     assert lines[0].startswith("python ") and "| torch " in lines[0] and "| transformers " in lines[0]
     assert "prerequisite:" not in dry_run and lines[-1] == "dry run: ok"
     parts = parse_parts(dry_run)
-    assert list(parts) == PARTS + ["first"]                # the doctor first
-    del parts["first"]                                     # its own test, below
+    assert list(parts) == PARTS + ["first", "second"]      # the doctor first
+    del parts["first"], parts["second"]                    # their own test, below
     assert parts["doctor"]["commands"][0][1:] == ["-m", "toolkit", "doctor"]
     for name, part in parts.items():
         assert part["commands"], name
@@ -99,6 +99,20 @@ def test_the_first_part_fits_one_lease_in_the_order_that_tells_most(dry_run):
         assert cmd[0] == sys.executable and not STOP_EARLY & set(cmd)
         for path in (a for a in cmd if a.endswith(".py")):
             assert (REPO / path).is_file(), path
+
+
+def test_the_second_part_runs_what_the_first_lease_left(dry_run):
+    """`second`: the GPU graph tests, HF parity on CUDA, speculative decoding's speed, then the
+    Triton-vs-torch tests; the fixed limits under the budget, nothing stops at the first failure."""
+    part = parse_parts(dry_run)["second"]
+    limits = [int(c[0][1:]) for c in part["commands"] if c[0].startswith("@")]
+    cmds = [c[1:] if c[0].startswith("@") else c for c in part["commands"]]
+    assert len(limits) == 3 and sum(limits) < 470 and part["minutes"] <= 8
+    assert cmds[0][-3:] == ["tests/test_cudagraph.py", "-k", "gpu"]
+    assert {f"tests/{p.name}" for p in REPO.glob("tests/test_parity_*.py")} <= set(cmds[1])
+    assert "benchmarks/spec_decode.py" in cmds[2] and cmds[3][-1] == "tests/test_backend_triton.py"
+    for cmd in cmds:
+        assert cmd[0] == sys.executable and not STOP_EARLY & set(cmd)
 
 
 def test_benchmarks_find_their_table_helper_under_pythonsafepath():
