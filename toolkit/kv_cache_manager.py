@@ -519,9 +519,11 @@ class KVCacheManager:
         """Whether the pools have what `plan` allocates (its releases do not change what it needs)."""
         need: dict[int, int] = {}                         # id(pool) -> ids asked of it
         for g, (n, _) in enumerate(plan):
-            key = id(self.pool(g))
-            need[key] = need.get(key, 0) + (len(n) if isinstance(n, list) else n)
-        return all(need.get(id(pool), 0) <= pool.num_free for pool in self.pools)
+            count = len(n) if isinstance(n, list) else n
+            if count:                                     # most decode steps ask for nothing
+                key = id(self.pool(g))
+                need[key] = need.get(key, 0) + count
+        return not need or all(need.get(id(pool), 0) <= pool.num_free for pool in self.pools)
 
     def allocate(self, req_id: str, num_computed: int, num_after: int, num_drafts: int = 0
                  ) -> tuple[list[int], ...] | None:
