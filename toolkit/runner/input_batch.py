@@ -154,9 +154,9 @@ def prepare_inputs(buffers: InputBuffers, req_states: RequestStates, req_ids: li
     t = int(qsl[-1])
     seq_lens = computed + q
 
-    positions = np.concatenate([np.arange(c, c + n) for c, n in zip(computed, q)]) if b else \
-        np.zeros(0, dtype=np.int64)
     token_rows = np.repeat(np.arange(b), q)
+    # row r's tokens sit at computed[r], computed[r] + 1, ...: one array expression, no loop over rows
+    positions = computed.astype(np.int64)[token_rows] + np.arange(t, dtype=np.int64) - qsl[token_rows]
     from_sampled = positions >= prefill_len[token_rows]
     is_draft = None
     if num_drafts is not None:               # a verify row: its last sampled token, then its drafts
