@@ -534,6 +534,8 @@ class KVCacheManager:
         short. Work in the columns it touches, never the row's length."""
         plan = self._plan(req_id, num_computed, num_after, num_drafts)
         created = req_id not in self._ids
+        if not created and not self.caching and not any(n or release for n, release in plan):
+            return tuple([] for _ in self.groups)     # most decode rows: nothing to add (no aligned rows)
         held = self._ids.setdefault(req_id, tuple([] for _ in self.groups))
         for g, (_, release) in enumerate(plan):          # no longer needed whether or not we grow
             if release:
