@@ -33,6 +33,13 @@ sys.path.insert(0, os.path.dirname(__file__))   # table.py beside it, also under
 from table import print_markdown_table
 
 STAGES = ("schedule", "prepare_inputs", "build_metadata", "sample", "update")
+# Row r's prompt is `context - r % PHASES` tokens long, so that in every configuration about
+# rows / block_size rows enter a new block each step, as in a server whose requests arrived at
+# different times (PHASES is a multiple of every block size used). With equal lengths the phases
+# came from the prefill chunking instead: at 1k the rows entered blocks in two groups every 16
+# steps, so the median step had no block entries, while at 16k (4 rows per prefill step) every step
+# had 8: the 16k / 1k comparison measured the chunking, not the context.
+PHASES = 64
 
 
 def stub_forward(llm: LLM) -> None:
@@ -74,8 +81,9 @@ def measure(preset: str, rows: int, context: int, caching: bool, spec: bool, ste
               speculative_config={"method": "ngram", "num_speculative_tokens": 3} if spec else None)
     stub_forward(llm)
     params = SamplingParams(max_tokens=4 * steps + 48, temperature=0.0, ignore_eos=True)
-    for r in range(rows):                  # distinct prompts: no prefix shared between rows
-        llm.add_request({"prompt_token_ids": [(r * 7919 + i * 31) % 200 + 3 for i in range(context)]}, params)
+    for r in range(rows):      # distinct prompts (no prefix shared between rows), staggered lengths
+        length = context - r % PHASES
+        llm.add_request({"prompt_token_ids": [(r * 7919 + i * 31) % 200 + 3 for i in range(length)]}, params)
     runner = llm.model_runner
     requests = list(llm.scheduler.requests.values())
     while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in requests):   # prefill every row

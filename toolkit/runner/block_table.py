@@ -3,6 +3,10 @@
 The CPU table [R, W_g] is the authority (W_g = blocks per request in group g); each step gathers
 the batch's rows, in batch order, into a persistent device buffer `input_block_tables[g]`, staged
 with the slot mappings (runner/staging.py: written on the host, sent by the runner's one flush).
+With `incremental` (the target runner's tables), a step whose batch holds the same rows in the same
+order as the last gather restages only the rows written since (`append_block_ids`, `clear_row`:
+about B / block_size rows a decode step), so its host work does not follow B x W_g (W_g grows with
+max_model_len); MRV2 gets the same from its device-side table and gather kernel.
 Slot mapping: token at position p of a row -> block_table[row, p // block_size] * block_size
 + p % block_size, with PAD_SLOT_ID beyond the real tokens.
 """
@@ -26,7 +30,7 @@ def staging_regions(widths: list[int], max_num_reqs: int, max_num_tokens: int) -
 
 class BlockTables:
     def __init__(self, block_sizes: list[int], widths: list[int], max_num_reqs: int, staging: Staging | StagingBank,
-                 aligned: list[bool] | None = None):
+                 aligned: list[bool] | None = None, incremental: bool = False):
         self.block_sizes = block_sizes
         # per group: a Mamba row of prefix caching's "align" mode, position-indexed (0: no page); the
         # scheduler sends the columns it changed (kv_cache_manager.RowTail)
@@ -38,6 +42,13 @@ class BlockTables:
         self.slot_mappings = staging.device("slot_mappings")
         staging.host("slot_mappings")[:] = PAD_SLOT_ID
         staging.written("slot_mappings")
+        # `incremental`: the rows the staged tables hold (batch order, padded rows included as -1),
+        # None when they must be gathered whole; and the request rows written in the CPU tables since
+        # that gather. A table written other than through append_block_ids / clear_row (the draft
+        # model's) must not be incremental.
+        self.incremental = incremental
+        self._staged_rows: np.ndarray | None = None
+        self._changed: set[int] = set()
 
     @property
     def num_groups(self) -> int:
@@ -47,6 +58,7 @@ class BlockTables:
         """A request's new ids per group: a new request's whole rows (`overwrite`), else the ids
         appended to each row, or for an aligned Mamba row a RowTail (the row from its first changed
         column; the columns after the tail are zeroed)."""
+        changed = overwrite
         for g, ids in enumerate(block_ids):
             if isinstance(ids, RowTail):
                 start, ids = ids.start, ids.ids
@@ -58,8 +70,13 @@ class BlockTables:
                                    f"table width is {self.tables[g].shape[1]}")
             self.tables[g][req_idx, start:end] = ids
             if self.aligned[g]:          # a new row: all past its end; a tail: the columns it held past it
-                self.tables[g][req_idx, end:None if overwrite else max(end, int(self.num_blocks[g][req_idx]))] = 0
+                held = int(self.num_blocks[g][req_idx])
+                self.tables[g][req_idx, end:None if overwrite else max(end, held)] = 0
+                changed = changed or end < held
+            changed = changed or end > start
             self.num_blocks[g][req_idx] = end
+        if changed and self.incremental:
+            self._changed.add(req_idx)
 
     def state_pages(self, g: int, idx_mapping_np: np.ndarray, seq_lens_np: np.ndarray) -> np.ndarray:
         """int [B]: the state page each row's forward reads and writes (group g, a Mamba group): its
@@ -74,26 +91,54 @@ class BlockTables:
         for g in range(self.num_groups):
             self.tables[g][req_idx] = 0
             self.num_blocks[g][req_idx] = 0
+        if self.incremental:
+            self._changed.add(req_idx)
 
     def gather_block_tables(self, idx_mapping_np: np.ndarray, num_rows: int | None = None
                             ) -> tuple[torch.Tensor, ...]:
         """Rows of the batch, in batch order: tuple over groups of int32 [num_rows, W_g] (device
         views; num_rows defaults to B), staged. Rows past B are padded rows: every entry the null
-        block / null state slot 0, rewritten every step so no stale real id survives there."""
+        block / null state slot 0, rewritten whenever the staged rows change, so no stale real id
+        survives there."""
         b = len(idx_mapping_np)
         rows = b if num_rows is None else num_rows
-        out = []
+        staged = np.full(rows, -1, dtype=np.int64)
+        staged[:b] = idx_mapping_np
+        if self.incremental and self._staged_rows is not None and np.array_equal(staged, self._staged_rows):
+            self._restage_changed(staged[:b])
+        else:
+            for g, table in enumerate(self.tables):
+                host = self.staging.host(f"block_table_{g}")
+                np.take(table, idx_mapping_np, axis=0, out=host[:b])
+                host[b:rows] = 0
+                self.staging.written(f"block_table_{g}", rows)
+            self._staged_rows = staged if self.incremental else None
+        self._changed.clear()
+        return tuple(t[:rows] for t in self.input_block_tables)
+
+    def _restage_changed(self, idx_mapping_np: np.ndarray) -> None:
+        """The staged tables hold the batch's rows as of the last gather: copy in the rows written
+        since (a changed row outside the batch is gathered whole when it joins one, which changes
+        the staged rows)."""
+        if not self._changed:
+            return
+        changed = np.fromiter(self._changed, dtype=np.int64, count=len(self._changed))
+        positions = np.nonzero(np.isin(idx_mapping_np, changed))[0]
+        if not len(positions):
+            return
         for g, table in enumerate(self.tables):
-            host = self.staging.host(f"block_table_{g}")
-            host[:b] = table[idx_mapping_np]
-            host[b:rows] = 0
-            self.staging.written(f"block_table_{g}", rows)
-            out.append(self.input_block_tables[g][:rows])
-        return tuple(out)
+            self.staging.host(f"block_table_{g}")[positions] = table[idx_mapping_np[positions]]
+            self.staging.written(f"block_table_{g}", int(positions[-1]) + 1)
+
+    def invalidate_staged(self) -> None:
+        """The staged tables were written for another batch (a dummy or the capture check's): the
+        next gather writes them whole."""
+        self._staged_rows = None
 
     def null_block_tables(self, num_rows: int) -> tuple[torch.Tensor, ...]:
         """Block tables of `num_rows` dummy or padded rows: every entry the null block / null state
         slot 0 (staged)."""
+        self.invalidate_staged()
         for g in range(self.num_groups):
             self.staging.host(f"block_table_{g}")[:num_rows] = 0
             self.staging.written(f"block_table_{g}", num_rows)
@@ -105,6 +150,7 @@ class BlockTables:
         column, staged (cycling when there are fewer slots than rows; the null slot when none).
         Rows that shared one slot would race on it in a compiled kernel (a row reads the slot while
         another writes it), so eager and replayed forwards could differ with nothing wrong."""
+        self.invalidate_staged()
         for g, ids in groups.items():
             slots = np.asarray(ids or [0], dtype=np.int32)
             self.staging.host(f"block_table_{g}")[:num_rows] = slots[np.arange(num_rows) % len(slots), None]

@@ -128,7 +128,7 @@ class ModelRunner:
         self.staging = Staging({**inputs32, **tables32}, {**inputs64, **tables64, **state64, **verify64}, cfg.device)
         self.block_tables = BlockTables([g.block_size for g in self.kv_cache_groups], widths, cfg.max_num_seqs,
                                         self.staging, aligned=[cfg.enable_prefix_caching and g.kind == "mamba"
-                                                               for g in self.kv_cache_groups])
+                                                               for g in self.kv_cache_groups], incremental=True)
         self.input_buffers = InputBuffers(self.staging, cfg.max_num_batched_tokens, cfg.device)
         if proposer is None and draft_model is not None:   # its attention layers use the target's block ids
             # (the full-attention group's: a sliding-window group's rows lose their early blocks)
@@ -525,6 +525,7 @@ class ModelRunner:
         # a capture of speculative decoding's graphs: uniform verify rows of 1 + k tokens
         drafts = self.cfg.num_speculative_tokens if for_capture else 0
         batch = make_dummy(self.input_buffers, num_reqs, num_tokens, drafts)
+        self.block_tables.invalidate_staged()       # the next real step gathers its rows whole
         block_tables = self.block_tables.null_block_tables(num_reqs)
         if vary_tokens:     # the capture check: a scratch state slot per row (see _check_graph)
             self.block_tables.distinct_state_slots(
