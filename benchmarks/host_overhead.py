@@ -1,10 +1,10 @@
 """Host seconds per decode step by stage, the forward excluded: schedule, prepare (prepare_inputs),
 metadata (build_metadata), sample (logits, sampling, verification and the next drafts), update (the
 scheduler's books) and other (the rest of the engine's step: outputs, released rows). Batches of 1,
-32, 128 and 256 rows at contexts of 1k and 16k tokens, prefix caching off and on, speculation off
+32, 64, 128 and 256 rows at contexts of 1k and 16k tokens, prefix caching off and on, speculation off
 and on (n-gram, k = 3), in one run (issue "Cost that grows with the new tokens, not with the context").
 
-    python benchmarks/host_overhead.py [--preset tiny-mamba2] [--batches 1 32 128 256]
+    python benchmarks/host_overhead.py [--preset tiny-mamba2] [--batches 1 32 64 128 256]
                                        [--contexts 1024 16384] [--steps 20] [--threads 1]
 
 Method: one torch thread, inspect="off". The model's forward is replaced by a stub returning zero
@@ -12,9 +12,9 @@ hidden states: the forward is excluded from what is measured anyway, and the stu
 16k-token prompts prefill in seconds. Zero hidden states make every logits row equal, so greedy
 decoding repeats one token: n-gram speculation then proposes and keeps k drafts every step (the
 host work of a verify step that accepts everything). Each configuration admits its rows, runs until
-every row decodes, then times `--steps` decode steps and reports the median of each stage over them
-(the runner's StageClock and the engine's own step timings) and of the step's wall time minus its
-forward; "other" is that total minus the stages.
+every row decodes, then times `--steps` decode steps (each must run every row: checked) and reports
+the median of each stage over them (the runner's StageClock and the engine's own step timings) and
+of the step's wall time minus its forward; "other" is that total minus the stages.
 """
 from __future__ import annotations
 
@@ -74,13 +74,18 @@ def timed(fn, seconds: dict[str, float], stage: str):
 
 def measure(preset: str, rows: int, context: int, caching: bool, spec: bool, steps: int) -> dict[str, float]:
     """Median host seconds per decode step by stage (and "other", "total")."""
-    max_len = context + 4 * steps + 64
+    budget = max(4096, min(rows * context, 65536))
+    # rows prefilled early decode (up to 4 tokens a step with n-gram drafts) while the rest prefill:
+    # room for those steps too, so that no row finishes before the timed steps end
+    decode_steps = -(-rows * context // budget) + 8 + steps + 4
+    max_tokens = 4 * decode_steps + 48
+    max_len = context + max_tokens + 16
     llm = LLM(long_context(preset, max_len), device="cpu", dtype="float32", inspect="off", max_num_seqs=rows,
-              max_model_len=max_len, max_num_batched_tokens=max(4096, min(rows * context, 65536)),
+              max_model_len=max_len, max_num_batched_tokens=budget,
               enable_prefix_caching=caching,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3} if spec else None)
     stub_forward(llm)
-    params = SamplingParams(max_tokens=4 * steps + 48, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for r in range(rows):      # distinct prompts (no prefix shared between rows), staggered lengths
         length = context - r % PHASES
         llm.add_request({"prompt_token_ids": [(r * 7919 + i * 31) % 200 + 3 for i in range(length)]}, params)
@@ -99,6 +104,8 @@ def measure(preset: str, rows: int, context: int, caching: bool, spec: bool, ste
         start = time.perf_counter()
         llm._step("step")
         wall = time.perf_counter() - start
+        if runner.execute_state.input_batch.num_reqs != rows:
+            raise RuntimeError(f"a timed step ran {runner.execute_state.input_batch.num_reqs} rows, not {rows}")
         host = runner.execute_state.timings
         per_step["schedule"].append(seconds["schedule"])
         per_step["update"].append(seconds["update"])
@@ -114,7 +121,7 @@ def measure(preset: str, rows: int, context: int, caching: bool, spec: bool, ste
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="tiny-mamba2")
-    ap.add_argument("--batches", nargs="+", type=int, default=[1, 32, 128, 256])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 32, 64, 128, 256])
     ap.add_argument("--contexts", nargs="+", type=int, default=[1024, 16384])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=1)
