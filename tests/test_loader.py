@@ -166,6 +166,27 @@ def test_random_init_is_deterministic_and_seeded():
     assert not torch.equal(a.backbone.norm_f.weight, torch.ones(64))
 
 
+def test_a_preset_skips_torch_default_init_and_puts_it_back(monkeypatch):
+    """A preset's layers are built without torch's default draws (init_random_weights redraws every
+    parameter): the initializers are torch's own again afterwards, also when the build raises."""
+    from toolkit.models import loader
+    original = torch.nn.init.kaiming_uniform_
+    model = load_model("tiny-bamba", **F32).model
+    assert torch.nn.init.kaiming_uniform_ is original
+    assert torch.nn.Linear(8, 8).weight.std() > 0         # a layer built after it is initialised
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+    class Boom(Exception):
+        pass
+
+    def raising(config):
+        raise Boom
+    monkeypatch.setattr(loader, "get_model_class", lambda config: raising)
+    with pytest.raises(Boom):
+        load_model("tiny-bamba", **F32)
+    assert torch.nn.init.kaiming_uniform_ is original and torch.nn.init.normal_.__module__ == "torch.nn.init"
+
+
 def test_tokenizer_dir_detected(tmp_path):
     save_hf_folder(load_model("tiny-llama", **F32), tmp_path)
     assert load_model(str(tmp_path), **F32).tokenizer_dir is None

@@ -245,4 +245,4 @@ class CausalLM(nn.Module, ABC):
                 v = 0.1 * randn(shape)
             else:
                 v = std * randn(shape)
-            p.copy_(v.to(device=p.device, dtype=p.dtype))
+            p.copy_(v)           # cast and moved by the copy (one pass, the same rounding as .to)

@@ -16,6 +16,7 @@ as is every tensor when loading unsharded (the default), one tensor at a time.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -71,6 +72,23 @@ def _list(names: list[str], limit: int = 20) -> str:
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
+@contextlib.contextmanager
+def _without_default_init():
+    """torch's layers draw default weights as they are built (nn.Linear: kaiming_uniform_, nn.Embedding:
+    normal_, their biases: uniform_): a preset's are all redrawn by `init_random_weights` right after,
+    so the first draws are skipped (a third of building a shape-true preset). Only those three random
+    initializers: a constant one (zeros_, ones_) could be a buffer's value."""
+    skipped = ("kaiming_uniform_", "uniform_", "normal_")
+    saved = {name: getattr(torch.nn.init, name) for name in skipped}
+    for name in skipped:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
 def _finish(model: CausalLM, device: torch.device, dtype: torch.dtype) -> CausalLM:
     model.to(device=device, dtype=dtype)
     model.keep_fp32_()
@@ -106,7 +124,8 @@ def load_model(
         _no_hub_arguments(name, "a preset (random weights from a seed)", revision, download_dir)
         config = PRESETS[name]()
         cls = get_model_class(config)
-        m = cls(config)
+        with _without_default_init():       # init_random_weights draws every parameter next
+            m = cls(config)
         check_tensor_parallel(m, tp.world_size)
         m.init_random_weights(seed)
         return LoadedModel(shard_model(_finish(m, device, dtype), tp), config, None, None)
