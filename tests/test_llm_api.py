@@ -137,6 +137,33 @@ def test_shutdown_is_idempotent_and_final():
         assert llm2.generate({"prompt_token_ids": [5, 6]}, GREEDY)[0].finished
     assert llm2._closed and not hasattr(llm2.model_runner, "model")
 
+def test_shutdown_frees_caches_and_model_collecting_garbage_only_for_a_cycle(monkeypatch):
+    """Reference counting frees the caches and the model at shutdown; the full garbage collection
+    (0.1-0.2 s in a big process) runs only when a reference cycle still holds one of them."""
+    import gc
+    import weakref
+    collections = []
+    real_collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: collections.append(a) or real_collect(*a))
+    for cycle in (False, True):
+        llm = small("tiny-bamba")
+        llm.generate({"prompt_token_ids": [5, 6]}, GREEDY)
+        model = llm.model_runner.model
+        cache = next(iter(llm.model_runner.kv_caches.values()))
+        refs = [weakref.ref(model), weakref.ref(cache if not isinstance(cache, tuple) else cache[0])]
+        if cycle:
+            model.loop = [model]             # a cycle through a list (not a submodule): only gc frees it
+        del model, cache
+        gc.disable()                         # no automatic collection in between
+        try:
+            llm.shutdown()
+        finally:
+            gc.enable()
+        assert all(ref() is None for ref in refs)
+        assert bool(collections) == cycle
+        collections.clear()
+
+
 
 def test_hf_folder_tokenizer_is_used(tmp_path):
     from tokenizers import Tokenizer

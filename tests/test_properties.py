@@ -636,8 +636,8 @@ def warmup(llm: LLM, books: Books, op: Warmup) -> None:
 
 
 def run_program(preset: str, config: EngineConfig, ops: list) -> Books:
-    # no shutdown(): its gc.collect() costs 0.5 s in a process this size (the engine is freed
-    # by reference counting); tests/test_llm_api.py and scripts/soak.py cover shutdown
+    # no shutdown(): the engine is freed by reference counting; tests/test_llm_api.py and
+    # scripts/soak.py cover shutdown
     llm = LLM(preset, max_num_seqs=config.max_num_seqs, block_size=config.block_size,
               max_num_batched_tokens=config.max_num_batched_tokens,
               num_kv_blocks=config.num_kv_blocks, cudagraph_mode=config.cudagraph_mode,

@@ -267,7 +267,19 @@ def fmt_bytes(n: int) -> str:
     return str(n)
 
 
-def collect() -> None:
-    gc.collect()
+def collect(full: bool = True) -> None:
+    """A full garbage collection (unless `full` is False), then CUDA's cached blocks given back."""
+    if full:
+        gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def released_by_shutdown(runner) -> list[weakref.ref]:
+    """Weak references to what a runner's shutdown must free: its cache tensors, its model and
+    the draft model's (`LLM.shutdown` collects garbage only if one outlives the shutdown)."""
+    draft = getattr(runner, "draft", None)
+    caches = [*getattr(runner, "kv_caches", {}).values(), *getattr(draft, "kv_caches", {}).values()]
+    tensors = [t for c in caches for t in (c if isinstance(c, tuple) else (c,))]
+    owners = [getattr(runner, "model", None), getattr(draft, "model", None)]
+    return [weakref.ref(x) for x in tensors + owners if x is not None]

@@ -547,7 +547,8 @@ class ModelRunner:
         """Release in vLLM's order (post #52374): graphs first, then caches, model state, model,
         persistent buffers. `release_log` records the order (the inspection layer checks it).
         collect_garbage=False leaves the garbage collection (a full pass: about 0.2 s in a process
-        that has imported torch and transformers) to the caller, `LLM.shutdown`, which makes one."""
+        that has imported torch and transformers) to the caller, `LLM.shutdown`, which makes one
+        only when a reference cycle still holds a cache or the model."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.release_log: list[str] = []
