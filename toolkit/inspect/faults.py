@@ -152,6 +152,7 @@ def _plant_graph_manager_kept(stack: contextlib.ExitStack) -> None:
 
 def _plant_padded_row_on_real_slot(stack: contextlib.ExitStack) -> None:
     def on_slot_one(self, num_rows):       # padded rows get block / slot 1 instead of the null 0
+        self.invalidate_staged()           # as null_block_tables: the next real step gathers whole
         for g in range(self.num_groups):
             self.staging.host(f"block_table_{g}")[:num_rows] = 1
             self.staging.written(f"block_table_{g}", num_rows)

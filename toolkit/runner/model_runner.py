@@ -525,7 +525,6 @@ class ModelRunner:
         # a capture of speculative decoding's graphs: uniform verify rows of 1 + k tokens
         drafts = self.cfg.num_speculative_tokens if for_capture else 0
         batch = make_dummy(self.input_buffers, num_reqs, num_tokens, drafts)
-        self.block_tables.invalidate_staged()       # the next real step gathers its rows whole
         block_tables = self.block_tables.null_block_tables(num_reqs)
         if vary_tokens:     # the capture check: a scratch state slot per row (see _check_graph)
             self.block_tables.distinct_state_slots(
