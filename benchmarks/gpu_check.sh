@@ -12,14 +12,16 @@
 #   `bash benchmarks/gpu_check.sh first`: the one command for a 15-minute device lease (issue 41): what tells
 #       most, in this order, each command with its own limit (`@N` below) and all inside FIRST_TIMEOUT
 #       (default 470 s) so that a failure or a hang in one leaves the rest running.
-#   `bash benchmarks/gpu_check.sh second`: the next lease's command, for what `first` left unrun on
-#       2026-12-04: the GPU graph tests' fix, HF parity on CUDA, Triton vs torch on CUDA, speculative
-#       decoding's speed; same limits scheme, inside FIRST_TIMEOUT.
+#   `bash benchmarks/gpu_check.sh second`: what `first` left unrun: the GPU graph tests' fix, HF parity on
+#       CUDA, Triton vs torch on CUDA, speculative decoding's speed; same limits scheme, inside
+#       FIRST_TIMEOUT. Run on 2026-12-04 (stop 55, RESULTS.md "Second GPU run", 247 s); the next lease's
+#       command, to check that run's fixes (all made in the tests but one, run on the CPU only).
 #
 # part     estimate  what
-# second   ~8 min    what first left unrun: tests/test_cudagraph.py's GPU tests (graphs vs eager, ten cycles),
-#                    the HF-parity tests on CUDA, spec_decode.py on bamba-300m-shape (n-gram off / on,
-#                    bf16), then backend="triton" vs "torch" on CUDA until the time is out
+# second   ~5 min    what first left unrun: tests/test_cudagraph.py's GPU tests (graphs vs eager, ten cycles),
+#                    the HF-parity tests on CUDA, spec_decode.py fp32 (outputs asserted equal) on demo-hybrid
+#                    (n-gram, draft demo-mamba) and bamba-300m-shape (n-gram), then backend="triton" vs
+#                    "torch" on CUDA until the time is out
 # first    ~6 min    doctor's CUDA lines (kernels compiled on CUDA tensors, CUDA vs CPU fp32, graphs vs eager);
 #                    decode (batch 1 and 128) and prefill (128 x 64) of mamba2-130m-, bamba-300m- and
 #                    lfm2-350m-shape in bf16: eager, graphs, HF generate, fraction of the roofline, one
@@ -93,7 +95,7 @@ done
 
 # ---- each part's estimate and commands (the test parts: one pytest selection of whole files) -----------
 estimate_of() {  # estimated device minutes on a cold Triton cache (see the header)
-    case "$1" in first) echo 6 ;; second) echo 8 ;; doctor) echo 3 ;; kernels) echo 3 ;; backend) echo 3 ;; parity) echo 5 ;; graphs) echo 2 ;;
+    case "$1" in first) echo 6 ;; second) echo 5 ;; doctor) echo 3 ;; kernels) echo 3 ;; backend) echo 3 ;; parity) echo 5 ;; graphs) echo 2 ;;
                  bench) echo 6 ;; tp) echo 3 ;; esac
 }
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs --durations=10)
@@ -121,7 +123,7 @@ commands_of() { # one command per line; "@N " first: that command stops after at
         second)
             echo "@90 ${PYTEST[*]} tests/test_cudagraph.py -k gpu"   # graphs vs eager per preset, ten cycles
             echo "@220 ${PYTEST[*]} $(tests_of parity)"
-            echo "@80 $PY benchmarks/spec_decode.py --device cuda --dtype bfloat16 --presets bamba-300m-shape --ks 2 --repeats 2 --draft"
+            echo "@100 $PY benchmarks/spec_decode.py --device cuda --dtype float32 --presets demo-hybrid bamba-300m-shape --ks 2 --repeats 2 --draft demo-hybrid=demo-mamba"
             echo "${PYTEST[*]} $(tests_of backend)" ;;
         doctor) echo "$PY -m toolkit doctor" ;;
         kernels|backend|parity|graphs) echo "${PYTEST[*]} $(tests_of "$1")" ;;

@@ -1,5 +1,6 @@
 """Speculative decoding (n-gram prompt lookup, and a draft model): tokens per target forward and
-decode speed, off and on, in one run, with the outputs checked equal.
+decode speed, off and on, in one run, with the outputs checked equal to plain decoding's (asserted in
+float32; in bfloat16 the last column says how far they agree, see `agreement`).
 
     python benchmarks/spec_decode.py [--presets demo-hybrid demo-mamba bamba-300m-shape]
                                      [--ks 2 4] [--requests 8] [--max-tokens 64] [--repeats 3]
@@ -62,6 +63,17 @@ def serve(llm: LLM, prompts: list, max_tokens: int) -> tuple[list[list[int]], in
     return [list(reqs[r].output_token_ids) for r in ids], decode_rows, seconds
 
 
+def agreement(out: list[list[int]], plain: list[list[int]]) -> str:
+    """"yes" when the outputs equal plain decoding's; else the share of output tokens before each
+    request's first difference, and how many requests differ."""
+    if out == plain:
+        return "yes"
+    same = sum(next((i for i, (a, b) in enumerate(zip(o, p)) if a != b), min(len(o), len(p)))
+               for o, p in zip(out, plain))
+    differ = sum(o != p for o, p in zip(out, plain))
+    return f"{same / sum(len(p) for p in plain):.0%} before parting ({differ} of {len(plain)} requests part)"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", nargs="+", default=["demo-hybrid", "demo-mamba", "bamba-300m-shape"])
@@ -107,11 +119,18 @@ def main() -> None:
                          f"{stats['spec_acceptance_rate']:.1%}" if k else "",
                          f"{stats['spec_mean_accepted_length']:.2f}" if k else "",
                          f"{speed[label]:.0f} tok/s", f"{speed[label] / speed['off']:.2f}x", around])
-            assert out == tokens["off"], f"{preset}, {label}: outputs differ from plain decoding"
+            rows[-1].append(agreement(out, tokens["off"]))
+            # fp32: equal, or the verify path is wrong. Lower precision: a verify row's positions run
+            # in other kernels and batch shapes than plain decoding's, so a near-tie of two logits
+            # (frequent with random weights) may round the other way and the greedy texts part there,
+            # as in vLLM; the column says how much of the output came before the first parting.
+            assert out == tokens["off"] or args.dtype != "float32", \
+                f"{preset}, {label}: outputs differ from plain decoding"
     print(f"\n### Speculative decoding: {args.requests} repetitive prompts together, "
           f"{args.max_tokens} greedy tokens each; {args.device} {args.dtype}\n")
     print_markdown_table(["preset", "speculation", "tokens per target forward", "acceptance",
-                          "mean accepted length", "decode speed", "vs off", "draft time / its forwards"], rows)
+                          "mean accepted length", "decode speed", "vs off", "draft time / its forwards",
+                          "equals off"], rows)
 
 
 if __name__ == "__main__":

@@ -72,6 +72,16 @@ SET_INTERPRETER = """
 import os, sys
 os.environ.pop("TRITON_INTERPRET", None)
 from toolkit import LLM, SamplingParams
+if "triton" in sys.modules:
+    # something imported triton before the engine could set the variable: on a CUDA host, torch 2.11's
+    # torch._dynamo does (torch.utils._triton.has_triton_package), seen on an H200. Then the engine
+    # must say why it cannot run the interpreter instead.
+    try:
+        LLM("tiny-mamba2", device="cpu", backend="triton")
+    except ValueError as err:
+        assert "TRITON_INTERPRET=1" in str(err), err
+        print("ok")
+    sys.exit(0)
 llm = LLM("tiny-mamba2", device="cpu", backend="triton")      # sets TRITON_INTERPRET=1 itself
 assert os.environ["TRITON_INTERPRET"] == "1" and llm.backend == "triton"
 out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2, temperature=0.0))

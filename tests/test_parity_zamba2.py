@@ -197,12 +197,12 @@ def test_hf_cached_decode_skips_the_dt_clamp(hf_folders):
     hf = load_hf(folder)
 
     def cached_vs_uncached() -> tuple[float, list[int]]:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=hf.device)
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
                           pad_token_id=0, output_logits=True, return_dict_in_generate=True)
         tokens = out.sequences[0].tolist()
         ref = hf_logits_uncached(hf, tokens)[len(prompt) - 1:-1]
-        return max((got[0] - r).abs().max().item() for got, r in zip(out.logits, ref)), tokens[len(prompt):]
+        return max((got[0].cpu() - r).abs().max().item() for got, r in zip(out.logits, ref)), tokens[len(prompt):]
 
     drift, hf_tokens = cached_vs_uncached()
     assert drift > 1e-3

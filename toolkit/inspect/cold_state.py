@@ -116,7 +116,8 @@ def check_spec_start_states(replay: ColdReplay, scheduler, runner, state, where:
         group = next(g for g in runner.kv_cache_groups if g.group_id == gm.group_id)
         starts = starts.tolist()
         accepted = md.num_accepted_tokens.tolist()
-        for row in range(md.num_decodes):
+        # under decode graphs the metadata counts the padded rows too (they follow the batch's rows)
+        for row in range(min(md.num_decodes, batch.num_reqs)):
             rid = batch.req_ids[row]
             req = scheduler.requests.get(rid)
             computed = int(batch.num_computed_tokens_np[row])
