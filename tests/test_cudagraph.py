@@ -256,8 +256,8 @@ class ClosureGraphs(CudaGraphManager):
         # never read: replay() returns the closure's own result.
         return forward, torch.empty(0)
 
-    def replay(self, size):
-        return self.graphs[size]()
+    def replay(self, size, tokens_per_row=None):
+        return self.graphs[(size, tokens_per_row or self.tokens_per_row)]()
 
 
 # Under the interpreter each forward of the replay test costs seconds (tiny-zamba2: a decode step about

@@ -35,8 +35,8 @@ class ClosureGraphs(CudaGraphManager):
     def _record(self, forward):
         return forward, forward()
 
-    def replay(self, size):
-        return self.graphs[size]()
+    def replay(self, size, tokens_per_row=None):
+        return self.graphs[(size, tokens_per_row or self.tokens_per_row)]()
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def test_graphs_are_checked_at_capture_and_pass(emulated_graphs):
         report = llm.cudagraph_report
         assert report.sizes == [1, 2, 4, 8] and report.failed == {} and report.check_seconds > 0
         manager = llm.model_runner.cudagraph_manager
-        assert sorted(manager.forwards) == [1, 2, 4, 8]            # capture-time inputs kept alive
+        assert sorted(manager.forwards) == [(s, 1) for s in (1, 2, 4, 8)]     # capture-time inputs kept alive
         capture = llm.trace.by_stage("warmup/capture CUDA graphs")[0]
         assert capture.violations == [] and capture.timings["check"] > 0
         tokens(llm)

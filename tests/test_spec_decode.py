@@ -394,20 +394,44 @@ def test_padded_eager_verify_batches_equal_unpadded(preset, caching):
         llm.shutdown()
     assert runs["none"][0] == runs["padded_eager"][0] == [list(t) for t in plain_tokens(preset)]
     padded = [r for r in runs["padded_eager"][2] if r.padded_size is not None and r.spec]
-    assert padded, "no verify batch was padded"
-    assert all(r.graph == "padded eager" and r.input_batch.num_tokens == 4 * len(r.scheduled) for r in padded)
+    verify = [r for r in padded if r.input_batch.num_draft_tokens is not None]
+    assert verify, "no verify batch was padded"
+    assert all(r.graph == "padded eager" for r in padded)
+    # every row 1 + k tokens, or (a step where no row had a draft: the 1-token family) every row 1
+    assert all(r.input_batch.num_tokens == (4 if r in verify else 1) * len(r.scheduled) for r in padded)
     for (step, rid, a), (step_b, rid_b, b) in zip(runs["none"][1], runs["padded_eager"][1], strict=True):
         assert (step, rid) == (step_b, rid_b)
         assert (a - b).abs().max().item() <= 1e-5, f"step {step}, request {rid}"
 
 
 def test_ngram_pads_to_k_drafts_with_graphs():
-    """With decode graphs (here padded_eager) the n-gram proposer always gives k drafts, the missing
-    ones the last token repeated (MRV2's rule), so decode batches stay uniform."""
+    """With decode graphs (here padded_eager) the n-gram proposer gives every row of a batch k drafts
+    once one row has a draft, the missing ones the last token repeated (MRV2's rule), so the verify
+    batch stays uniform; a batch where no row matches gets none (its step runs 1-token rows)."""
     p = NgramProposer(k=3, min_n=1, max_n=2, pad=True)
-    assert p.propose(np.array([1, 2, 3, 4])) == [4, 4, 4]                  # no match: all padding
-    assert p.propose(np.array([7, 8, 9, 7])) == [8, 9, 7]
-    assert p.propose(np.array([5, 6, 5])) == [6, 5, 5]                     # one short: padded
+    contexts = [np.array([1, 2, 3, 4]), np.array([7, 8, 9, 7]), np.array([5, 6, 5])]
+    assert p.propose_many(contexts) == [[4, 4, 4],          # no match: all padding
+                                        [8, 9, 7],
+                                        [6, 5, 5]]          # one short: padded
+    assert p.propose_many([contexts[0], np.array([9, 8, 7])]) == [[], []]      # no row matches: none
+    assert NgramProposer(k=3, min_n=1, max_n=2).propose_many(contexts) == [[], [8, 9, 7], [6, 5]]
+
+
+def test_ngram_steps_without_a_match_run_one_token_rows_under_graphs():
+    """padded_eager, the real n-gram lookup: a step where no row found a match proposes nothing and
+    runs its rows as 1-token rows padded to a capture size (the engine's second graph family), not as
+    rows padded to k drafts; steps where a row matched run uniform 1 + k rows. Tokens equal plain."""
+    preset = "tiny-bamba"
+    llm = LLM(preset, inspect="metadata", cudagraph_mode="padded_eager", **ENGINE,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    assert llm.model_runner.cudagraph_manager.families == [4, 1]
+    assert generate(llm) == [list(t) for t in plain_tokens(preset)]
+    padded = [r for r in llm.trace if not r.is_warmup and r.padded_size is not None]
+    one_token = [r for r in padded if r.input_batch.num_draft_tokens is None]
+    assert one_token and all(r.input_batch.num_tokens == len(r.scheduled) for r in one_token)
+    verify = [r for r in padded if r not in one_token]
+    assert verify and all(r.input_batch.num_tokens == 4 * len(r.scheduled) for r in verify)
+    llm.shutdown()
 
 
 # ---- the draft-model proposer -------------------------------------------------------------------
@@ -532,14 +556,31 @@ def test_replaying_the_warmup_verify_forward_equals_eager(monkeypatch, caching):
     llm = LLM(preset, inspect="metadata", speculative_config={"method": "ngram", "num_speculative_tokens": k},
               enable_prefix_caching=caching, **engine)
     llm.warmup(progress=False)
-    assert llm.cudagraph_report.sizes == [1, 2, 4]
+    # the verify rows' graphs (1 + k tokens a row), and the 1-token rows' of steps without drafts
+    assert llm.cudagraph_report.sizes == [1, 2, 4] and llm.cudagraph_report.plain_sizes == [1, 2, 4]
     refs = [p + list(o) for p, o in zip(prompts, generate(LLM(preset, inspect="off", **ENGINE), prompts, params))]
     llm.model_runner.proposer = ScriptedProposer(refs, k, wrong_every=2)
     got = generate(llm, prompts, params)
     replayed = [r for r in llm.trace if r.graph == "graph" and r.spec]
+    # every other step without drafts: a 1-token step right after a verify step starts from the column
+    # the verify rows' accepted counts point at (its graph reads them from the persistent buffers)
+    llm.model_runner.proposer = EveryOtherStepNoDrafts(refs, k, wrong_every=2)
+    start = len(llm.trace)
+    alternating = generate(llm, prompts, params)
+    steps = [(r.graph, r.input_batch.num_tokens, len(r.scheduled)) for r in list(llm.trace)[start:]]
     llm.shutdown()
-    assert got == [r[len(p):] for p, r in zip(prompts, refs)]
-    assert replayed and all(r.padded_size == 2 for r in replayed)
+    assert got == alternating == [r[len(p):] for p, r in zip(prompts, refs)]
+    assert replayed and all(r.padded_size == 2 and r.input_batch.num_tokens == 2 * (1 + k) for r in replayed)
+    # a replayed 1-token step right after a replayed verify step
+    assert any(a == ("graph", 2 * (1 + k), 2) and b == ("graph", 2, 2) for a, b in zip(steps, steps[1:])), steps
+
+
+class EveryOtherStepNoDrafts(ScriptedProposer):
+    """ScriptedProposer's drafts on every other step, none on the others."""
+
+    def propose_many(self, contexts, req_ids=None):
+        self.steps = getattr(self, "steps", 0) + 1
+        return super().propose_many(contexts) if self.steps % 2 else [[] for _ in contexts]
 
 
 @pytest.mark.parametrize("preset", ["tiny-mamba", "tiny-bamba"])

@@ -429,13 +429,15 @@ class LLM:
     def _capture(self, progress: bool) -> CaptureReport:
         # the capture check's dummy rows each write a state slot of their own: free ones that hold
         # nothing a prefix hit could read (a cached checkpoint stays untouched)
-        sizes = self.model_runner.cudagraph_manager.sizes
-        scratch = self.scheduler.kv.state_pool.scratch_ids(sizes[-1] if sizes else 0)
+        rows = max((sizes[-1] for sizes in self.model_runner.cudagraph_manager.family_sizes.values() if sizes),
+                   default=0)
+        scratch = self.scheduler.kv.state_pool.scratch_ids(rows)
         report = self.model_runner.capture_cudagraphs(progress, scratch_slots=scratch)
         self.cudagraph_report = report
         if progress:
             dropped = f"; {len(report.failed)} dropped to eager: {sorted(report.failed)}" if report.failed else ""
-            print(f"captured {len(report.sizes)} decode graphs (sizes {report.sizes}) in "
+            plain = f", and {len(report.plain_sizes)} of 1-token rows" if report.plain_sizes else ""
+            print(f"captured {len(report.sizes)} decode graphs (sizes {report.sizes}){plain} in "
                   f"{report.seconds:.1f} s (checks {report.check_seconds:.1f} s), "
                   f"{report.graph_bytes / 2**20:.1f} MiB{dropped}")
         return report

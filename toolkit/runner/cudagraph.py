@@ -9,6 +9,11 @@ logits. Mixed prefill/decode batches, verify batches whose rows do not all carry
 decode batches larger than the largest capture size, run
 eagerly at their own size.
 
+Graph families: a manager holds one graph per (capture size, tokens per row). Without speculation
+that is one family, t = 1; with it, t = 1 + k, and with n-gram drafts also t = 1 (`plain_rows`): a
+step none of whose rows found a match runs its rows as 1-token verify rows (no drafts to pad to k),
+and has graphs of its own, captured after the 1 + k family into the same memory pool.
+
 Modes (`LLM(cudagraph_mode=...)`):
   "full_decode"   capture one graph per capture size at warmup (CUDA, backend "triton"), replay it
   "padded_eager"  run exactly the padded batch a graph would replay, eagerly: the padding and
@@ -79,6 +84,9 @@ class CaptureReport:
     graph_bytes: int = 0          # CUDA memory the capture took (growth of reserved memory)
     failed: dict[int, str] = field(default_factory=dict)   # size -> why its graph was dropped (runs eagerly)
     check_seconds: float = 0.0                        # of `seconds`, the replay-vs-eager checks
+    # n-gram speculation (`plain_rows`): the 1-token family's sizes that replay, and those dropped
+    plain_sizes: list[int] = field(default_factory=list)
+    plain_failed: dict[int, str] = field(default_factory=dict)
 
 
 # (atol, rtol) of a replayed graph's logits against the eager forward on the same inputs
@@ -96,87 +104,101 @@ class CudaGraphManager:
     """
 
     def __init__(self, mode: str, max_num_seqs: int, device: torch.device, max_tokens: int | None = None,
-                 tokens_per_row: int = 1):
+                 tokens_per_row: int = 1, plain_rows: bool = False):
         self.mode = mode
         self.device = device
         # speculative decoding: a decode row is a verify row of 1 + k tokens; graphs are for batches
-        # whose rows all carry k drafts (vLLM's FULL graphs: uniform 1 + k decode batches)
+        # whose rows all carry k drafts (vLLM's FULL graphs: uniform 1 + k decode batches), and with
+        # `plain_rows` (n-gram drafts) for batches none of whose rows carries one (module docstring)
         self.tokens_per_row = tokens_per_row
-        self.sizes = capture_sizes(max_num_seqs, None if max_tokens is None else max_tokens // tokens_per_row)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.forwards: dict[int, Callable[[], torch.Tensor]] = {}   # keep each graph's inputs alive
+        self.families = [tokens_per_row] + ([1] if plain_rows and tokens_per_row > 1 else [])
+        self.family_sizes = {t: capture_sizes(max_num_seqs, None if max_tokens is None else max_tokens // t)
+                             for t in self.families}
+        self.sizes = self.family_sizes[tokens_per_row]
+        # keyed by (capture size, tokens per row)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.forwards: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}   # keep each graph's inputs alive
         self.pool = None
         self.stream: torch.cuda.Stream | None = None
         self.report: CaptureReport | None = None
 
     def padded_size(self, num_reqs: int, num_tokens: int, all_decode: bool) -> int | None:
-        """The capture size a decode batch runs at (rows), or None: run eagerly at its own size."""
-        if (self.mode == "none" or not all_decode or num_tokens != num_reqs * self.tokens_per_row
-                or not self.sizes or num_reqs > self.sizes[-1]):
+        """The capture size a decode batch runs at (rows), or None: run eagerly at its own size. Its
+        tokens per row (num_tokens / num_reqs) pick the family."""
+        t = num_tokens // num_reqs if num_reqs else 0
+        sizes = self.family_sizes.get(t) if num_reqs and num_tokens == num_reqs * t else None
+        if self.mode == "none" or not all_decode or not sizes or num_reqs > sizes[-1]:
             return None
-        return next(s for s in self.sizes if s >= num_reqs)
+        return next(s for s in sizes if s >= num_reqs)
 
-    def label(self, padded: int | None) -> str:
+    def label(self, padded: int | None, tokens_per_row: int | None = None) -> str:
         """What ran, for the StepRecord: "eager", "padded eager" or "graph" (a captured graph replayed)."""
         if padded is None:
             return "eager"
-        return "graph" if self.has_graph(padded) else "padded eager"   # before warmup, or a dropped size
+        return "graph" if self.has_graph(padded, tokens_per_row) else "padded eager"   # before warmup, or dropped
 
-    def has_graph(self, size: int | None) -> bool:
-        return size in self.graphs
+    def has_graph(self, size: int | None, tokens_per_row: int | None = None) -> bool:
+        """Whether a graph of `size` rows of `tokens_per_row` tokens (default: 1 + k) replays."""
+        return (size, tokens_per_row or self.tokens_per_row) in self.graphs
 
     # ---- capture -------------------------------------------------------------------------------
     def capture(self, prepare_dummy: Callable[..., Callable[[], torch.Tensor]], check: CaptureCheck | None = None,
                 progress: bool = False) -> CaptureReport:
         """Capture one graph per size, largest first (they share one memory pool, as in vLLM), each
-        checked by `check` right after (see the module docstring). `prepare_dummy(size, token_ids=None)`
-        writes a padded dummy decode batch of that size into the persistent buffers and builds its
-        metadata (outside the capture: host work and host-to-device copies cannot be captured); the
-        forward it returns is what the graph records. If anything raises, everything captured so far
-        is released and the error propagates."""
+        checked by `check` right after (see the module docstring), family by family (1 + k tokens a
+        row, then 1). `prepare_dummy(size, tokens_per_row, vary_tokens=False)` writes a padded dummy
+        decode batch of that size into the persistent buffers and builds its metadata (outside the
+        capture: host work and host-to-device copies cannot be captured); the forward it returns is
+        what the graph records. If anything raises, everything captured so far is released and the
+        error propagates."""
         if self.mode != "full_decode":
             return CaptureReport()
         start = time.perf_counter()
         before = self._reserved_bytes()
         report = CaptureReport()
+        keys = [(size, t) for t in self.families for size in sorted(self.family_sizes[t], reverse=True)]
         try:
-            for size in tqdm(sorted(self.sizes, reverse=True), desc="capture CUDA graphs", disable=not progress):
-                forward = prepare_dummy(size)
-                self.graphs[size], self.outputs[size] = self._record(forward)
-                self.forwards[size] = forward
+            for key in tqdm(keys, desc="capture CUDA graphs", disable=not progress):
+                size, t = key
+                forward = prepare_dummy(size, t)
+                self.graphs[key], self.outputs[key] = self._record(forward)
+                self.forwards[key] = forward
                 if check is not None:
                     checked = time.perf_counter()
-                    problem = check(size, lambda s=size: prepare_dummy(s, True)(),
-                                    lambda s=size: self._replay_checked(s, prepare_dummy))
+                    problem = check(size, lambda s=size, t=t: prepare_dummy(s, t, True)(),
+                                    lambda s=size, t=t: self._replay_checked(s, t, prepare_dummy))
                     report.check_seconds += time.perf_counter() - checked
                     if problem is not None:
-                        self._drop(size)
-                        report.failed[size] = problem
+                        self._drop(key)
+                        (report.failed if t == self.tokens_per_row else report.plain_failed)[size] = problem
         except BaseException:
             self.release()
             raise
-        report.sizes = sorted(self.graphs)
+        report.sizes = sorted(s for s, t in self.graphs if t == self.tokens_per_row)
+        report.plain_sizes = sorted(s for s, t in self.graphs if t != self.tokens_per_row)
         report.seconds = time.perf_counter() - start
         report.graph_bytes = self._reserved_bytes() - before
-        if report.failed:
-            size, why = next(iter(report.failed.items()))
-            warnings.warn(f"CUDA graph check: {len(report.failed)} of {len(self.sizes)} decode graph sizes "
-                          f"replayed differently from the eager forward and run eagerly instead "
-                          f"({sorted(report.failed)}); size {size}: {why}", RuntimeWarning, stacklevel=3)
+        for failed, family in ((report.failed, self.tokens_per_row), (report.plain_failed, 1)):
+            if failed:
+                size, why = next(iter(failed.items()))
+                what = "decode graph sizes" if family == self.tokens_per_row else "1-token decode graph sizes"
+                warnings.warn(f"CUDA graph check: {len(failed)} of {len(self.family_sizes[family])} {what} "
+                              f"replayed differently from the eager forward and run eagerly instead "
+                              f"({sorted(failed)}); size {size}: {why}", RuntimeWarning, stacklevel=3)
         self.report = report
         return report
 
-    def _replay_checked(self, size: int, prepare_dummy) -> torch.Tensor:
+    def _replay_checked(self, size: int, tokens_per_row: int, prepare_dummy) -> torch.Tensor:
         """Replay `size`'s graph on the check's inputs: the same dummy batch as the eager run, with
         its token ids, written into the persistent buffers (metadata built anew, not used: a graph
         reads only what the step rewrites)."""
-        prepare_dummy(size, True)
-        return self.replay(size)
+        prepare_dummy(size, tokens_per_row, True)
+        return self.replay(size, tokens_per_row)
 
-    def _drop(self, size: int) -> None:
+    def _drop(self, key: tuple[int, int]) -> None:
         for held in (self.graphs, self.outputs, self.forwards):
-            held.pop(size, None)
+            held.pop(key, None)
 
     def _record(self, forward: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """CUDA: run `forward` once, then capture it into a graph, both on this manager's own stream
@@ -204,9 +226,10 @@ class CudaGraphManager:
         torch.cuda.empty_cache()
         return torch.cuda.memory_reserved(self.device)
 
-    def replay(self, size: int) -> torch.Tensor:
-        self.graphs[size].replay()
-        return self.outputs[size]
+    def replay(self, size: int, tokens_per_row: int | None = None) -> torch.Tensor:
+        key = (size, tokens_per_row or self.tokens_per_row)
+        self.graphs[key].replay()
+        return self.outputs[key]
 
     @property
     def captured(self) -> bool:

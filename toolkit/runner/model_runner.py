@@ -97,8 +97,9 @@ class ModelRunner:
         self.cfg = cfg
         self.speculative_config = speculative_config
         self.draft: DraftModelSpeculator | None = None
-        # with decode graphs, MRV2's rule: always k drafts (padded with the last token), so that decode
-        # batches are uniform 1 + k rows a graph can replay
+        # with decode graphs, MRV2's rule: k drafts for every row once one row has a draft (padded with
+        # the last token), so that decode batches are uniform 1 + k rows a graph can replay; a step where
+        # no row has one runs 1-token rows (vLLM: no match, no drafts)
         if proposer is None and speculative_config is not None and draft_model is None:
             proposer = NgramProposer(speculative_config.num_speculative_tokens, speculative_config.prompt_lookup_min,
                                      speculative_config.prompt_lookup_max, pad=cfg.cudagraph_mode != "none")
@@ -147,8 +148,11 @@ class ModelRunner:
             warnings.warn(f"CUDA graphs off for this model ({unsafe}): decode batches run padded, eagerly",
                           stacklevel=2)
             graph_mode = "padded_eager"
+        # n-gram drafts (no draft model): a step none of whose rows found a match runs 1-token rows,
+        # with graphs of their own (cudagraph.py's families)
+        plain_rows = speculative_config is not None and speculative_config.method != "draft_model"
         self.cudagraph_manager = CudaGraphManager(graph_mode, cfg.max_num_seqs, cfg.device,
-                                                  graph_tokens, 1 + cfg.num_speculative_tokens)
+                                                  graph_tokens, 1 + cfg.num_speculative_tokens, plain_rows)
         self._check_slots: list[int] = []       # the capture check's scratch state slots (capture_cudagraphs)
         self.execute_state: ExecuteModelState | None = None
         self.observer: StepObserver | None = None
@@ -225,15 +229,16 @@ class ModelRunner:
                                      sched_out.num_scheduled_tokens, drafts)
         n = input_batch.num_reqs
         graphs = self.cudagraph_manager
+        per_row = input_batch.num_tokens // n if n else 0      # a uniform decode batch's tokens per row
         uniform = bool(input_batch.runs_as_decode_np.all()) and (
-            graphs.tokens_per_row == 1 or bool((input_batch.num_drafts_np == graphs.tokens_per_row - 1).all()))
+            per_row == 1 or bool((input_batch.num_drafts_np == per_row - 1).all()))
         padded = graphs.padded_size(n, input_batch.num_tokens, uniform)
         # the forward runs `forward_batch`: the batch itself, or it padded to a capture size
         forward_batch = input_batch if padded is None else pad_decode_batch(self.input_buffers, input_batch, padded)
         block_tables = self.block_tables.gather_block_tables(input_batch.idx_mapping_np, padded)
         slot_mappings = self.block_tables.compute_slot_mappings(
             input_batch.idx_mapping_np, input_batch.query_start_loc_np, input_batch.num_computed_tokens_np,
-            None if padded is None else padded * graphs.tokens_per_row)
+            None if padded is None else padded * per_row)
         self.model_state.stage_state(input_batch, self.block_tables, self.staging)
         self.staging.flush()                    # the step's host data in one copy (staging.py)
         if input_batch.input_ids_sampled:
@@ -243,13 +248,13 @@ class ModelRunner:
         attn_metadata = self.model_state.prepare_attn(forward_batch, block_tables, slot_mappings,
                                                       self.attn_groups)
         state = ExecuteModelState(input_batch, attn_metadata, None, block_tables=block_tables,
-                                  graph=graphs.label(padded), padded_size=padded, state_copies=state_copies)
+                                  graph=graphs.label(padded, per_row), padded_size=padded, state_copies=state_copies)
         clock.mark("build_metadata")
         if self.observer is not None:
             self.observer.before_forward(self, state)
             clock.skip()
-        if graphs.has_graph(padded):
-            state.hidden_states = graphs.replay(padded)
+        if graphs.has_graph(padded, per_row):
+            state.hidden_states = graphs.replay(padded, per_row)
         else:
             state.hidden_states = self.model(forward_batch.input_ids, forward_batch.positions,
                                              attn_metadata.by_layer,
@@ -481,8 +486,8 @@ class ModelRunner:
         self._check_slots = list(scratch_slots)
         with torch.inference_mode():
             return self.cudagraph_manager.capture(
-                lambda size, vary_tokens=False: self._prepare_dummy(
-                    size, size * self.cudagraph_manager.tokens_per_row, True, vary_tokens)[3],
+                lambda size, per_row, vary_tokens=False: self._prepare_dummy(
+                    size, size * per_row, True, vary_tokens)[3],
                 self._check_graph if check else None, progress)
 
     def _check_graph(self, size: int, run_eager, replay) -> str | None:
@@ -522,8 +527,9 @@ class ModelRunner:
         """Write a dummy batch into the persistent buffers and build its metadata. Returns
         (batch, block_tables, attn_metadata, forward), `forward()` running the model on it.
         `vary_tokens`: token ids other than the capture's zeros (the capture check's inputs)."""
-        # a capture of speculative decoding's graphs: uniform verify rows of 1 + k tokens
-        drafts = self.cfg.num_speculative_tokens if for_capture else 0
+        # a capture of speculative decoding's graphs: uniform verify rows of 1 + k tokens (or of 1: the
+        # n-gram engine's steps without drafts)
+        drafts = num_tokens // num_reqs - 1 if for_capture else 0
         batch = make_dummy(self.input_buffers, num_reqs, num_tokens, drafts)
         block_tables = self.block_tables.null_block_tables(num_reqs)
         if vary_tokens:     # the capture check: a scratch state slot per row (see _check_graph)

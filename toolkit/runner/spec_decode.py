@@ -90,14 +90,16 @@ class NgramProposer(ContextProposer):
     """Prompt lookup (vLLM V1's CPU `NgramProposer`): find the longest n-gram, n in [min_n, max_n],
     that ends the context and occurred earlier in it (the earliest such occurrence), and propose
     the up to k tokens that followed it. No match, or a context shorter than min_n: no drafts.
-    `pad` (decode graphs on): always k drafts, the missing ones the last token repeated (MRV2's GPU
-    n-gram speculator), so that decode batches are uniform; a padded draft is verified like any.
+    `pad` (decode graphs on): in a batch where some row has a draft, every row gets k, the missing
+    ones the last token repeated (MRV2's GPU n-gram speculator), so that the verify batch is uniform
+    (1 + k tokens a row); a padded draft is verified like any. A batch where no row has one proposes
+    nothing: its next step runs 1-token rows, with graphs of their own (cudagraph.py).
     With request ids, each request keeps an NgramIndex updated with its new tokens (the cost of a
     step does not grow with the context); without, `propose` scans the context (the reference)."""
 
     def __init__(self, k: int, min_n: int, max_n: int, pad: bool = False):
         self.k, self.min_n, self.max_n = k, min_n, max_n
-        self.pad = pad          # MRV2's GPU rule: always k drafts, missing ones the last token repeated
+        self.pad = pad          # decode graphs: k drafts a row once one row of the batch has one
         self.indexes: dict[str, NgramIndex] = {}
 
     def propose(self, context: np.ndarray, req_id: str | None = None) -> list[int]:
@@ -110,8 +112,6 @@ class NgramProposer(ContextProposer):
                 index = self.indexes[req_id] = NgramIndex(self.min_n, self.max_n)
             index.extend(context)
             drafts = index.lookup(context, self.k)
-        if self.pad and len(context):
-            drafts += [int(context[-1])] * (self.k - len(drafts))
         return drafts
 
     def _lookup(self, context: np.ndarray) -> list[int]:
@@ -126,7 +126,10 @@ class NgramProposer(ContextProposer):
 
     def propose_many(self, contexts: list[np.ndarray], req_ids: list[str] | None = None) -> list[list[int]]:
         ids = req_ids if req_ids is not None else [None] * len(contexts)
-        return [self.propose(c, r) for c, r in zip(contexts, ids, strict=True)]
+        drafts = [self.propose(c, r) for c, r in zip(contexts, ids, strict=True)]
+        if self.pad and any(drafts):
+            drafts = [d + [int(c[-1])] * (self.k - len(d)) if len(c) else d for d, c in zip(drafts, contexts)]
+        return drafts
 
     def forget(self, req_ids) -> None:
         for req_id in req_ids:
