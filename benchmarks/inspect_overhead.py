@@ -31,8 +31,7 @@ class BareLLM(LLM):
     def _step(self, stage, want_record=False):
         sched_out = self.scheduler.schedule()
         self.model_runner.execute_model(sched_out)
-        sampled = self.model_runner.sample_tokens()
-        finished, _ = self.scheduler.update_from_output(sched_out, sampled)
+        finished, _ = self.scheduler.update_from_output(sched_out, self.model_runner.sample_tokens())
         self.model_runner.remove_requests([r.request_id for r in finished])
         return None, [request_output(r, self.tokenizer.decode) for r in finished]
 

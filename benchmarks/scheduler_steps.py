@@ -12,7 +12,7 @@ import time
 from toolkit.kv_cache_manager import CacheGroupKind
 from toolkit.request import Request
 from toolkit.sampling import SamplingParams
-from toolkit.scheduler import Scheduler
+from toolkit.scheduler import ModelRunnerOutput, Scheduler
 
 BS = 16
 
@@ -25,11 +25,11 @@ def ms_per_step(context: int, rows: int = 128, caching: bool = True, steps: int 
     for r in range(rows):
         s.add_request(Request(str(r), [(r * 7 + i) % 251 + 3 for i in range(context)], params, frozenset()))
     out = s.schedule()                                   # every prompt in one step
-    s.update_from_output(out, {r: 5 for r in out.num_scheduled_tokens})
+    s.update_from_output(out, ModelRunnerOutput.one_token_a_row({r: 5 for r in out.num_scheduled_tokens}))
     start = time.perf_counter()
     for _ in range(steps):
         out = s.schedule()
-        s.update_from_output(out, {r: 5 for r in out.num_scheduled_tokens})
+        s.update_from_output(out, ModelRunnerOutput.one_token_a_row({r: 5 for r in out.num_scheduled_tokens}))
     return (time.perf_counter() - start) / steps * 1e3
 
 

@@ -14,7 +14,7 @@ import torch
 from toolkit import LLM, SamplingParams
 from toolkit.kv_cache_manager import BlockPool, CacheGroupKind, KVCacheManager, RowTail, block_hashes
 from toolkit.request import Request
-from toolkit.scheduler import Scheduler
+from toolkit.scheduler import ModelRunnerOutput, Scheduler
 
 from harness import F32, LOGIT_ATOL, TINY_PRESETS
 
@@ -37,7 +37,7 @@ def run_to_end(s: Scheduler, token: int = 7) -> list[dict[str, int]]:
     while s.has_unfinished_requests():
         out = s.schedule()
         steps.append(dict(out.num_scheduled_tokens))
-        s.update_from_output(out, {r: token for r in out.num_scheduled_tokens})
+        s.update_from_output(out, ModelRunnerOutput.one_token_a_row({r: token for r in out.num_scheduled_tokens}))
     return steps
 
 
@@ -137,7 +137,7 @@ def test_a_checkpoint_made_this_step_is_hit_only_from_the_next():
     s.add_request(request("sibling", prompt, max_tokens=4))
     out = s.schedule()                                               # both compute [0, 8)
     assert out.num_scheduled_tokens == {"first": 8, "sibling": 8}
-    s.update_from_output(out, {"first": 7, "sibling": 7})
+    s.update_from_output(out, ModelRunnerOutput.one_token_a_row({"first": 7, "sibling": 7}))
     assert hit_of(s, "next", prompt) == 8
     assert s.requests["sibling"].num_cached_tokens == 0
 
@@ -165,7 +165,7 @@ def test_mamba_rows_hold_the_running_page_and_release_the_one_copied_from():
     while s.has_unfinished_requests():
         out = s.schedule()
         rows.append(list(s.kv.block_ids("r")[0]))
-        s.update_from_output(out, {"r": 7})
+        s.update_from_output(out, ModelRunnerOutput.one_token_a_row({"r": 7}))
     # chunks [0,4) [4,8) [8,10), decodes at 10, 11: columns 0, 1, 2; a page left behind is released
     # one step later, and stays cached: the checkpoints at 4, 8 and 12
     assert [len(r) for r in rows] == [1, 2, 3, 3, 3]
@@ -194,7 +194,7 @@ def test_an_aligned_row_goes_to_the_runner_as_the_columns_a_step_changed():
         if ledger is not None:
             behind = s.kv.released_columns("r")          # released checkpoint columns: never read again
             assert runner_row[behind:] == ledger[behind:] and len(runner_row) == len(ledger)
-        s.update_from_output(out, {"r": 7})
+        s.update_from_output(out, ModelRunnerOutput.one_token_a_row({"r": 7}))
     # a page when the row crosses into a new block (every 4 tokens), nothing in between
     assert len(widths) >= 39 and max(widths) <= 2 and sum(widths) <= len(widths) // 4 + 2
 

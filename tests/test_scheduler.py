@@ -4,7 +4,7 @@ import pytest
 from toolkit.kv_cache_manager import BlockPool, CacheGroupKind
 from toolkit.request import Request, RequestStatus
 from toolkit.sampling import SamplingParams
-from toolkit.scheduler import Scheduler
+from toolkit.scheduler import ModelRunnerOutput, Scheduler
 
 ATTN = CacheGroupKind("attention", 4)
 MAMBA = CacheGroupKind("mamba", 0)
@@ -22,7 +22,8 @@ def req(rid, n, max_tokens=4):
 
 def run_step(s, token=7):
     out = s.schedule()
-    return out, s.update_from_output(out, {r: token for r in out.num_scheduled_tokens})
+    return out, s.update_from_output(out, ModelRunnerOutput.one_token_a_row(
+        {r: token for r in out.num_scheduled_tokens}))
 
 
 def test_block_pool_never_hands_out_null_and_tracks_owner():

@@ -274,17 +274,11 @@ class LLM:
             self._recorder.begin(f"{stage} step" if warm else f"step {self._step_index}", sched_out)
         try:
             state = self.model_runner.execute_model(sched_out)
-            sampled = self.model_runner.sample_tokens()
+            output = self.model_runner.sample_tokens()
             update_start = time.perf_counter()
-            verified = state.verify if state else None
-            finished, kept = self.scheduler.update_from_output(
-                sched_out, sampled, state.sampled_logprobs if state else None,
-                state.prompt_logprobs if state else None,
-                {rid: verified.kept(i) for i, rid in enumerate(verified.req_ids)} if verified else None)
-            if state is not None and self.speculative_config is not None:
-                self.scheduler.update_draft_token_ids(state.proposed_drafts)
-                if not warm:
-                    self.spec_stats.add(verified)
+            finished, kept = self.scheduler.update_from_output(sched_out, output)
+            if state is not None and self.speculative_config is not None and not warm:
+                self.spec_stats.add(state.verify)
         except BaseException:
             self.scheduler.recover_from_failed_step(sched_out)
             raise
@@ -299,7 +293,7 @@ class LLM:
             self._step_index += 1
         if self._recorder is None and not want_record:
             return None, outputs
-        outcome = StepOutcome(step_index, stage, sched_out, state, sampled, kept, finished, outputs,
+        outcome = StepOutcome(step_index, stage, sched_out, state, output.last_kept, kept, finished, outputs,
                               {"schedule": scheduled_at - start, "update": done - update_start})
         if self._recorder is None:
             return step_record(outcome, self.backend, read_device=False), outputs

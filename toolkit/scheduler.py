@@ -82,6 +82,29 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
+@dataclass
+class ModelRunnerOutput:
+    """What one step's sampling gives the scheduler's books (vLLM's `ModelRunnerOutput`, keyed by
+    request id rather than by row): the tokens each row keeps, their logprobs, and the drafts the
+    runner proposed for the next step."""
+    # req_id -> the row's kept tokens: its sample, or a verify row's accepted drafts then the target's
+    # own token (batch order). A partial prefill chunk's sample is here too; the books drop it.
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)          # rows that asked
+    prompt_logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)   # the step's prefill chunks
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)       # speculative decoding
+
+    @classmethod
+    def one_token_a_row(cls, sampled: dict[str, int]) -> ModelRunnerOutput:
+        """req_id -> its one sampled token (no speculation, no logprobs)."""
+        return cls({rid: [token] for rid, token in sampled.items()})
+
+    @property
+    def last_kept(self) -> dict[str, int]:
+        """req_id -> the last token its row keeps."""
+        return {rid: tokens[-1] for rid, tokens in self.sampled_token_ids.items()}
+
+
 class Scheduler:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  groups: list[CacheGroupKind], num_kv_blocks: int,
@@ -447,21 +470,20 @@ class Scheduler:
                 hashes = block_hashes(tokens, self.block_size, hashes, offset=start)
             self.kv.cache_computed(req_id, hashes, req.num_computed_tokens)
 
-    def update_from_output(self, sched_out: SchedulerOutput, sampled: dict[str, int],
-                           logprobs: dict[str, TokenLogprobs] | None = None,
-                           prompt_logprobs: dict[str, TokenLogprobs] | None = None,
-                           accepted: dict[str, list[int]] | None = None
+    def update_from_output(self, sched_out: SchedulerOutput, output: ModelRunnerOutput
                            ) -> tuple[list[Request], dict[str, int]]:
         """Append each row's sampled token where the row consumed all its known tokens (a partial
         prefill chunk's sample is dropped), with its logprobs when the request asked; keep the
         prompt logprobs of the step's prefill chunks; fork an n > 1 parent that reached its last
         prompt token. Returns (requests finished now, the last token kept per request).
 
-        Speculative decoding: `accepted[req_id]` holds a verify row's tokens, its accepted drafts
-        then the target's own token at the first rejection (or after the last draft); they are
-        appended one by one, each checked for a stop, and the rejected drafts' positions are given
-        back (num_computed_tokens moves back; their KV slots are overwritten later, as in vLLM)."""
+        Speculative decoding: a verify row's tokens are its accepted drafts then the target's own
+        token at the first rejection (or after the last draft); they are appended one by one, each
+        checked for a stop, and the rejected drafts' positions are given back (num_computed_tokens
+        moves back; their KV slots are overwritten later, as in vLLM). The next step's drafts go to
+        the requests still running (vLLM's `update_draft_token_ids`)."""
         finished, kept = [], {}
+        accepted, logprobs = output.sampled_token_ids, output.logprobs
         for req_id, drafts in sched_out.scheduled_spec_decode_tokens.items():
             req = self.requests.get(req_id)
             if req is not None:
@@ -473,7 +495,7 @@ class Scheduler:
                 req = self.requests.get(req_id)
                 if req is not None:
                     self.kv.trim_windows(req_id, req.num_computed_tokens)
-        for req_id, chunk in (prompt_logprobs or {}).items():
+        for req_id, chunk in output.prompt_logprobs.items():
             req = self.requests.get(req_id)
             if req is not None:
                 req.add_prompt_logprobs(chunk)
@@ -484,8 +506,8 @@ class Scheduler:
                 continue
             if req is None or req.num_computed_tokens < req.num_tokens:
                 continue
-            tokens = accepted[req_id] if accepted and req_id in accepted else [sampled[req_id]]
-            lps = logprobs.get(req_id) if req.sampling_params.logprobs is not None and logprobs else None
+            tokens = accepted[req_id]
+            lps = logprobs.get(req_id) if req.sampling_params.logprobs is not None else None
             for i, token in enumerate(tokens):
                 req.output_token_ids.append(token)
                 kept[req_id] = token
@@ -497,6 +519,7 @@ class Scheduler:
                     self._finish(req, status)
                     finished.append(req)
                     break
+        self.update_draft_token_ids(output.draft_token_ids)
         return finished, kept
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:

@@ -45,7 +45,7 @@ from toolkit.runner.request_states import RequestStates
 from toolkit.runner.sampler import LogitsRows, Sampler, compute_logprobs
 from toolkit.runner.spec_decode import NgramProposer, VerifyResult, kept_on_device, verify
 from toolkit.runner.staging import Staging
-from toolkit.scheduler import NewRequestData, SchedulerOutput
+from toolkit.scheduler import ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 
 @dataclass
@@ -268,15 +268,16 @@ class ModelRunner:
 
     @on_device
     @torch.inference_mode()
-    def sample_tokens(self) -> dict[str, int]:
+    def sample_tokens(self) -> ModelRunnerOutput:
         """Sample one token per row of the last executed batch (a verify row: one at each of its
-        positions, then `verify`); returns req_id -> the row's last kept token.
+        positions, then `verify`); returns what the scheduler's books take: each row's kept tokens,
+        the logprobs asked for, and the next step's drafts (the same objects as the state's).
         `state.timings` gets "sample" and "wait" (host seconds waiting at the sync); on CUDA,
         `state.device_timings` the device seconds of each stage (StageClock). With speculative
         decoding, `state.verify` and `state.proposed_drafts` (spec_decode.py)."""
         state = self.execute_state
         if state is None:
-            return {}
+            return ModelRunnerOutput({})
         clock = self.clock
         clock.skip()
         batch = state.input_batch
@@ -326,12 +327,14 @@ class ModelRunner:
         last_kept = self._post_update(batch, sampled, sampled_np, num_kept, kept_device)
         state.checkpoint_copies = self.model_state.postprocess_state(
             batch, sampled, num_kept if self.proposer else None, None if kept_device is None else kept_device[0])
-        out = dict(zip(batch.req_ids, last_kept.tolist()))
+        kept = {rid: [token] for rid, token in zip(batch.req_ids, last_kept.tolist())}
+        if state.verify is not None:
+            kept.update((rid, state.verify.kept(i)) for i, rid in enumerate(state.verify.req_ids))
         if self.proposer is not None:
             state.proposed_drafts = self._propose(batch)
         clock.mark("sample", event=False)
         state.timings = dict(clock.host)
-        return out
+        return ModelRunnerOutput(kept, state.sampled_logprobs, state.prompt_logprobs, state.proposed_drafts)
 
     def _last_outputs(self, batch: InputBatch, positions_np: np.ndarray, per_row: np.ndarray | None = None):
         """`LogitsRows.last_outputs` for this step: (logits row i, n) -> the last n output tokens
