@@ -20,7 +20,7 @@ BS = 16
 def ms_per_step(context: int, rows: int = 128, caching: bool = True, steps: int = 20) -> float:
     s = Scheduler(max_num_seqs=rows, max_num_batched_tokens=rows * context, max_model_len=context + 100,
                   groups=[CacheGroupKind("attention", BS)], num_kv_blocks=rows * (context // BS + 10),
-                  enable_prefix_caching=caching, num_state_slots=None)
+                  enable_prefix_caching=caching, num_state_pages=None)
     params = SamplingParams(max_tokens=steps + 5, ignore_eos=True)
     for r in range(rows):
         s.add_request(Request(str(r), [(r * 7 + i) % 251 + 3 for i in range(context)], params, frozenset()))

@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{step:>6} {mark['rate']:>8.1f} {len(live):>4} {stats['num_running']:>3} "
                   f"{stats['num_waiting']:>4} {mark['rss'] / 2**20:>8.1f} {n_tensors:>7} "
                   f"{stats['kv_blocks_free']:>4}/{stats['kv_blocks_total']:<4} "
-                  f"{stats['state_slots_free']:>3}/{stats['state_slots_total']:<3} {finished:>8} "
+                  f"{stats['state_pages_free']:>3}/{stats['state_pages_total']:<3} {finished:>8} "
                   f"{preempted:>7} {mark['fin_ids']:>7} {mark['fin_bytes'] / 1024:>11.1f} {mark['trace']:>5}"
                   + (f"  {mark['heap'] / 2**20:>8.2f}" if args.tracemalloc else ""), flush=True)
             t_last = time.perf_counter()       # the report's own cost is not counted
@@ -245,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             llm.step()
         llm.step()
         stats = llm.stats()
-        if (stats["kv_blocks_free"], stats["state_slots_free"], stats["runner_rows_in_use"]) != (
-                stats["kv_blocks_total"], stats["state_slots_total"], 0):
+        if (stats["kv_blocks_free"], stats["state_pages_free"], stats["runner_rows_in_use"]) != (
+                stats["kv_blocks_total"], stats["state_pages_total"], 0):
             failures.append(f"after draining: {stats}")
         try:
             llm.shutdown()

@@ -354,7 +354,7 @@ class LabNotebook:
         whose name contains `prefer`, other than the one shown), then wait until the note names it
         and new heatmap <img>s are decoded. Returns the layer name."""
         note = panel.locator(".widget-html-content").first
-        self.wait_text(note, "state slot")                       # the first draw, for the default layer
+        self.wait_text(note, "state page")                       # the first draw, for the default layer
         select = self.state_dropdown(panel, "layer")
         options = select.evaluate("e => [...e.options].map(o => o.value)")
         current = select.input_value()

@@ -348,7 +348,7 @@ def check_single_request_matches_hf(llm: LLM, hf) -> None:
 
 def check_chunked_mixed_queued_batch_matches_hf(llm: LLM, hf) -> None:
     """The BATCH_PROMPT_LENS batch on `llm` (opened with BATCH_LIMITS) is chunked, mixed and queued,
-    every request reproduces HF, and all KV blocks and state slots are free afterwards."""
+    every request reproduces HF, and all KV blocks and state pages are free afterwards."""
     prompts = prompts_of(BATCH_PROMPT_LENS, llm.vocab_size, seed=1)
     res = run_by_hand(llm, prompts, MAX_TOKENS, logprobs=NUM_LOGPROBS, prompt_logprobs=NUM_LOGPROBS)
     chunked = any(s.is_prefill and s.num_computed_before > 0       # a prompt's 2nd+ chunk
@@ -361,7 +361,7 @@ def check_chunked_mixed_queued_batch_matches_hf(llm: LLM, hf) -> None:
                           chunks=prefill_chunks(res, rid))
     stats = llm.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    assert stats["state_slots_free"] == stats["state_slots_total"]
+    assert stats["state_pages_free"] == stats["state_pages_total"]
 
 
 def check_no_attention_llm_matches_hf_uncached(preset: str, folder) -> None:

@@ -43,7 +43,7 @@ class SeqChunk:
     """One row of a step: `query_len` new tokens after `num_computed` cached ones.
 
     block_ids: the row's KV blocks (enough for num_computed + query_len tokens);
-    state_slot: its Mamba state slot; is_decode: defaults to query_len == 1 and num_computed > 0.
+    state_slot: its Mamba state page; is_decode: defaults to query_len == 1 and num_computed > 0.
     """
     num_computed: int
     query_len: int
@@ -313,7 +313,7 @@ def check_bf16_load_runs(folder) -> None:
 @dataclass(frozen=True)
 class MixedRequest:
     """A request of the mixed-step check: random_prompt(seed, prompt_len) plus `generated` greedy
-    tokens of HF's (`ModelParitySuite.hf_continue`), kept in KV blocks `blocks` and state slot `slot`."""
+    tokens of HF's (`ModelParitySuite.hf_continue`), kept in KV blocks `blocks` and state page `slot`."""
     seed: int
     prompt_len: int
     generated: int

@@ -145,7 +145,7 @@ def test_bad_input_is_refused_and_the_engine_keeps_serving(name, action, exc, ma
             outs.update({o.request_id: o for o in llm.step().outputs})
         assert outs["good"].outputs[0].token_ids == expected_tokens
         after = llm.stats()
-        for key in ("kv_blocks_free", "state_slots_free", "num_running", "num_waiting", "runner_rows_in_use"):
+        for key in ("kv_blocks_free", "state_pages_free", "num_running", "num_waiting", "runner_rows_in_use"):
             assert after[key] == total[key], key
 
 
@@ -167,7 +167,7 @@ def test_abort_returns_whether_it_aborted_and_unknown_ids_change_nothing():
         assert llm.abort_request(rid) is False                       # already gone
         stats = llm.stats()
         assert stats["num_running"] == 0 and stats["runner_rows_in_use"] == 0
-        assert stats["state_slots_free"] == stats["state_slots_total"]
+        assert stats["state_pages_free"] == stats["state_pages_total"]
 
 
 def test_calls_after_shutdown_raise_engine_closed():
@@ -185,7 +185,7 @@ def test_warmup_twice_works():
     with LLM("tiny-mamba2", **ARGS) as llm:
         llm.warmup(progress=False)
         llm.warmup(progress=False)
-        assert llm.stats()["state_slots_free"] == llm.stats()["state_slots_total"]
+        assert llm.stats()["state_pages_free"] == llm.stats()["state_pages_total"]
 
 
 def test_interrupted_generate_keeps_its_request_ids_used(monkeypatch):

@@ -1,7 +1,7 @@
 """Decode batches padded to CUDA-graph capture sizes (toolkit/runner/cudagraph.py).
 
 On the CPU, cudagraph_mode="padded_eager" runs exactly the padded batch a graph would replay:
-padded rows on the null block / null state slot, PAD_SLOT_ID for their KV writes. It must give the
+padded rows on the null block / null state page, PAD_SLOT_ID for their KV writes. It must give the
 tokens and logits of the unpadded run, and leave every real slot and block untouched. The CUDA tests
 (graphs vs eager, memory back to baseline) run only on a GPU."""
 from __future__ import annotations
@@ -134,7 +134,7 @@ def test_shutdown_releases_the_graph_manager_first():
 
 
 def test_the_capture_check_gives_each_dummy_row_its_own_state_slot():
-    """Dummy rows that share the null state slot race on it in a compiled kernel (a row reads the slot
+    """Dummy rows that share the null state page race on it in a compiled kernel (a row reads the slot
     while another writes it), which made the capture check drop sizes 4..128 on an H200 with nothing
     wrong in the graphs. The check's batch puts each row on a scratch slot of its own: free, holding
     nothing cached (the pool says which), in every column of every recurrent group; attention rows

@@ -24,7 +24,7 @@ def check_invariants(llm: LLM, rec) -> None:
             held = runner.block_tables.tables[g][idx, :runner.block_tables.num_blocks[g][idx]]
             assert held.tolist() == ids, f"{req.request_id}: group {g} table {held.tolist()} != {ids}"
         if any(g.kind == "mamba" for g in sched.kv.groups):
-            assert len(sched.kv.block_ids(req.request_id)[-1]) == 1, "one state slot per request"
+            assert len(sched.kv.block_ids(req.request_id)[-1]) == 1, "one state page per request"
     mamba = [g for g in rec.attn_metadata if g.kind == "mamba"]
     if mamba:                                    # decode rows lead the batch (then padded rows)
         md = mamba[0].metadata
@@ -74,7 +74,7 @@ def test_random_engine_traffic_keeps_books_and_outputs(preset, seed):
         llm.step()                               # the runner drops the last finished rows
         stats = llm.stats()
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-        assert stats["state_slots_free"] == stats["state_slots_total"]
+        assert stats["state_pages_free"] == stats["state_pages_total"]
         assert stats["runner_rows_in_use"] == 0
         assert set(outputs) == set(prompts) - aborted
         for rid, out in outputs.items():          # each survivor equals its run alone

@@ -273,7 +273,7 @@ def test_a_verify_step_copies_its_host_data_in_one_transfer(mode):
 def test_a_draft_model_step_copies_its_host_data_in_two_transfers(mode):
     """A step with the draft model inside: the target's verify step stages its data in one copy
     (as above), and the draft's k forwards (its catch-up and its k - 1 guesses: every forward's
-    batch, block tables, slot mappings, token ids and state slots to copy, each in a bank of one
+    batch, block tables, slot mappings, token ids and state pages to copy, each in a bank of one
     staging) in one more, one flush per step, however large k is. (MRV2's draft builds its inputs
     from the target's on the device instead: its step makes the target's copy only.)"""
     for name, params in SAMPLING_MODES.items():

@@ -150,7 +150,7 @@ def _engine(preset: str, mode: str) -> LLM:
 
 
 # "padded_eager": the batch of 3 decode rows runs padded to the capture size 4, as a CUDA graph
-# would replay it (a padded row on the null block / state slot, its KV slot PAD_SLOT_ID)
+# would replay it (a padded row on the null block / state page, its KV slot PAD_SLOT_ID)
 @pytest.mark.parametrize("mode", ["none", "padded_eager"])
 @pytest.mark.parametrize("params", list(PARAMS))
 @pytest.mark.parametrize("preset", PRESET_NAMES)
@@ -178,7 +178,7 @@ def test_a_decode_step_syncs_once(engines, monkeypatch, preset, params, mode):
         llm.step()
 
 
-# n=3 forks after the parent's prefill: the children copy its KV blocks and state slot and each runs
+# n=3 forks after the parent's prefill: the children copy its KV blocks and state page and each runs
 # the last prompt token (all rows run as decodes: padded in "padded_eager"), then they decode
 @pytest.mark.parametrize("mode", ["none", "padded_eager"])
 @pytest.mark.parametrize("preset", PRESET_NAMES)

@@ -158,7 +158,7 @@ def test_workload_covers_the_cases(workload):
     for r in workload.records:
         for rid, slot in zip(r.states[0].request_ids, r.states[0].slots):
             first_slots.setdefault(rid, slot)
-    assert len(set(first_slots.values())) < len(first_slots), f"no state slot reused: {first_slots}"
+    assert len(set(first_slots.values())) < len(first_slots), f"no state page reused: {first_slots}"
 
 
 def test_states_cover_every_recurrent_layer_and_row(workload):
@@ -175,7 +175,7 @@ def test_states_cover_every_recurrent_layer_and_row(workload):
             assert len(st.slots) == len(st.request_ids) and 0 not in st.slots
             for rid, slot in zip(st.request_ids, st.slots):
                 if rid not in rec.finished_request_ids:   # a finished request's slot is freed
-                    assert rec.ledger.state_slot(rid) == slot, (rec.step_index, rid)
+                    assert rec.ledger.state_page(rid) == slot, (rec.step_index, rid)
             for when in ("before", "after"):
                 tensors = getattr(st, when)
                 assert len(tensors) == len(st.state_names)
@@ -191,7 +191,7 @@ def test_states_cover_every_recurrent_layer_and_row(workload):
 # ---- 2. continuity ---------------------------------------------------------------------------
 
 def check_continuity(workload: Workload) -> int:
-    """Per request: one state slot per run; 'before' is zero at each step that starts from no
+    """Per request: one state page per run; 'before' is zero at each step that starts from no
     cached token (its first step, or its first after a preemption), else bit-identical to the
     'after' of its previous step, which covered exactly the tokens before this one; every step
     changes the conv state (but layer 0's over a window of the same token ids). Returns the number of

@@ -64,7 +64,7 @@ def test_piped_demo_has_no_progress_bar_and_only_real_pools():
     proc = run([PY, "-m", "toolkit", "demo", "--model", "tiny-mamba2", "--device", "cpu", "--max-tokens", "4"])
     assert proc.returncode == 0, proc.stderr
     assert "\r" not in proc.stdout + proc.stderr and "warmup:" in proc.stdout
-    assert "KV blocks" not in proc.stdout and "3/3 state slots free, 0 runner rows in use" in proc.stdout
+    assert "KV blocks" not in proc.stdout and "3/3 state pages free, 0 runner rows in use" in proc.stdout
 
 
 def test_import_raises_no_warning():

@@ -12,7 +12,7 @@ from toolkit.kv_cache_manager import CacheGroupKind, KVCacheManager
 
 
 def books(caching: bool) -> SimpleNamespace:
-    kv = KVCacheManager([CacheGroupKind("attention", 4)], num_kv_blocks=40, num_state_slots=0,
+    kv = KVCacheManager([CacheGroupKind("attention", 4)], num_kv_blocks=40, num_state_pages=0,
                         enable_prefix_caching=caching)
     for rid in ("a", "b", "c"):
         kv.allocate(rid, 0, 10)                 # 3 blocks each

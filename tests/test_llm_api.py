@@ -1,6 +1,6 @@
 """The LLM facade: bad prompts and sampling params, admission, stats and resources, abort, step
 records, shutdown, tokenizers (an HF folder's, the byte fallback), the demo command, the installed
-kernels package, state slots zeroed on reuse, slot mapping, and requests added by hand beside
+kernels package, state pages zeroed on reuse, slot mapping, and requests added by hand beside
 generate()."""
 from __future__ import annotations
 
@@ -97,13 +97,13 @@ def test_stats_abort_and_resources_return():
         llm.step()
         mid = llm.stats()
         assert mid["num_running"] == 2 and mid["kv_blocks_free"] < total["kv_blocks_free"]
-        assert mid["state_slots_free"] == total["state_slots_free"] - 2
+        assert mid["state_pages_free"] == total["state_pages_free"] - 2
         llm.abort_request(a)
         llm.abort_request("no-such-request")
         while llm.has_unfinished_requests():
             llm.step()
         after = llm.stats()
-        for key in ("kv_blocks_total", "kv_blocks_free", "state_slots_total", "state_slots_free"):
+        for key in ("kv_blocks_total", "kv_blocks_free", "state_pages_total", "state_pages_free"):
             assert after[key] == total[key]
         assert after["num_running"] == after["num_waiting"] == 0
 
@@ -199,7 +199,7 @@ def test_demo_on_another_model(capsys):
     assert main(["demo", "--model", "tiny-lfm2", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "Lfm2ForCausalLM" in out and "MambaHybridModelState" in out
-    assert "3/3 state slots free" in out
+    assert "3/3 state pages free" in out
 
 
 def test_kernels_install_under_toolkit_not_top_level(tmp_path):

@@ -233,7 +233,7 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
 # ---- n ---------------------------------------------------------------------------------------------------
 def test_n_samples_fork_the_prefill_and_each_equals_a_lone_request_with_its_seed(bamba):
     """n=3, seed 7, beside another request: the parent prefills the first 39 of its 40 prompt
-    tokens once (16-token chunks); its 3 children copy its KV blocks and state slot and each runs
+    tokens once (16-token chunks); its 3 children copy its KV blocks and state page and each runs
     the last prompt token; child i's tokens and logprobs are those of a lone request with seed 7 + i,
     and the prompt logprobs those of a lone request."""
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=7, n=3, logprobs=2, prompt_logprobs=1,
@@ -294,7 +294,7 @@ def test_greedy_n_and_one_token_prompts(bamba):
 
 
 def test_a_fork_that_stalls_the_queue_lets_go_of_the_parent():
-    """7 KV blocks, 2 rows and state slots, n=3: the parent keeps its 3 blocks and its slot while
+    """7 KV blocks, 2 rows and state pages, n=3: the parent keeps its 3 blocks and its slot while
     child 0 (a copy) runs and children 1 and 2 wait for a slot; child 0 grows to the last free
     block and preempts itself, and with nothing running the queue's head needs the parent's blocks:
     the parent lets go, and children 1 and 2 prefill from scratch. Every sample still equals a lone
@@ -311,7 +311,7 @@ def test_a_fork_that_stalls_the_queue_lets_go_of_the_parent():
         assert any(f"0_{rid}" in r.preempted_request_ids for r in records)
         stats = llm.stats()
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-        assert stats["state_slots_free"] == stats["state_slots_total"]
+        assert stats["state_pages_free"] == stats["state_pages_total"]
     with small_llm("tiny-bamba") as roomy:
         for c in outs[rid].outputs:
             assert c.token_ids == lone(roomy, PROMPT, max_tokens=60, temperature=1.0, seed=11 + c.index,

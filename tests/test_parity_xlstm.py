@@ -313,7 +313,7 @@ def test_a_preempted_request_is_recomputed_and_still_matches_hf(hf_folders):
         starts = [s for r in llm.trace for s in r.scheduled
                   if s.request_id == victim.request_id and s.num_computed_before == 0]
         assert len(starts) == 2                     # its first prefill, and its recompute
-        assert llm.stats()["state_slots_free"] == llm.stats()["state_slots_total"]
+        assert llm.stats()["state_pages_free"] == llm.stats()["state_pages_total"]
     for rid, prompt in zip(ids, prompts):
         assert outs[rid] == hf_greedy(hf, prompt, MAX_TOKENS), rid
 

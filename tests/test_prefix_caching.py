@@ -24,7 +24,7 @@ ATTN, MAMBA = CacheGroupKind("attention", BS), CacheGroupKind("mamba", BS)
 
 def scheduler(groups, num_kv_blocks=64, budget=64, seqs=4, pages=None) -> Scheduler:
     return Scheduler(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=128, groups=groups,
-                     num_kv_blocks=num_kv_blocks, enable_prefix_caching=True, num_state_slots=pages)
+                     num_kv_blocks=num_kv_blocks, enable_prefix_caching=True, num_state_pages=pages)
 
 
 def request(rid: str, tokens, max_tokens: int = 1) -> Request:

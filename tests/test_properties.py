@@ -6,7 +6,7 @@ against each request run alone.
 What is checked
 - after every step: the token budget and row limit; the block/slot ledger (pool owners are live
   requests, the null id 0 is never held, no id is shared, free list + owners = the pool, a running
-  request holds exactly the KV blocks its computed tokens need and one state slot, a waiting one
+  request holds exactly the KV blocks its computed tokens need and one state page, a waiting one
   nothing); the runner's rows are exactly the running requests, with the scheduler's tokens and
   computed counts, and block-table rows equal to the ledger (released rows zeroed); the step's
   metadata puts no real row on the null slot / block and no two tokens on one KV slot; decode rows
@@ -382,7 +382,7 @@ def check_ledger(llm: LLM) -> None:
                     assert not i or pool.hash_of.get(i) == req.block_hashes[c] or req.block_hashes[c] in pool.cached, \
                         f"{req.request_id}: page {i} in column {c} is neither its checkpoint nor a duplicate of one"
             elif group.kind == "mamba":
-                assert len(ids) == 1 + k, f"{req.request_id}: 1 + k state slots per request, got {ids}"
+                assert len(ids) == 1 + k, f"{req.request_id}: 1 + k state pages per request, got {ids}"
             if kv.windowed(g):      # a sliding window: the blocks its next query reads, and nothing before
                 first = max(req.num_computed_tokens - group.sliding_window + 1, 0) // group.block_size
                 assert [c for c, i in enumerate(ids) if i] == list(range(first, len(ids))), \
@@ -469,7 +469,7 @@ def check_output(llm: LLM, out, sp: SamplingParams) -> None:
 def check_idle(llm: LLM) -> None:
     stats = llm.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    assert stats["state_slots_free"] == stats["state_slots_total"]
+    assert stats["state_pages_free"] == stats["state_pages_total"]
     assert stats["runner_rows_in_use"] == 0 and stats["num_running"] == stats["num_waiting"] == 0
     for g in range(llm.model_runner.block_tables.num_groups):
         assert not llm.model_runner.block_tables.tables[g].any()

@@ -131,7 +131,7 @@ def test_batch_table_phases_samples_and_ledger(records):
     for tok in second.sampled_token_ids.values():
         assert f"<td style=\"{html.TD}\">{tok}</td>" in h1
     if second.ledger is not None:
-        assert ">state slot<" in h1
+        assert ">state page<" in h1
         for s in second.scheduled:
             assert str(second.ledger.kv_blocks(s.request_id)) in h1
 

@@ -73,7 +73,7 @@ def test_a_step_that_raises_leaves_the_engine_serving(monkeypatch, preset, where
         outs = run_to_completion(llm)
         assert [outs[i].outputs[0].token_ids for i in ids] == expected
         after = llm.stats()
-        for key in ("kv_blocks_free", "state_slots_free", "num_running", "num_waiting"):
+        for key in ("kv_blocks_free", "state_pages_free", "num_running", "num_waiting"):
             assert after[key] == total[key], key
 
 

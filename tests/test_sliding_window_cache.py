@@ -20,7 +20,7 @@ FULL, SLIDING = CacheGroupKind("attention", BS), CacheGroupKind("attention", BS,
 
 
 def manager(caching: bool = False) -> KVCacheManager:
-    return KVCacheManager([FULL, SLIDING], num_kv_blocks=40, num_state_slots=0, enable_prefix_caching=caching)
+    return KVCacheManager([FULL, SLIDING], num_kv_blocks=40, num_state_pages=0, enable_prefix_caching=caching)
 
 
 # ---- the hit rule -----------------------------------------------------------------------------------
@@ -81,7 +81,7 @@ def test_a_sliding_group_never_preempts_when_the_full_group_fits():
     blocks = cfg.num_window_blocks(W)
     assert blocks == 4 * (2 + 2) + 4 + 1 < cfg.num_full_kv_blocks
     kv = KVCacheManager([FULL, CacheGroupKind("attention", BS, W, blocks)], num_kv_blocks=cfg.num_full_kv_blocks,
-                        num_state_slots=0)
+                        num_state_pages=0)
     computed = dict.fromkeys("abcd", 0)
     for _ in range(60):
         budget = 16

@@ -472,9 +472,9 @@ def test_a_draft_equal_to_the_target_is_always_accepted_on_greedy_rows():
                          ids=["state-only-draft", "shared-kv-pool", "shared-kv-pool-prefix-hits", "dense-kv-pages"])
 def test_the_draft_in_the_step_proposes_its_own_greedy_continuation(target, draft, caching):
     """Each row's k drafts are exactly what the draft model, run as an engine of its own, generates
-    greedily from the request's tokens so far: its committed state slots hold the state of verified
+    greedily from the request's tokens so far: its committed state pages hold the state of verified
     tokens only (a rejected guess never enters them), through chunked prefills, mixed batches and
-    rows taken over by new requests. tiny-mamba2: state slots only; tiny-jamba: attention and Mamba1
+    rows taken over by new requests. tiny-mamba2: state pages only; tiny-jamba: attention and Mamba1
     layers, its KV at the target's block ids (the scheduler holding k lookahead slots per request)
     or, for a target without attention layers, in dense pages of its own. With prefix caching the
     prompts run twice: the second time the target hits its cache and the draft, which has none,
@@ -510,17 +510,17 @@ def test_the_draft_in_the_step_proposes_its_own_greedy_continuation(target, draf
 def test_lookahead_slots_cover_a_draft_models_guesses_up_to_max_model_len():
     """vLLM's num_lookahead_tokens: with k = 3 a request holds KV slots for 3 tokens past its
     scheduled ones (where the draft writes its guesses), never past max_model_len."""
-    kv = KVCacheManager([CacheGroupKind("attention", 4)], num_kv_blocks=32, num_state_slots=0,
+    kv = KVCacheManager([CacheGroupKind("attention", 4)], num_kv_blocks=32, num_state_pages=0,
                         num_lookahead_tokens=3, max_model_len=14)
     assert [len(ids) for ids in kv.allocate("a", 0, 5)] == [2]           # 5 + 3 tokens: 2 blocks
     assert [len(ids) for ids in kv.allocate("a", 5, 6)] == [1]           # 9 tokens: a third
     assert [len(ids) for ids in kv.allocate("a", 6, 13)] == [1]          # 16, capped to 14: a fourth
-    plain = KVCacheManager([CacheGroupKind("attention", 4)], num_kv_blocks=32, num_state_slots=0)
+    plain = KVCacheManager([CacheGroupKind("attention", 4)], num_kv_blocks=32, num_state_pages=0)
     assert [len(ids) for ids in plain.allocate("a", 0, 5)] == [2] and plain.allocate("a", 5, 8) == ([],)
 
 
 def test_a_draft_model_fits_a_budget_smaller_than_its_rows():
-    """The draft's k state slots per row and its k forwards' buffers with the smallest budget (2
+    """The draft's k state pages per row and its k forwards' buffers with the smallest budget (2
     tokens, 2 rows, k = 3): it builds and keeps plain decoding's tokens (found by the property
     suite: a draft RunnerConfig of k S rows once refused such a budget)."""
     engine = dict(device="cpu", max_num_seqs=2, max_num_batched_tokens=2)

@@ -46,7 +46,7 @@ def test_every_step_is_recorded_with_its_stage():
         rec = llm.trace.for_request(rid)[0]
         assert set(rec.timings) == {"schedule", "prepare_inputs", "build_metadata", "forward", "sample", "wait",
                                     "update"}
-        assert rec.ledger.state_slot(rid) == int(rec.metadata("mamba").common.block_table_tensor[0, 0])
+        assert rec.ledger.state_page(rid) == int(rec.metadata("mamba").common.block_table_tensor[0, 0])
         assert rec.ledger.kv_blocks(rid) == rec.metadata("attention").common.block_table_tensor[0, :1].tolist()
 
 
@@ -145,7 +145,7 @@ def test_memory_report_at_load_warmup_and_shutdown():
 
 
 def test_memory_report_counts_the_draft_model_and_shutdown_frees_it():
-    """method "draft_model": the draft's weights, KV pages, state slots and buffers are the engine's
+    """method "draft_model": the draft's weights, KV pages, state pages and buffers are the engine's
     (named "draft.*"), warmup's profile run includes the draft, and shutdown frees all of it."""
     spec = {"method": "draft_model", "model": "tiny-jamba", "num_speculative_tokens": 2}
     llm = LLM("tiny-bamba", device="cpu", dtype="float32", max_num_seqs=2, max_num_batched_tokens=16,

@@ -83,7 +83,7 @@ def test_warmup_leaves_engine_clean_and_outputs_unchanged(preset):
         assert "profile run" in timings and "real prefill + decode" in timings
         stats = llm.stats()
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-        assert stats["state_slots_free"] == stats["state_slots_total"]
+        assert stats["state_pages_free"] == stats["state_pages_total"]
         assert stats["runner_rows_in_use"] == 0
         llm.add_request(prompt, GREEDY)
         recs = [llm.step()]

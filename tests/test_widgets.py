@@ -104,7 +104,7 @@ def test_state_view_shows_the_picked_layer_and_request(preset):
     ins.state.request.value = rid
     st = rec.state(layers[-1])
     slot = st.slots[st.request_ids.index(rid)]
-    assert f"state slot {slot}" in ins.state.note.value and layers[-1] in ins.state.note.value
+    assert f"state page {slot}" in ins.state.note.value and layers[-1] in ins.state.note.value
     assert len(ins.state.images.children) == len(st.state_names)
     assert all(bytes(img.value).startswith(b"\x89PNG") for img in ins.state.images.children)
     assert bytes(ins.state.norms.value).startswith(b"\x89PNG")
@@ -118,7 +118,7 @@ def test_blocks_timeline_and_warmup_views():
     show(ins, "Blocks")
     rec = ins.record
     html = ins.blocks.html.value
-    assert html.count("<img") >= 3                        # attention table, slot mapping, state slots
+    assert html.count("<img") >= 3                        # attention table, slot mapping, state pages
     for rid in rec.ledger.holdings:
         assert rid in html
     show(ins, "Warmup")

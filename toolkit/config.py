@@ -79,29 +79,36 @@ class RunnerConfig:
 
     @property
     def state_columns(self) -> int:
-        """State slots a request holds without prefix caching: its running state, and with
+        """State pages a request holds without prefix caching: its running state, and with
         speculative decoding one per draft (the state after each verified position, vLLM's
         `1 + num_speculative_tokens` columns)."""
         return 1 + self.num_speculative_tokens
 
     @property
     def min_state_pages(self) -> int:
-        """A request holds its running state page (its 1 + k columns with speculative decoding),
-        and with prefix caching for one step also the page it copies from (a checkpoint, or a
-        prefix hit)."""
-        return self.max_num_seqs * (2 + self.num_speculative_tokens if self.enable_prefix_caching
-                                    else self.state_columns)
+        return min_state_pages(self.max_num_seqs, self.num_speculative_tokens, self.enable_prefix_caching)
 
     @property
     def state_pages(self) -> int:
-        """Mamba state pages besides the null page 0: by default one per request (1 + k with
-        speculative decoding), or with prefix caching 3 + k per request (the running page, its k
-        speculative pages, the page it copies from and the checkpoint a verify step may reach);
-        those not held are the checkpoints kept for later hits."""
+        """The state pool's size (`num_state_pages`, else `default_state_pages`)."""
         if self.num_state_pages is not None:
             return self.num_state_pages
-        return self.max_num_seqs * (3 + self.num_speculative_tokens if self.enable_prefix_caching
-                                    else self.state_columns)
+        return default_state_pages(self.max_num_seqs, self.num_speculative_tokens, self.enable_prefix_caching)
+
+
+def min_state_pages(max_num_seqs: int, num_speculative_tokens: int, enable_prefix_caching: bool) -> int:
+    """The fewest state pages an engine runs with: a request holds its running state page (its 1 + k
+    columns with speculative decoding), and with prefix caching for one step also the page it copies
+    from (a checkpoint, or a prefix hit)."""
+    return max_num_seqs * (1 + num_speculative_tokens + (1 if enable_prefix_caching else 0))
+
+
+def default_state_pages(max_num_seqs: int, num_speculative_tokens: int, enable_prefix_caching: bool) -> int:
+    """The recurrent state pool's size by default, besides the null page 0 (the one formula the config
+    and the scheduler share): one page per request (1 + k with speculative decoding), or with prefix
+    caching 3 + k per request (the running page, its k speculative pages, the page it copies from and
+    the checkpoint a verify step may reach); those not held are the checkpoints kept for later hits."""
+    return max_num_seqs * (1 + num_speculative_tokens + (2 if enable_prefix_caching else 0))
 
 
 SPEC_METHODS = ("ngram", "draft_model")

@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
             outputs.update({o.request_id: o for o in rec.outputs})
         print(f"\n{len(PROMPTS)} requests, max_num_batched_tokens={args.max_num_batched_tokens}, "
               f"max_num_seqs={args.max_num_seqs}")
-        print_table(["step", "prefill/decode", "tokens", "state slots", "query_start_loc", "seq_lens"], rows)
+        print_table(["step", "prefill/decode", "tokens", "state pages", "query_start_loc", "seq_lens"], rows)
         print()
         for rid, prompt in zip(ids, PROMPTS):
             out = outputs[rid].outputs[0]
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         pools = []
         if stats["kv_blocks_total"]:
             pools.append(f"{stats['kv_blocks_free']}/{stats['kv_blocks_total']} KV blocks free")
-        if stats["state_slots_total"]:
-            pools.append(f"{stats['state_slots_free']}/{stats['state_slots_total']} state slots free")
+        if stats["state_pages_total"]:
+            pools.append(f"{stats['state_pages_free']}/{stats['state_pages_total']} state pages free")
         print(f"\nafter: {', '.join(pools)}, {stats['runner_rows_in_use']} runner rows in use")
     return 0

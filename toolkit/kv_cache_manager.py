@@ -335,7 +335,7 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, groups: list[CacheGroupKind], num_kv_blocks: int, num_state_slots: int,
+    def __init__(self, groups: list[CacheGroupKind], num_kv_blocks: int, num_state_pages: int,
                  enable_prefix_caching: bool = False, state_columns: int = 1,
                  num_lookahead_tokens: int = 0, max_model_len: int | None = None):
         self.groups = groups
@@ -355,8 +355,8 @@ class KVCacheManager:
         self.window_pools: dict[int, BlockPool] = {
             g: BlockPool(group.num_blocks, f"kv blocks (window {group.sliding_window})")
             for g, group in enumerate(groups) if group.kind == "attention" and group.sliding_window is not None}
-        self.state_pool = BlockPool(num_state_slots + 1 if has_mamba else 0,
-                                    "state pages" if enable_prefix_caching else "state slots")
+        self.state_pool = BlockPool(num_state_pages + 1 if has_mamba else 0,
+                                    "state pages")
         self._ids: dict[str, tuple[list[int], ...]] = {}
         self.stats = PrefixCacheStats()
         # every full block computed lately, cached or not: where a new request's shared prefix ends
@@ -423,7 +423,7 @@ class KVCacheManager:
 
     def ids_covering(self, req_id: str, num_tokens: int) -> tuple[list[int], ...]:
         """Per group, the request's ids that hold its first `num_tokens` tokens: the KV blocks
-        covering them, and the state slot (what an n > 1 child copies from its parent)."""
+        covering them, and the state page (what an n > 1 child copies from its parent)."""
         return tuple(list(ids[:-(-num_tokens // g.block_size)]) if g.kind == "attention" else list(ids)
                      for g, ids in zip(self.groups, self.block_ids(req_id)))
 

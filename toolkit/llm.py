@@ -153,7 +153,7 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=self.cfg.max_model_len, groups=kinds,
             num_kv_blocks=num_kv_blocks, decode=self.tokenizer.decode,
-            enable_prefix_caching=enable_prefix_caching, num_state_slots=self.cfg.state_pages,
+            enable_prefix_caching=enable_prefix_caching, num_state_pages=self.cfg.state_pages,
             prefill_checkpoints=self.cfg.prefill_checkpoints, num_speculative_tokens=k,
             # a draft model's guesses are written at the target's block ids, past the scheduled tokens
             num_lookahead_tokens=self.model_runner.draft.num_lookahead_tokens if self.model_runner.draft else 0)
@@ -230,7 +230,7 @@ class LLM:
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request; its blocks and state slot are freed. Returns whether a running or
+        """Stop a request; its blocks and state page are freed. Returns whether a running or
         waiting request was aborted (an unknown or finished id changes nothing)."""
         self._check_open()
         request = self.scheduler.abort_request(request_id)
@@ -421,7 +421,7 @@ class LLM:
         return timings
 
     def _capture(self, progress: bool) -> CaptureReport:
-        # the capture check's dummy rows each write a state slot of their own: free ones that hold
+        # the capture check's dummy rows each write a state page of their own: free ones that hold
         # nothing a prefix hit could read (a cached checkpoint stays untouched)
         rows = max((sizes[-1] for sizes in self.model_runner.cudagraph_manager.family_sizes.values() if sizes),
                    default=0)
@@ -454,7 +454,7 @@ class LLM:
         (released as soon as a request finishes or is aborted)."""
         kv = self.scheduler.kv
         return {"kv_blocks_total": kv.kv_pool.num_total, "kv_blocks_free": kv.kv_pool.num_free,
-                "state_slots_total": kv.state_pool.num_total, "state_slots_free": kv.state_pool.num_free,
+                "state_pages_total": kv.state_pool.num_total, "state_pages_free": kv.state_pool.num_free,
                 **({"window_kv_blocks_total": sum(p.num_total for p in kv.window_pools.values()),
                     "window_kv_blocks_free": sum(p.num_free for p in kv.window_pools.values())}
                    if kv.window_pools else {}),

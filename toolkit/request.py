@@ -117,7 +117,7 @@ class Request:
     output_text: str | None = None
     detok_offsets: tuple[int, int] = (0, 0)
     # n > 1: the parent prefills all but the last prompt token, then forks into n children
-    # (`children`), which copy its KV blocks and state slot and each compute that last token
+    # (`children`), which copy its KV blocks and state page and each compute that last token
     index: int = 0                            # a child's index among the n (CompletionOutput.index)
     parent: Request | None = field(default=None, repr=False, compare=False)
     children: list[Request] = field(default_factory=list, repr=False, compare=False)

@@ -3,13 +3,13 @@
 Each step: running requests first (in order), then waiting ones while the token budget, the row
 limit (`max_num_seqs`) and the pools allow. A request gets `min(tokens it still lacks, budget)`
 tokens, so long prompts are prefilled in chunks alongside other requests' decodes. When KV blocks
-run out, the most recently admitted running request is preempted: its blocks and state slot are
+run out, the most recently admitted running request is preempted: its blocks and state page are
 freed and it goes back to the front of the queue, to be recomputed from its prompt + outputs.
 
 `n` > 1 (a fork, not n independent requests): the parent is scheduled up to its last prompt token
-only, then (`_fork`) leaves the running set, keeping its KV blocks and state slot, and its n
+only, then (`_fork`) leaves the running set, keeping its KV blocks and state page, and its n
 children join the front of the queue with that many tokens computed. Each child admitted but the
-last gets fresh blocks and a fresh slot and, in its NewRequestData, `fork_src`: the parent's ids
+last gets fresh blocks and a fresh state page and, in its NewRequestData, `fork_src`: the parent's ids
 that the runner copies into its own before the forward (KV blocks and the recurrent state: a
 copy, no sharing). The last child takes the parent's ids over (`inherits_state`: nothing copied,
 its slot not zeroed), so a fork needs one slot more than its children only while two or more
@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from toolkit.config import default_state_pages
 from toolkit.kv_cache_manager import (
     CacheGroupKind,
     KVCacheManager,
@@ -46,7 +47,7 @@ class NewRequestData:
     req_id: str
     prefill_token_ids: list[int]        # prompt (+ outputs so far, when resumed)
     sampling_params: SamplingParams
-    block_ids: tuple[list[int], ...]    # per KV-cache group; for a Mamba group: [state slot]
+    block_ids: tuple[list[int], ...]    # per KV-cache group; for a Mamba group: [state page]
     num_computed_tokens: int
     sampling_seed: int                  # the request's seed, or the one derived at its arrival
     num_prompt_tokens: int = 0          # the prompt alone (prefill_token_ids also hold outputs when resumed)
@@ -54,7 +55,7 @@ class NewRequestData:
     num_prompt_logprobs: int | None = None      # top-k of prompt logprobs to compute (None: none)
     fork_src: tuple[list[int], ...] | None = None   # an n > 1 child: per group, the parent's ids
                                                     # that the runner copies into the first of its own
-    inherits_state: bool = False        # an n > 1 child that took its parent's ids over: its state slot
+    inherits_state: bool = False        # an n > 1 child that took its parent's ids over: its state page
                                         # holds its computed tokens' state (not zeroed)
     num_cached_tokens: int = 0          # prefix caching: the computed tokens it took from the cache
     prefix_lookup: PrefixLookup | None = None   # what the prefix cache held for it at this admission
@@ -109,21 +110,20 @@ class Scheduler:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  groups: list[CacheGroupKind], num_kv_blocks: int,
                  decode: Callable[[list[int]], str] | None = None,
-                 enable_prefix_caching: bool = False, num_state_slots: int | None = None,
+                 enable_prefix_caching: bool = False, num_state_pages: int | None = None,
                  prefill_checkpoints: bool = False, num_speculative_tokens: int = 0,
                  num_lookahead_tokens: int = 0):
         self.decode = decode                # token ids -> text, for stop strings
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        # state pages: as RunnerConfig.state_pages (1 + k per request; 3 + k with prefix caching)
         # speculative decoding: a decode row verifies up to k drafts, and a request holds 1 + k state
         # columns, the state after each verified position
         self.num_speculative_tokens = num_speculative_tokens
         state_columns = 1 + num_speculative_tokens
-        self.kv = KVCacheManager(groups, num_kv_blocks,
-                                 num_state_slots or max_num_seqs * (2 + state_columns if enable_prefix_caching
-                                                                    else state_columns),
+        if num_state_pages is None:     # the engine passes RunnerConfig.state_pages: the same formula
+            num_state_pages = default_state_pages(max_num_seqs, num_speculative_tokens, enable_prefix_caching)
+        self.kv = KVCacheManager(groups, num_kv_blocks, num_state_pages,
                                  enable_prefix_caching=enable_prefix_caching, state_columns=state_columns,
                                  num_lookahead_tokens=num_lookahead_tokens, max_model_len=max_model_len)
         self.caching = enable_prefix_caching

@@ -1,7 +1,7 @@
 """Gated DeltaNet metadata (vLLM `GDNAttentionMetadata`), built per step by `GDNMetadataBuilder`.
 
 Token order contract (see mamba_base.py): [decode tokens | prefill tokens]. A GDN layer reads the
-base Mamba fields (state slots, prefill boundaries, initial-state flags) plus the chunk layout of
+base Mamba fields (state pages, prefill boundaries, initial-state flags) plus the chunk layout of
 its chunked gated-delta-rule prefill.
 
 Chunking follows FLA's varlen layout (`chunk_indices` / `chunk_offsets`, which vLLM's builder
@@ -11,7 +11,7 @@ may be short. (Mamba2 instead tops a continuing row up to the next multiple of c
 prefix caching; the GDN scan is exact for any layout, it just needs one.) The chunk fields carry
 Mamba2's names, so a layer can take its chunk layout from either metadata class.
 
-State slots come from the shared base builder in both cache modes (`mamba_block_size`, see
+State pages come from the shared base builder in both cache modes (`mamba_block_size`, see
 mamba_base.py), as vLLM's GDN builder takes them from the same `mamba_get_block_table_tensor`.
 Cache mode "all" (`prefill_checkpoints=True`): the base builder's internal checkpoints
 (`checkpoint_token_index_p`, `checkpoint_slots_p`); the GDN prefill saves a state after any token,

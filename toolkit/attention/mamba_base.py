@@ -6,7 +6,7 @@ continues a saved state is a decode too (vLLM #42430). That rule needs `is_prefi
 `seq_lens_cpu_upper_bound`, which is why both are required on every build.
 State index of a row (`mamba_block_size`, keyword-only on every Mamba-family builder; vLLM's
 `mamba_get_block_table_tensor`, vllm/v1/attention/backends/utils.py):
-  None  "none" mode (prefix caching off): column 0 of its block table, one state slot per request;
+  None  "none" mode (prefix caching off): column 0 of its block table, one state page per request;
         the index is a view of the block table.
   bs    "align" mode (prefix caching on, bs = mamba_block_size = the cache block size): the block
         table row is position-indexed (column i holds the state of tokens [i*bs, (i+1)*bs)), and a
@@ -22,7 +22,7 @@ into the row's page for column b / bs - 1, if the scheduler gave it one (a 0 the
 handed on as PAD_SLOT_ID: nothing written). The token indices come from the host lengths, the pages
 from a gather on the block table's device.
 Speculative decoding (`num_speculative_tokens` k > 0; vLLM's spec-decode path): every decode row --
-its last sampled token plus d <= k drafts, d possibly 0 -- is a verify row. Its state slots
+its last sampled token plus d <= k drafts, d possibly 0 -- is a verify row. Its state pages
 (`state_indices_tensor_d` [D, 1 + k]) are the 1 + k columns of its block-table row ("none"), or
 ("align") its running column -- that of its last draft -- and the k spec columns after it:
 the step starts from column `num_accepted_tokens - 1` (where the last step's last accepted
@@ -74,9 +74,9 @@ class BaseMambaAttentionMetadata:
     # prefill-only; None when num_prefills == 0
     query_start_loc_p: torch.Tensor | None       # device int32 [P+1], rebased to start at 0
     has_initial_states_p: torch.Tensor | None    # device bool [P]: num_computed_tokens > 0
-    state_indices_tensor_p: torch.Tensor | None  # device int32 [P]: state slot per prefill row
+    state_indices_tensor_p: torch.Tensor | None  # device int32 [P]: state page per prefill row
     # decode-only; None when num_decodes == 0
-    state_indices_tensor_d: torch.Tensor | None  # device int32 [D]: state slot per decode row
+    state_indices_tensor_d: torch.Tensor | None  # device int32 [D]: state page per decode row
     # internal checkpoints (cache mode "all"); None otherwise or when the prefill rows cross no
     # block boundary inside their chunk. M = checkpoints in the step.
     checkpoint_token_index_p: torch.Tensor | None  # device int64 [M]: index among the prefill tokens of
@@ -163,7 +163,7 @@ class BaseMambaMetadataBuilder(AttentionMetadataBuilder):
         self._spec_columns: dict[tuple[torch.device, int], torch.Tensor] = {}
 
     def state_indices(self, common: CommonAttentionMetadata) -> torch.Tensor:
-        """Device int32 [B]: the state slot of every row (see the module docstring for the modes)."""
+        """Device int32 [B]: the state page of every row (see the module docstring for the modes)."""
         table = common.block_table_tensor
         if self.mamba_block_size is None and not self.num_speculative_tokens:
             return table[:, 0]

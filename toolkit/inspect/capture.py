@@ -125,7 +125,7 @@ class Captured:
     """One capture of the chosen rows' states: which rows, their slots, and per layer one host
     tensor [b, *shape] per state (b = captured rows, in batch order)."""
     request_ids: list[str]
-    slots: dict[str, list[int]]                      # layer -> state slot of each captured row
+    slots: dict[str, list[int]]                      # layer -> state page of each captured row
     states: list[tuple[str, list[torch.Tensor]]]     # (layer, tensors)
 
 

@@ -3,8 +3,8 @@
 Each check reads the objects the runner used (metadata, block tables, the scheduler's ledger, the
 state cache) and returns `Violation`s; it never changes them. What each one guards against:
 
-- `null_id_not_live`      no running request holds the null KV block 0 or the null state slot 0;
-- `no_shared_ids`         no two live requests share a KV block or a state slot;
+- `null_id_not_live`      no running request holds the null KV block 0 or the null state page 0;
+- `no_shared_ids`         no two live requests share a KV block or a state page;
 - `block_table_matches_ledger`  the runner's block-table rows equal the scheduler's ledger;
 - `state_indices_match_ledger`  each row's Mamba state index is its request's slot (vLLM #55600);
 - `initial_state_flag`    has_initial_states_p is True exactly for rows with computed tokens (#43090);

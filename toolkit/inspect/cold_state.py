@@ -73,7 +73,7 @@ class ColdReplay:
             kinds, num_kv_blocks = scheduler_groups(groups)
             scheduler = Scheduler(max_num_seqs=1, max_num_batched_tokens=n, max_model_len=n + 1, groups=kinds,
                                   num_kv_blocks=num_kv_blocks, decode=lambda ids: "",
-                                  enable_prefix_caching=False, num_state_slots=cfg.state_pages)
+                                  enable_prefix_caching=False, num_state_pages=cfg.state_pages)
             scheduler.add_request(Request("cold", token_ids, SamplingParams(max_tokens=1), frozenset()))
             sched_out = scheduler.schedule()
             if sched_out.num_scheduled_tokens.get("cold") != n:

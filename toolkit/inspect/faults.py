@@ -109,7 +109,7 @@ def _plant_slot_not_zeroed(stack: contextlib.ExitStack) -> None:
     def add_request_without_zeroing(self, req_idx, new_req):
         slots = [s for g in self.mamba_groups for s in new_req.block_ids[g.group_id]]
         if 0 in slots:
-            raise RuntimeError(f"request {new_req.req_id} was given the null state slot 0")
+            raise RuntimeError(f"request {new_req.req_id} was given the null state page 0")
     _patch(stack, MambaHybridModelState, "add_request", add_request_without_zeroing)
 
 
@@ -293,7 +293,7 @@ _CATALOGUE = [
           "MetadataContractError", _plant_missing_upper_bound),
     Fault("attention_free_default_state",
           "an attention-free model (Mamba, Mamba2) is routed to DefaultModelState, which manages no "
-          "state slots",
+          "state pages",
           "vLLM PR #52374 ([MRV2] Support attention-free models)",
           "ModelStateError when the LLM is built, naming the model state and the Mamba groups",
           "ModelStateError", _plant_attention_free_default_state),
@@ -310,7 +310,7 @@ _CATALOGUE = [
           "InvariantError (initial_state_flag) naming step, request and has_initial_states_p",
           "initial_state_flag", _plant_initial_state_flag),
     Fault("slot_not_zeroed_on_reuse",
-          "a state slot freed by a finished request is handed to a new one without zeroing: the old "
+          "a state page freed by a finished request is handed to a new one without zeroing: the old "
           "request's conv/SSM state sits there, and any path that reads a fresh request's slot (a "
           "wrong initial-state flag, a prefix-cache or spec-decode path) starts from it; alone it is "
           "latent, which is why the check looks at the slot itself",
@@ -324,7 +324,7 @@ _CATALOGUE = [
           "InvariantError at shutdown (shutdown_order, released_on_shutdown) naming what is still alive",
           "released_on_shutdown", _plant_graph_manager_kept),
     Fault("padded_row_on_real_slot",
-          "padded (dummy) rows point at a real state slot and KV block instead of the null id 0, so "
+          "padded (dummy) rows point at a real state page and KV block instead of the null id 0, so "
           "warmup and padded decode batches overwrite a live request's state",
           "vLLM padded CUDA-graph rows / null-block convention (cf. #56524)",
           "InvariantError (padded_rows_on_null) at warmup naming the group, rows and ids",

@@ -7,7 +7,7 @@ forward every rank all-gathers a fingerprint of what it built (a digest per fiel
 batch, each group's metadata and the block tables); the check `metadata_equal_on_every_rank`
 names the first field a rank differs in, and the first entry that differs.
 
-In inspect="full", rank 0 decides what a step captures (the layers, the rows, their state slots:
+In inspect="full", rank 0 decides what a step captures (the layers, the rows, their state pages:
 `CapturePlan`) and hands the plan to the other ranks in the same collective; every rank copies
 its shard of those states to the host and rank 0 gathers them (`gather_object`) into the full
 state by each layer's `StateShard` index (layers/state_mixer.py). Entries several ranks hold (a
@@ -44,7 +44,7 @@ from toolkit.layers.state_mixer import StateShard, StateSlotMixer
 @dataclass(frozen=True)
 class CapturePlan:
     """What a full-mode step captures, decided by rank 0: the layers, the batch rows and each
-    layer's state slot per row."""
+    layer's state page per row."""
     layers: tuple[str, ...]
     rows: list[int]
     slots: dict[str, list[int]]
@@ -272,7 +272,7 @@ class WorkerInspector:
         pass
 
     def state_at(self, layer: str, slot: int) -> list[torch.Tensor]:
-        """This rank's state tensors of recurrent layer `layer` at state slot `slot` now (host copies)."""
+        """This rank's state tensors of recurrent layer `layer` at state page `slot` now (host copies)."""
         return [t[slot].detach().cpu().clone() for t in self.runner.kv_caches[layer]]
 
     def memory(self, mark: str | None = None) -> dict[str, int]:

@@ -38,7 +38,7 @@ from toolkit.inspect.summaries import (
 
 TRACE_COLUMNS = ["#", "step", "stage", "prefill rows", "decode rows", "tokens", "forward", "requests",
                  "finished", "time", "violations"]
-BATCH_COLUMNS = ["row", "request", "phase", "computed before", "tokens", "state slot", "KV blocks",
+BATCH_COLUMNS = ["row", "request", "phase", "computed before", "tokens", "state page", "KV blocks",
                  "sampled", "logprob", "rank", "kept"]
 
 
@@ -87,7 +87,7 @@ def _prefill_lens(rec: Any) -> dict[str, int]:
 
 
 def row_holdings(rec: Any, row: int) -> tuple[int | None, list[int] | None]:
-    """(state slot, KV block ids) of a batch row: the state index the Mamba builder handed the
+    """(state page, KV block ids) of a batch row: the state index the Mamba builder handed the
     layers (its running page with prefix caching) and the attention block-table row the runner
     used (the first Mamba and attention groups); None where the model has no such group. Trailing
     null entries of a block-table row are unused columns."""

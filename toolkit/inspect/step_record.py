@@ -114,12 +114,12 @@ def scheduled_rows(batch: InputBatch) -> list[ScheduledRequest]:
 @dataclass
 class CacheLedger:
     """Who holds which ids, per KV-cache group: KV block ids for an attention group, the one
-    state slot for a Mamba group (with prefix caching, its position-indexed row of state pages: 0
+    state page for a Mamba group (with prefix caching, its position-indexed row of state pages: 0
     where a column has none, the last one the running page). Taken from the scheduler's pools."""
     group_kinds: list[str]                          # per group: "attention" or "mamba"
     holdings: dict[str, list[list[int]]]            # request id -> per group, the ids it holds
 
-    def state_slot(self, request_id: str) -> int | None:
+    def state_page(self, request_id: str) -> int | None:
         for kind, ids in zip(self.group_kinds, self.holdings.get(request_id, [])):
             if kind == "mamba" and any(ids):
                 return [i for i in ids if i][-1]
@@ -208,7 +208,7 @@ class SpecRow:
     num_accepted: int                  # tokens kept: accepted drafts + 1 (vLLM num_accepted_tokens)
     start_column: int | None           # the state column this step started from (num_accepted_tokens - 1
                                        # in the step's Mamba metadata); None without recurrent layers
-    columns: list[int] | None          # its 1 + k state slots (state_indices_tensor_d row); None likewise
+    columns: list[int] | None          # its 1 + k state pages (state_indices_tensor_d row); None likewise
     columns_read: bool = True          # False: inspection was off and the columns were not read (a
                                        # device read would sync the step); start_column and columns None
 

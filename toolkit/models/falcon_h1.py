@@ -17,7 +17,7 @@ out_proj bias projectors_bias, dt clamped to time_step_limit; y * silu(gate) wit
 mamba_rms_norm (then the grouped gated RMS norm, normalising before the gate if
 mamba_norm_before_gate). See Mamba2Mixer's options.
 Each layer so has two cache layers: `model.layers.{i}.self_attn` (KV blocks) and
-`model.layers.{i}.mamba` (a state slot); they fall in the attention and the Mamba cache group.
+`model.layers.{i}.mamba` (a state page); they fall in the attention and the Mamba cache group.
 HF names: model.embed_tokens, model.layers.{i}.{feed_forward.{gate,up,down}_proj, mamba.*,
 self_attn.{q,k,v,o}_proj, input_layernorm, pre_ff_layernorm}, model.final_layernorm, lm_head.
 """

@@ -98,7 +98,7 @@ class BlockTables:
                             ) -> tuple[torch.Tensor, ...]:
         """Rows of the batch, in batch order: tuple over groups of int32 [num_rows, W_g] (device
         views; num_rows defaults to B), staged. Rows past B are padded rows: every entry the null
-        block / null state slot 0, rewritten whenever the staged rows change, so no stale real id
+        block / null state page 0, rewritten whenever the staged rows change, so no stale real id
         survives there."""
         b = len(idx_mapping_np)
         rows = b if num_rows is None else num_rows

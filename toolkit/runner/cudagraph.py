@@ -3,7 +3,7 @@
 A decode batch of n rows (every row one token on top of saved state; with speculative decoding every
 row its last sampled token and k drafts, t = 1 + k tokens) is padded to the next capture size
 P >= n: the P - n padded rows read token 0 at positions 0..t-1, their block-table rows point at the
-null block / null state slot 0, their tokens' KV slots are PAD_SLOT_ID (nothing written) and their
+null block / null state page 0, their tokens' KV slots are PAD_SLOT_ID (nothing written) and their
 seq_len is t (so attention never softmaxes an empty row). Their outputs are dropped before the
 logits. Mixed prefill/decode batches, verify batches whose rows do not all carry k drafts, and
 decode batches larger than the largest capture size, run

@@ -6,7 +6,7 @@ request ids. For each target request row r (S = the target's max_num_seqs) the d
 
 - its KV pages and `num_computed[r]`, the tokens it has consumed, all verified (the target's
   computed tokens and the token the step just sampled);
-- k state slots `slots[r]`: one holds the recurrent state over those tokens (the committed slot),
+- k state pages `slots[r]`: one holds the recurrent state over those tokens (the committed slot),
   the other k - 1 take the draft's guesses, each the state after one more guess. Nothing the target
   may reject enters the committed slot, so a recurrent draft needs no rollback; and when the next
   verified tokens begin with m of the guesses, the slot of guess m becomes the committed one and
@@ -61,7 +61,7 @@ from toolkit.runner.staging import Staging, StagingBank, banked_regions
 
 def draft_runner_config(target: RunnerConfig, k: int, shared_kv_blocks: int | None = None) -> RunnerConfig:
     """The draft's configuration: a row per target row (each forward of a step uses row r for target
-    row r) and k state slots per row; the target's token budget plus one token per row (a decode
+    row r) and k state pages per row; the target's token budget plus one token per row (a decode
     row's new sample); k positions past the target's max_model_len (a row's guesses past it go to the
     null page); KV pages: the target's block ids (`shared_kv_blocks`, the target's pool size), else
     dense pages per row; eager, no prefix caching."""
@@ -133,15 +133,15 @@ class DraftModelSpeculator(Proposer):
             int32 |= banked_regions({**inputs32, **tables32}, f"#{j}")
             int64 |= banked_regions({**inputs64, **tables64}, f"#{j}")
         int32["token_ids"] = (cfg.max_num_batched_tokens,)          # the catch-up's tokens (host history)
-        int64["guess_copies"] = (max(k - 1, 1), 2, s)                  # per guess: state slots from -> to
-        int64["fresh_rows"] = (s,)                                    # state slots to zero (rows starting over)
+        int64["guess_copies"] = (max(k - 1, 1), 2, s)                  # per guess: state pages from -> to
+        int64["fresh_rows"] = (s,)                                    # state pages to zero (rows starting over)
         self.staging = Staging(int32, int64, cfg.device)
         self.banks = [StagingBank(self.staging, f"#{j}") for j in range(k)]
         self.block_tables = [BlockTables([g.block_size for g in self.kv_cache_groups], widths, s, bank)
                              for bank in self.banks]
         # every bank's rows are the target's rows r: the banks share the KV table (the target's block
         # ids copied in each step, or dense pages) and each has its own state column (the slot its
-        # forward runs in). Target row r owns the k state slots slots[r]; one holds its committed
+        # forward runs in). Target row r owns the k state pages slots[r]; one holds its committed
         # state (`committed[r]`, an index into them), the others take its guesses.
         self.kv_table: np.ndarray | None = None
         self.bank_state_tables: list[list[np.ndarray]] = [[] for _ in range(k)]
@@ -223,7 +223,7 @@ class DraftModelSpeculator(Proposer):
         for table in self.bank_state_tables[0]:
             table[rows, 0] = committed
         forwards = [self._stage_batch(0, rows, starts, counts)]
-        fresh = committed[starts == 0]               # a row starting over: its state slot from zero
+        fresh = committed[starts == 0]               # a row starting over: its state page from zero
         stage.put("fresh_rows", fresh)
         drafting, ends = rows[want], (starts + counts)[want]
         guessing = self.k > 1 and len(drafting) > 0

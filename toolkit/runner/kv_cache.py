@@ -2,9 +2,9 @@
 
 Layers are grouped by spec kind: one group of full-attention layers (paged K/V, `block_size` tokens
 per block), one per sliding window (the same pages, released once out of every query's window) and
-one group of Mamba layers (one state slot per request). Unlike vLLM we do not
+one group of Mamba layers (one state page per request). Unlike vLLM we do not
 unify page sizes across groups: each group has its own tensors and its own id space, and id 0
-of each is the null block/slot. A Mamba group's block-table row has one column: the state slot
+of each is the null block/page. A Mamba group's block-table row has one column: the state page
 (with speculative decoding 1 + k: the state after each position of a verify step, vLLM's
 `state_indices_tensor_d` columns). With prefix caching ("align") the row is position-indexed, one
 column per block, plus k columns: a verify step's spec columns follow the running column.

@@ -153,7 +153,7 @@ class ModelRunner:
         plain_rows = speculative_config is not None and speculative_config.method != "draft_model"
         self.cudagraph_manager = CudaGraphManager(graph_mode, cfg.max_num_seqs, cfg.device,
                                                   graph_tokens, 1 + cfg.num_speculative_tokens, plain_rows)
-        self._check_slots: list[int] = []       # the capture check's scratch state slots (capture_cudagraphs)
+        self._check_slots: list[int] = []       # the capture check's scratch state pages (capture_cudagraphs)
         self.execute_state: ExecuteModelState | None = None
         self.observer: StepObserver | None = None
         self.clock = StageClock(use_events=cfg.device.type == "cuda")
@@ -190,7 +190,7 @@ class ModelRunner:
 
     def _copy_forked(self, new_reqs: list[NewRequestData]) -> None:
         """n > 1 children admitted this step (all but a parent's last): copy the parent's KV blocks
-        and state slot into the child's own (its slot was just zeroed by model_state.add_request),
+        and state page into the child's own (its page was just zeroed by model_state.add_request),
         for every layer, before the forward. One index copy per group and step. The parent's ids are
         its own until its last child takes them over (scheduler.py), and that child writes them
         only in its forward, after these copies."""
@@ -484,7 +484,7 @@ class ModelRunner:
         """Warmup's last stage on CUDA: one graph per decode capture size (cudagraph.py), each
         checked against the eager forward (`check`). The dummy batch and its metadata are prepared
         outside the capture (host work and host-to-device copies cannot be captured); the graph
-        records the forward. `scratch_slots`: free state slots holding nothing cached (the
+        records the forward. `scratch_slots`: free state pages holding nothing cached (the
         scheduler's pool says which), one per row of the check's dummy batch (see _check_graph)."""
         self._check_slots = list(scratch_slots)
         with torch.inference_mode():
@@ -496,7 +496,7 @@ class ModelRunner:
     def _check_graph(self, size: int, run_eager, replay) -> str | None:
         """A graph's replay against the eager forward on the same dummy batch (cudagraph.py): None
         when the greedy tokens are equal and the logits within the dtype's tolerance, else the
-        first differing output. Each dummy row reads and writes a scratch state slot of its own
+        first differing output. Each dummy row reads and writes a scratch state page of its own
         (`_prepare_dummy(vary_tokens=True)`: rows sharing the null slot race on it on a GPU), zeroed
         before each run so that both start from the same state, and after (a free slot is zero)."""
         slots = [0, *self._check_slots[:size]]
@@ -518,7 +518,7 @@ class ModelRunner:
                 f"(tolerance {atol:g} + {rtol:g} * |eager|)")
 
     def _zero_state_slots(self, slots: list[int]) -> None:
-        """Zero these recurrent state slots (the null slot and the capture check's)."""
+        """Zero these recurrent state pages (the null page and the capture check's)."""
         index = torch.tensor(slots, device=self.device)
         for group in self.kv_cache_groups:
             if group.kind == "mamba":
@@ -535,7 +535,7 @@ class ModelRunner:
         drafts = num_tokens // num_reqs - 1 if for_capture else 0
         batch = make_dummy(self.input_buffers, num_reqs, num_tokens, drafts)
         block_tables = self.block_tables.null_block_tables(num_reqs)
-        if vary_tokens:     # the capture check: a scratch state slot per row (see _check_graph)
+        if vary_tokens:     # the capture check: a scratch state page per row (see _check_graph)
             self.block_tables.distinct_state_slots(
                 num_reqs, {g.group_id: self._check_slots for g in self.kv_cache_groups if g.kind == "mamba"})
         slot_mappings = self.block_tables.pad_slot_mappings(num_tokens)

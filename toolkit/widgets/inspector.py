@@ -9,7 +9,7 @@ Controls: Step, Run N, Run to end, Reset (a new LLM from the same arguments), ad
 a text box (text, or token ids as "5, 6, 7"); with inspect="full", Capture: which recurrent layers
 and requests the next steps record (`llm.set_inspect_filter`); a line with the trace's records and
 bytes against its budget; a history slider over `llm.trace` (warmup stages included and labelled).
-Tabs: Batch, Metadata, Blocks (KV blocks and state slots), State, Timeline, Warmup (and memory),
+Tabs: Batch, Metadata, Blocks (KV blocks and state pages), State, Timeline, Warmup (and memory),
 Prefix cache (the step's lookups: each admitted request's hash chain block by block, its hit and
 why; where each recurrent state came from; and, on the latest record, what the cache holds now),
 Speculation (each decode row's drafts against the target's tokens, the accepted run, the first

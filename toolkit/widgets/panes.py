@@ -169,7 +169,7 @@ def _used_blocks(table: torch.Tensor) -> list[int]:
 
 
 def block_tables_html(record: Any) -> str:
-    """Per layer group, the block table (or state slot per row) as a picture; the slot mapping of
+    """Per layer group, the block table (or state page per row) as a picture; the slot mapping of
     attention groups; then the scheduler's ledger."""
     if record is None:
         return H.note(NO_RECORDS)
@@ -181,11 +181,11 @@ def block_tables_html(record: Any) -> str:
         labels = [s.request_id for s in record.scheduled] or [f"pad {i}" for i in range(table.shape[0])]
         if gm.kind == "mamba" and gm.common.num_accepted_tokens is not None:
             png = plots.block_grid_png(table.tolist(), labels,
-                                       f"group {gm.group_id}: state slots per row, column j = the state after "
+                                       f"group {gm.group_id}: state pages per row, column j = the state after "
                                        "verify position j (speculative decoding)")
         elif gm.kind == "mamba" and table.shape[1] == 1:
             png = plots.block_grid_png(table.tolist(), labels,
-                                       f"group {gm.group_id}: state slot per row (grey = null slot 0)")
+                                       f"group {gm.group_id}: state page per row (grey = null page 0)")
         elif gm.kind == "mamba":                    # prefix caching: a page per block column
             png = plots.block_grid_png(table.tolist(), labels,
                                        f"group {gm.group_id}: state pages by block column, the last one running "
@@ -240,11 +240,11 @@ def state_ranks(record: Any) -> int:
 
 
 def state_caption(record: Any, layer: str, request_id: str, rank: int | None = None) -> str:
-    """`model.layers.0.mamba, request '0', step 3 (step): state slot 2` (and, sharded, whose state:
+    """`model.layers.0.mamba, request '0', step 3 (step): state page 2` (and, sharded, whose state:
     gathered from N ranks, or rank r's shard with its shape)."""
     st = record.state(layer)
     text = (f"{layer}, request {request_id!r}, step {record.step_index} ({record.stage}): "
-            f"state slot {st.slots[st.request_ids.index(request_id)]}")
+            f"state page {st.slots[st.request_ids.index(request_id)]}")
     if st.num_ranks > 1 and rank is None:
         text += f"; the full state, gathered from {st.num_ranks} tensor-parallel ranks"
     elif rank is not None:

@@ -79,7 +79,7 @@ class _HtmlView(_View, ABC):
 
 
 class BatchView(_HtmlView):
-    """The step's requests in batch order: phase, computed and scheduled tokens, state slot, KV
+    """The step's requests in batch order: phase, computed and scheduled tokens, state page, KV
     blocks, sampled token (and its text with `decode`)."""
 
     def __init__(self, record=None, decode: Callable[[list[int]], str] | None = None):

@@ -1,7 +1,7 @@
 """`MambaHybridModelState`: hybrid (attention + Mamba-family) AND attention-free models.
 
 What it adds over the default state (vLLM `model_states/mamba_hybrid.py`):
-- state hygiene: a request's fresh state slots are zeroed when it is added (vLLM #35219/#56524),
+- state hygiene: a request's fresh state pages are zeroed when it is added (vLLM #35219/#56524),
   except an n > 1 child's that took its parent's slot over (`inherits_state`: the slot holds the
   state of the prompt the parent computed);
 - with prefix caching ("align" mode), `preprocess_state`: a row whose last scheduled token lies in a
@@ -95,7 +95,7 @@ class MambaHybridModelState(DefaultModelState):
             return
         slots = [s for g in self.mamba_groups for s in new_req.block_ids[g.group_id]]
         if 0 in slots:
-            raise RuntimeError(f"request {new_req.req_id} was given the null state slot 0")
+            raise RuntimeError(f"request {new_req.req_id} was given the null state page 0")
         if slots and not new_req.inherits_state:
             index = to_device(np.array(slots, dtype=np.int64), self.device)
             for t in self.state_tensors:
