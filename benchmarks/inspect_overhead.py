@@ -19,7 +19,7 @@ import time
 import torch
 
 from toolkit import LLM, SamplingParams
-from toolkit.request import request_output
+from toolkit.outputs import request_output
 
 sys.path.insert(0, os.path.dirname(__file__))   # table.py beside it, also under PYTHONSAFEPATH=1
 from table import print_markdown_table

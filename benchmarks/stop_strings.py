@@ -10,8 +10,9 @@ from __future__ import annotations
 import random
 import time
 
-from toolkit.request import Request, check_stop_strings
+from toolkit.request import Request
 from toolkit.sampling import SamplingParams
+from toolkit.stop_strings import check_stop_strings
 from toolkit.tokenizer import ByteTokenizer
 
 WORDS = ["the", "runner", "state", "cache", "héllo", "–", "prefix", "step", "🙂"]

@@ -269,7 +269,7 @@ def test_the_rendered_tutorials_are_the_committed_notebooks():
 
 def test_the_api_reference_covers_the_public_names():
     reference = "\n".join(p.read_text(encoding="utf-8") for p in (REPO / "docs" / "reference").glob("*.md"))
-    for target in ["toolkit.llm.LLM", "toolkit.sampling.SamplingParams", "toolkit.request.RequestOutput",
+    for target in ["toolkit.llm.LLM", "toolkit.sampling.SamplingParams", "toolkit.outputs.RequestOutput",
                    "toolkit.inspect.step_record.StepRecord", "toolkit.inspect.trace.Trace",
                    "toolkit.widgets.inspector.StepInspector", "toolkit.inspect.compare_hf.compare_with_hf",
                    "toolkit.inspect.trace_diff.diff_traces", "toolkit.inspect.checks", "toolkit.inspect.faults"]:

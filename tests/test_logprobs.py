@@ -9,7 +9,7 @@ import torch
 
 from toolkit import LLM, SamplingParams
 from toolkit.inspect import Trace, check_logprobs_close, html, record_views
-from toolkit.request import Logprob
+from toolkit.outputs import Logprob
 
 from harness import TINY_PRESETS, small_llm
 

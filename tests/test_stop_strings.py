@@ -5,8 +5,9 @@ output (so a 4k-token output costs O(new text) per token); a stop string whose l
 in a later token than its first, or spans a multi-byte character, cuts where vLLM cuts."""
 from __future__ import annotations
 
-from toolkit.request import Request, check_stop_strings
+from toolkit.request import Request
 from toolkit.sampling import SamplingParams
+from toolkit.stop_strings import check_stop_strings
 from toolkit.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer(300)

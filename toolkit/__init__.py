@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 _PUBLIC = {
     "LLM": "toolkit.llm",
     "SamplingParams": "toolkit.sampling",
-    "RequestOutput": "toolkit.request",
-    "CompletionOutput": "toolkit.request",
+    "RequestOutput": "toolkit.outputs",
+    "CompletionOutput": "toolkit.outputs",
     "StepRecord": "toolkit.inspect.step_record",
     **{name: "toolkit.errors" for name in (
         "ToolkitError", "EngineClosedError", "InvariantError", "MetadataContractError", "InvalidRequestError",
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     )
     from toolkit.inspect.step_record import StepRecord
     from toolkit.llm import LLM
-    from toolkit.request import CompletionOutput, RequestOutput
+    from toolkit.outputs import CompletionOutput, RequestOutput
     from toolkit.sampling import SamplingParams
 
 

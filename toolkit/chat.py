@@ -19,7 +19,7 @@ from toolkit.errors import InvalidRequestError
 
 if TYPE_CHECKING:       # chat sits below the LLM facade: typing only
     from toolkit.llm import LLM
-    from toolkit.request import RequestOutput
+    from toolkit.outputs import RequestOutput
     from toolkit.sampling import SamplingParams
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from toolkit.admission import Prompt, RequestIds, RequestLimits, own_params, prompt_token_ids
 from toolkit.chat import chat, public_tokenizer
 from toolkit.config import (
     RunnerConfig,
@@ -34,17 +35,8 @@ from toolkit.inspect.trace import Trace
 from toolkit.kv_cache_manager import prefix_cache_stats
 from toolkit.models import load_model
 from toolkit.models.loader import tokenizer_folder
-from toolkit.request import (
-    Prompt,
-    Request,
-    RequestIds,
-    RequestLimits,
-    RequestOutput,
-    child_id,
-    finished_outputs,
-    own_params,
-    prompt_token_ids,
-)
+from toolkit.outputs import RequestOutput, finished_outputs
+from toolkit.request import Request, child_id
 from toolkit.runner.cudagraph import CaptureReport
 from toolkit.runner.cudagraph import resolve_mode as resolve_cudagraph_mode
 from toolkit.runner.executor import TPExecutor, check_no_engine_group

@@ -20,7 +20,7 @@ from scratch instead.
 
 Stop conditions after each kept token (`update_from_output`): EOS, stop ids (both only from
 `min_tokens` output tokens on), max_tokens / max_model_len, and stop strings on the detokenized
-text (`decode`, request.py's `check_stop_strings`).
+text (`decode`, stop_strings.py's `check_stop_strings`).
 """
 from __future__ import annotations
 
@@ -37,8 +37,9 @@ from toolkit.kv_cache_manager import (
     block_hashes,
     lookup_not_searched,
 )
-from toolkit.request import Request, RequestStatus, TokenLogprobs, check_stop_strings, make_children
+from toolkit.request import Request, RequestStatus, TokenLogprobs, make_children
 from toolkit.sampling import SamplingParams
+from toolkit.stop_strings import check_stop_strings
 
 
 @dataclass

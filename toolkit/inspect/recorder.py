@@ -53,7 +53,8 @@ from toolkit.inspect.step_record import (
 )
 from toolkit.inspect.trace import Trace
 from toolkit.layers.state_mixer import StateSlotMixer
-from toolkit.request import Request, RequestOutput
+from toolkit.outputs import RequestOutput
+from toolkit.request import Request
 from toolkit.runner.cudagraph import CaptureReport
 from toolkit.runner.model_runner import ExecuteModelState, ModelRunner
 from toolkit.scheduler import Scheduler, SchedulerOutput

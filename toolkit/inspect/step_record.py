@@ -18,7 +18,8 @@ import torch
 
 from toolkit.kv_cache_manager import PrefixLookup
 from toolkit.layers.state_mixer import StateShard
-from toolkit.request import RequestOutput, TokenLogprobs
+from toolkit.outputs import RequestOutput
+from toolkit.request import TokenLogprobs
 from toolkit.runner.attn_utils import GroupMetadata
 from toolkit.runner.input_batch import InputBatch
 
