@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -323,6 +323,19 @@ def lookup_not_searched(num_tokens: int, block_size: int, why: str) -> PrefixLoo
 
 
 @dataclass
+class StateMoves:
+    """Prefix caching (Mamba "align" rows): the rows that enter a new block's column this step, as
+    the scheduler planned them (the one place that knows where each row's state is): before the
+    forward the runner copies the running state from page `src` (the state after `from_tokens`
+    tokens) to page `dst`, the new column's, or zeroes `dst` where `src` is 0 (nothing computed);
+    src == dst: already there. The row's accepted count is then 1 (its state in column 0)."""
+    req_ids: list[str] = field(default_factory=list)
+    from_tokens: list[int] = field(default_factory=list)
+    src: list[int] = field(default_factory=list)
+    dst: list[int] = field(default_factory=list)
+
+
+@dataclass
 class PrefixCacheStats:
     queries: int = 0                 # requests looked up
     hits: int = 0                    # of those, with a hit
@@ -375,6 +388,10 @@ class KVCacheManager:
         self._running_column: dict[str, int] = {}   # per request: its aligned rows' running column at
                                                     # the last allocation
         self._num_drafts: dict[str, int] = {}       # ... and the drafts its row verified then
+        # per request: where its state is after its last step, counted from its running column (the
+        # runner says so after sampling: ModelRunnerOutput.state_offsets); 0 when not listed
+        self._state_offset: dict[str, int] = {}
+        self._state_moves: dict[str, tuple[int, int, int]] = {}   # this step's moves (StateMoves), by request
 
     def pool(self, g: int) -> BlockPool:
         if g in self.window_pools:
@@ -444,6 +461,8 @@ class KVCacheManager:
         if from_id in self._running_column:
             self._running_column[to_id] = self._running_column.pop(from_id)
             self._num_drafts[to_id] = self._num_drafts.pop(from_id, 0)
+        if from_id in self._state_offset:
+            self._state_offset[to_id] = self._state_offset.pop(from_id)
 
     # ---- growing a request ------------------------------------------------------------------------
     def _plan(self, req_id: str, num_computed: int, num_after: int, num_drafts: int = 0
@@ -569,11 +588,49 @@ class KVCacheManager:
                     row += [0] * (col + 1 - len(row))
                 row[col] = page
                 self._mark_dirty(req_id, col)
-            self._running_column[req_id] = -(-num_after // self.groups[g].block_size) - 1
+            self._plan_state_move(req_id, row, self.groups[g].block_size, num_computed, num_after)
             self._num_drafts[req_id] = num_drafts
             added.append(self.row_tail(req_id, g))
         self.row_delivered(req_id)                   # the tails above carry every change
         return tuple(added)
+
+    def _plan_state_move(self, req_id: str, row: list[int], bs: int, num_computed: int, num_after: int) -> None:
+        """An aligned row allocated for this step: its running column moves to that of its last
+        scheduled token. Where it moves, the step's StateMoves gets (tokens, src page, dst page): the
+        state after the computed tokens is at the old running column plus the row's state offset (a
+        new request: the column of its prefix hit's checkpoint, or nothing to copy, src 0)."""
+        new = -(-num_after // bs) - 1
+        last = self._running_column.get(req_id, -(-num_computed // bs) - 1)
+        self._running_column[req_id] = new
+        if new == last:
+            return
+        src = row[last + self._state_offset.pop(req_id, 0)] if last >= 0 else 0
+        if row[new] == 0 or (last >= 0 and src == 0):
+            raise RuntimeError(f"prefix caching: request {req_id!r}'s state move from column {last} to {new} "
+                               f"names the null page (row {row[max(last, 0):new + 1]})")
+        self._state_moves[req_id] = (num_computed if last >= 0 else 0, src, row[new])
+
+    def take_state_moves(self, scheduled: Collection[str]) -> StateMoves:
+        """The step's StateMoves (the requests it schedules, in their order) and a clean slate."""
+        moves, self._state_moves = self._state_moves, {}
+        out = StateMoves()
+        for req_id in scheduled:
+            move = moves.get(req_id)
+            if move is not None:
+                out.req_ids.append(req_id)
+                for values, v in zip((out.from_tokens, out.src, out.dst), move):
+                    values.append(v)
+        return out
+
+    def set_state_offsets(self, req_ids: Collection[str], offsets: dict[str, int]) -> None:
+        """After a step: each of its requests' state offset (ModelRunnerOutput.state_offsets)."""
+        for req_id in req_ids:
+            if req_id in self._running_column:
+                offset = offsets.get(req_id, 0)
+                if offset:
+                    self._state_offset[req_id] = offset
+                else:
+                    self._state_offset.pop(req_id, None)
 
     def _mark_dirty(self, req_id: str, column: int) -> None:
         self._row_dirty_from[req_id] = min(column, self._row_dirty_from.get(req_id, column))
@@ -608,6 +665,8 @@ class KVCacheManager:
         self._hashed_upto.pop(req_id, None)
         self._running_column.pop(req_id, None)
         self._num_drafts.pop(req_id, None)
+        self._state_offset.pop(req_id, None)
+        self._state_moves.pop(req_id, None)
         self._pages_registered_upto.pop(req_id, None)
         self._pages_released_upto.pop(req_id, None)
         self._row_dirty_from.pop(req_id, None)

@@ -34,6 +34,7 @@ from toolkit.kv_cache_manager import (
     KVCacheManager,
     PrefixHit,
     PrefixLookup,
+    StateMoves,
     block_hashes,
     lookup_not_searched,
 )
@@ -82,6 +83,7 @@ class SchedulerOutput:
     # speculative decoding (vLLM's name): req_id -> the drafts its row verifies this step, after
     # its last sampled token (num_scheduled_tokens = 1 + len(drafts)); decode rows with drafts only
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    state_moves: StateMoves = field(default_factory=StateMoves)    # prefix caching: see StateMoves
 
 
 @dataclass
@@ -95,6 +97,11 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)          # rows that asked
     prompt_logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)   # the step's prefill chunks
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)       # speculative decoding
+    # prefix caching with speculative decoding: req_id -> the state column, counted from the row's
+    # running column, that holds the state after its kept tokens (kept - 1, or 0 where the step's
+    # boundary copy put a checkpoint in the running column); rows not listed: 0. The scheduler plans
+    # the row's next move from it (StateMoves).
+    state_offsets: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def one_token_a_row(cls, sampled: dict[str, int]) -> ModelRunnerOutput:
@@ -310,7 +317,7 @@ class Scheduler:
         for req_id in preempted:           # a preempted request's drafts are stale
             spec.pop(req_id, None)
         return SchedulerOutput(new_reqs, cached, num_scheduled, sum(num_scheduled.values()),
-                               finished, preempted, spec)
+                               finished, preempted, spec, self.kv.take_state_moves(num_scheduled))
 
     def _drafts_to_verify(self, req: Request, n: int, budget: int) -> list[int]:
         """The drafts a decode row verifies this step (speculative decoding): its proposed drafts,
@@ -490,6 +497,7 @@ class Scheduler:
             if req is not None:
                 req.num_computed_tokens -= len(drafts) + 1 - len(accepted[req_id])
         if self.caching:
+            self.kv.set_state_offsets(sched_out.num_scheduled_tokens, output.state_offsets)
             self._cache_computed(sched_out, accepted)
         if self.kv.window_pools:        # sliding windows: between steps a row holds its window only
             for req_id in sched_out.num_scheduled_tokens:

@@ -239,7 +239,7 @@ class ModelRunner:
         slot_mappings = self.block_tables.compute_slot_mappings(
             input_batch.idx_mapping_np, input_batch.query_start_loc_np, input_batch.num_computed_tokens_np,
             None if padded is None else padded * per_row)
-        self.model_state.stage_state(input_batch, self.block_tables, self.staging)
+        self.model_state.stage_state(input_batch, self.block_tables, self.staging, sched_out.state_moves)
         self.staging.flush()                    # the step's host data in one copy (staging.py)
         if input_batch.input_ids_sampled:
             gather_sampled_input_ids(self.input_buffers, self.req_states, input_batch)
@@ -325,7 +325,7 @@ class ModelRunner:
             num_kept[batch.num_draft_tokens > 0] = state.verify.num_accepted
         self._logprobs_to_host(state, pending, num_kept)
         last_kept = self._post_update(batch, sampled, sampled_np, num_kept, kept_device)
-        state.checkpoint_copies = self.model_state.postprocess_state(
+        state.checkpoint_copies, state_offsets = self.model_state.postprocess_state(
             batch, sampled, num_kept if self.proposer else None, None if kept_device is None else kept_device[0])
         kept = {rid: [token] for rid, token in zip(batch.req_ids, last_kept.tolist())}
         if state.verify is not None:
@@ -334,7 +334,8 @@ class ModelRunner:
             state.proposed_drafts = self._propose(batch)
         clock.mark("sample", event=False)
         state.timings = dict(clock.host)
-        return ModelRunnerOutput(kept, state.sampled_logprobs, state.prompt_logprobs, state.proposed_drafts)
+        return ModelRunnerOutput(kept, state.sampled_logprobs, state.prompt_logprobs, state.proposed_drafts,
+                                 state_offsets)
 
     def _last_outputs(self, batch: InputBatch, positions_np: np.ndarray, per_row: np.ndarray | None = None):
         """`LogitsRows.last_outputs` for this step: (logits row i, n) -> the last n output tokens

@@ -46,9 +46,10 @@ class ModelState(ABC):
         runner in its arena; none by default."""
         return {}
 
-    def stage_state(self, input_batch: InputBatch, block_tables: BlockTables, staging) -> None:
-        """Before the step's flush: plan what `preprocess_state` will do and stage its indices, so
-        they reach the device with the step's other host data (no copy of their own)."""
+    def stage_state(self, input_batch: InputBatch, block_tables: BlockTables, staging, moves) -> None:
+        """Before the step's flush: stage what `preprocess_state` will do (the scheduler's
+        `SchedulerOutput.state_moves`), so its indices reach the device with the step's other host
+        data (no copy of their own)."""
 
     def preprocess_state(self, input_batch: InputBatch, block_tables: BlockTables):
         """After the flush, before metadata is built (vLLM: Mamba align-mode state copies), as
@@ -58,12 +59,12 @@ class ModelState(ABC):
 
     def postprocess_state(self, input_batch: InputBatch, sampled: torch.Tensor,
                           num_accepted: np.ndarray | None = None,
-                          num_accepted_device: torch.Tensor | None = None) -> object | None:
+                          num_accepted_device: torch.Tensor | None = None) -> tuple[object | None, dict[str, int]]:
         """After sampling. `num_accepted` (speculative decoding): int32 [B], the tokens each row
         kept (1 + its accepted drafts; 1 for rows without drafts); `num_accepted_device`: the same
-        on the device when the step has drafts. Returns what it copied, for the step's record
-        (None: nothing)."""
-        return None
+        on the device when the step has drafts. Returns what it copied, for the step's record (None:
+        nothing), and the state offsets the scheduler books (ModelRunnerOutput.state_offsets)."""
+        return None, {}
 
     def prepare_inputs(self, input_batch: InputBatch) -> dict:
         """Extra model kwargs (vLLM: M-RoPE positions, embeddings); none for our models."""

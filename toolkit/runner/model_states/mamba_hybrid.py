@@ -9,12 +9,14 @@ What it adds over the default state (vLLM `model_states/mamba_hybrid.py`):
   page that holds it (the last step's running column, or with speculative decoding the spec column
   its accepted count points at; a checkpoint, or a prefix hit's page), or zeroed when it starts from
   scratch; its accepted count is then 1 (MRV2 `preprocess_state`; one batched copy per state tensor,
-  no host sync; the pages and rows are planned and staged by `stage_state` before the step's flush,
-  so they cost no copy of their own);
+  no host sync). The scheduler plans these moves (`SchedulerOutput.state_moves`: it alone books
+  where each row's state is) and `stage_state` stages them before the step's flush, so they cost no
+  copy of their own;
 - with prefix caching and speculative decoding, `postprocess_state`'s boundary copy: a verify row
   whose accepted tokens reached a block boundary left the state there in one of its state columns;
   it is copied into that block's column, the checkpoint a later request may hit (MRV2
-  `postprocess_mamba`);
+  `postprocess_mamba`); where each row's state then is goes back to the scheduler
+  (`ModelRunnerOutput.state_offsets`);
 - `is_prefilling`, which the Mamba builders need to tell decodes from one-token prefill chunks;
 - forwarding `seq_lens_cpu_upper_bound` (the field vLLM forgot to forward, #46759);
 - speculative decoding: `num_accepted_tokens` per request row (device int32, 1 = the neutral
@@ -34,7 +36,7 @@ from toolkit.runner.block_table import BlockTables
 from toolkit.runner.input_batch import InputBatch
 from toolkit.runner.kv_cache import KVCacheGroup
 from toolkit.runner.model_states.default import DefaultModelState
-from toolkit.scheduler import NewRequestData
+from toolkit.scheduler import NewRequestData, StateMoves
 
 
 @dataclass
@@ -71,11 +73,6 @@ class MambaHybridModelState(DefaultModelState):
         # a batch's counts, gathered by its rows into one persistent buffer (the update ops read them:
         # a CUDA graph captured on a B-row batch reads the address every later B-row step rewrites)
         self._batch_accepted = torch.ones(cfg.max_num_seqs, dtype=torch.int32, device=cfg.device)
-        # host copies per request row ("align"): the accepted counts (as num_accepted_tokens) and
-        # the running column of the row's last step (-1: nothing computed yet); the state after its
-        # computed tokens is in column state_column + num_accepted - 1
-        self.accepted_np = np.ones(cfg.max_num_seqs, dtype=np.int32)
-        self.state_column = np.full(cfg.max_num_seqs, -1, dtype=np.int64)
         self._block_tables: BlockTables | None = None
         self._planned = None          # what stage_state planned for preprocess_state, this step
         self._staging = None
@@ -87,12 +84,8 @@ class MambaHybridModelState(DefaultModelState):
 
     def add_request(self, req_idx: int, new_req: NewRequestData) -> None:
         self.num_accepted_tokens[req_idx] = 1
-        self.accepted_np[req_idx] = 1
         if self.cfg.enable_prefix_caching:
-            # its running page is set up by preprocess_state (from a prefix hit's page, or zeroed)
-            if self.mamba_groups:
-                self.state_column[req_idx] = -(-new_req.num_computed_tokens // self.mamba_groups[0].block_size) - 1
-            return
+            return      # its running page is set up by preprocess_state (from a prefix hit's page, or zeroed)
         slots = [s for g in self.mamba_groups for s in new_req.block_ids[g.group_id]]
         if 0 in slots:
             raise RuntimeError(f"request {new_req.req_id} was given the null state page 0")
@@ -111,9 +104,8 @@ class MambaHybridModelState(DefaultModelState):
 
     def _set_accepted(self, idx: np.ndarray, values: np.ndarray, idx_device: torch.Tensor | None = None,
                       values_device: torch.Tensor | None = None) -> None:
-        """Request rows `idx` keep accepted counts `values` (host and device; `values_device`: the
-        same counts already on the device, so nothing is copied)."""
-        self.accepted_np[idx] = values
+        """Request rows `idx` keep accepted counts `values` (`values_device`: the same counts already
+        on the device, so nothing is copied)."""
         if self.num_speculative_tokens and len(idx):
             index = idx_device if idx_device is not None else to_device(idx.astype(np.int64), self.device)
             if values_device is not None:
@@ -131,47 +123,29 @@ class MambaHybridModelState(DefaultModelState):
         n = self.cfg.max_num_seqs
         return {"state_copy_pages": (2, n), "state_zero_pages": (n,), "state_reset_rows": (n,)}
 
-    def stage_state(self, input_batch: InputBatch, block_tables: BlockTables, staging) -> None:
-        """"align" mode, before the flush: each row whose last scheduled token lies in a new column
-        gets its state there from the page that holds it (`src`), or a zeroed page; the host books
-        (running column, accepted count 1) move now, the indices are staged, and
-        `preprocess_state` makes the copies after the flush."""
+    def stage_state(self, input_batch: InputBatch, block_tables: BlockTables, staging, moves: StateMoves) -> None:
+        """"align" mode, before the flush: stage the scheduler's `moves` (the rows entering a new
+        column: copy their state from page `src`, or zero the new page where src is 0) and the rows
+        whose accepted count goes back to 1; `preprocess_state` makes the copies after the flush."""
         self._planned = None
         if not self.cfg.enable_prefix_caching or not self.mamba_groups:
             return
         self._block_tables = block_tables
-        group = self.mamba_groups[0]
-        bs, table = group.block_size, block_tables.tables[group.group_id]
-        start = input_batch.num_computed_tokens_np.astype(np.int64)
-        end = start + input_batch.num_scheduled_tokens
-        idx = input_batch.idx_mapping_np
-        old, new = self.state_column[idx], -(-end // bs) - 1
-        offset = self.accepted_np[idx].astype(np.int64) - 1
-        self.state_column[idx] = new
-        rows = np.nonzero(new != old)[0]
-        if not len(rows):
+        if not moves.req_ids:
             return
-        idx = idx[rows]
-        dst = table[idx, new[rows]].astype(np.int64)
-        if (dst == 0).any():
-            raise RuntimeError(f"prefix caching: a row's running column has no state page "
-                               f"(rows {rows[dst == 0].tolist()})")
-        has_src = old[rows] >= 0
-        src = np.zeros(len(rows), dtype=np.int64)
-        src[has_src] = table[idx[has_src], (old + offset)[rows][has_src]]
-        if (src[has_src] == 0).any():
-            raise RuntimeError("prefix caching: a row's state to copy from has no page (rows "
-                               f"{rows[has_src][src[has_src] == 0].tolist()})")
+        row_of = {rid: r for r, rid in enumerate(input_batch.req_ids)}
+        rows = np.array([row_of[rid] for rid in moves.req_ids], dtype=np.int64)
+        src, dst = np.array(moves.src, dtype=np.int64), np.array(moves.dst, dtype=np.int64)
+        has_src = src != 0
         move = has_src & (src != dst)
         copies = staging.host("state_copy_pages")
         copies[0, :int(move.sum())], copies[1, :int(move.sum())] = src[move], dst[move]
         staging.written("state_copy_pages")
         staging.put("state_zero_pages", dst[~has_src])
-        staging.put("state_reset_rows", idx)
-        self.accepted_np[idx] = 1                 # the state is in column 0 now
+        staging.put("state_reset_rows", input_batch.idx_mapping_np[rows])
         self._staging = staging
-        record = StateCopies([input_batch.req_ids[r] for r in rows], np.where(has_src, start[rows], 0), src, dst)
-        self._planned = (int(move.sum()), int((~has_src).sum()), len(idx), record)
+        record = StateCopies(list(moves.req_ids), np.array(moves.from_tokens, dtype=np.int64), src, dst)
+        self._planned = (int(move.sum()), int((~has_src).sum()), len(rows), record)
 
     def preprocess_state(self, input_batch: InputBatch, block_tables: BlockTables) -> StateCopies | None:
         """"align" mode, after the flush: the copies and zeroing `stage_state` planned (one batched
@@ -196,25 +170,35 @@ class MambaHybridModelState(DefaultModelState):
 
     def postprocess_state(self, input_batch: InputBatch, sampled: torch.Tensor,
                           num_accepted: np.ndarray | None = None,
-                          num_accepted_device: torch.Tensor | None = None) -> CheckpointCopies | None:
+                          num_accepted_device: torch.Tensor | None = None
+                          ) -> tuple[CheckpointCopies | None, dict[str, int]]:
         """Speculative decoding: each row's request keeps `num_accepted` [B] (1 for rows without
         drafts), where its next step finds its state (column num_accepted - 1);
         `num_accepted_device`: the same counts on the device, when the step made them there. With
-        prefix caching, the boundary copy (module docstring); returns what it copied."""
+        prefix caching, the boundary copy (module docstring). Returns what it copied and, with
+        prefix caching, each row's state offset from its running column where it is not 0 (what the
+        scheduler plans the row's next move from: ModelRunnerOutput.state_offsets)."""
         if not self.num_speculative_tokens or not input_batch.num_reqs:
-            return None
+            return None, {}
         values = (np.ones(input_batch.num_reqs, dtype=np.int32) if num_accepted is None
                   else num_accepted.astype(np.int32))
-        copies = None
+        copies, offsets = None, {}
         if self.cfg.enable_prefix_caching and self.mamba_groups and num_accepted is not None:
             copies, rows = self._boundary_copies(input_batch, values)
             if copies is not None:       # a checkpoint in the running column itself: the state is in column 0
                 column = copies.boundary // self.mamba_groups[0].block_size - 1
-                values[rows[column == self.state_column[input_batch.idx_mapping_np[rows]]]] = 1
+                values[rows[column == self._running_columns(input_batch, rows)]] = 1
+            offsets = {input_batch.req_ids[r]: int(values[r]) - 1 for r in np.nonzero(values > 1)[0]}
         # a boundary copy can move a row's state to column 0: the host's counts are then the ones to send
         device_values = num_accepted_device if copies is None and num_accepted is not None else None
         self._set_accepted(input_batch.idx_mapping_np, values, input_batch.idx_mapping, device_values)
-        return copies
+        return copies, offsets
+
+    def _running_columns(self, input_batch: InputBatch, rows: np.ndarray) -> np.ndarray:
+        """int64 [R]: the running column of batch rows `rows` this step, that of their last scheduled
+        token (the column the Mamba builders read, `align_state_columns`)."""
+        end = input_batch.num_computed_tokens_np[rows].astype(np.int64) + input_batch.num_scheduled_tokens[rows]
+        return -(-end // self.mamba_groups[0].block_size) - 1
 
     def _boundary_copies(self, input_batch: InputBatch, kept: np.ndarray
                          ) -> tuple[CheckpointCopies | None, np.ndarray]:
@@ -233,7 +217,7 @@ class MambaHybridModelState(DefaultModelState):
         rows, start, boundary = verify[reached], start[reached], boundary[reached]
         idx = input_batch.idx_mapping_np[rows]
         position = self.boundary_position(boundary, start, input_batch.num_drafts_np[rows])
-        src = table[idx, self.state_column[idx] + position].astype(np.int64)
+        src = table[idx, self._running_columns(input_batch, rows) + position].astype(np.int64)
         dst = table[idx, boundary // bs - 1].astype(np.int64)
         if (src == 0).any() or (dst == 0).any():
             raise RuntimeError("prefix caching: a verify row's boundary state or its block's column has no "
