@@ -239,7 +239,9 @@ class ModelRunner:
         slot_mappings = self.block_tables.compute_slot_mappings(
             input_batch.idx_mapping_np, input_batch.query_start_loc_np, input_batch.num_computed_tokens_np,
             None if padded is None else padded * per_row)
-        self.model_state.stage_state(input_batch, self.block_tables, self.staging, sched_out.state_moves)
+        moves = sched_out.state_moves       # prefix caching: rows entering a new column (the scheduler's plan)
+        move_rows = np.array([self.req_states.req_id_to_index[r] for r in moves.req_ids], dtype=np.int64)
+        self.model_state.stage_state(input_batch, self.block_tables, self.staging, moves, move_rows)
         self.staging.flush()                    # the step's host data in one copy (staging.py)
         if input_batch.input_ids_sampled:
             gather_sampled_input_ids(self.input_buffers, self.req_states, input_batch)

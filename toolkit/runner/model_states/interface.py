@@ -46,10 +46,11 @@ class ModelState(ABC):
         runner in its arena; none by default."""
         return {}
 
-    def stage_state(self, input_batch: InputBatch, block_tables: BlockTables, staging, moves) -> None:
+    def stage_state(self, input_batch: InputBatch, block_tables: BlockTables, staging, moves,
+                    move_rows: np.ndarray) -> None:
         """Before the step's flush: stage what `preprocess_state` will do (the scheduler's
-        `SchedulerOutput.state_moves`), so its indices reach the device with the step's other host
-        data (no copy of their own)."""
+        `SchedulerOutput.state_moves`; `move_rows`: their request rows), so its indices reach the
+        device with the step's other host data (no copy of their own)."""
 
     def preprocess_state(self, input_batch: InputBatch, block_tables: BlockTables):
         """After the flush, before metadata is built (vLLM: Mamba align-mode state copies), as

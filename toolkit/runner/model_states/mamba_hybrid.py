@@ -123,18 +123,18 @@ class MambaHybridModelState(DefaultModelState):
         n = self.cfg.max_num_seqs
         return {"state_copy_pages": (2, n), "state_zero_pages": (n,), "state_reset_rows": (n,)}
 
-    def stage_state(self, input_batch: InputBatch, block_tables: BlockTables, staging, moves: StateMoves) -> None:
+    def stage_state(self, input_batch: InputBatch, block_tables: BlockTables, staging, moves: StateMoves,
+                    move_rows: np.ndarray) -> None:
         """"align" mode, before the flush: stage the scheduler's `moves` (the rows entering a new
-        column: copy their state from page `src`, or zero the new page where src is 0) and the rows
-        whose accepted count goes back to 1; `preprocess_state` makes the copies after the flush."""
+        column: copy their state from page `src`, or zero the new page where src is 0) and their
+        request rows `move_rows` (int64 [M]), whose accepted count goes back to 1;
+        `preprocess_state` makes the copies after the flush."""
         self._planned = None
         if not self.cfg.enable_prefix_caching or not self.mamba_groups:
             return
         self._block_tables = block_tables
         if not moves.req_ids:
             return
-        row_of = {rid: r for r, rid in enumerate(input_batch.req_ids)}
-        rows = np.array([row_of[rid] for rid in moves.req_ids], dtype=np.int64)
         src, dst = np.array(moves.src, dtype=np.int64), np.array(moves.dst, dtype=np.int64)
         has_src = src != 0
         move = has_src & (src != dst)
@@ -142,10 +142,10 @@ class MambaHybridModelState(DefaultModelState):
         copies[0, :int(move.sum())], copies[1, :int(move.sum())] = src[move], dst[move]
         staging.written("state_copy_pages")
         staging.put("state_zero_pages", dst[~has_src])
-        staging.put("state_reset_rows", input_batch.idx_mapping_np[rows])
+        staging.put("state_reset_rows", move_rows)
         self._staging = staging
         record = StateCopies(list(moves.req_ids), np.array(moves.from_tokens, dtype=np.int64), src, dst)
-        self._planned = (int(move.sum()), int((~has_src).sum()), len(rows), record)
+        self._planned = (int(move.sum()), int((~has_src).sum()), len(move_rows), record)
 
     def preprocess_state(self, input_batch: InputBatch, block_tables: BlockTables) -> StateCopies | None:
         """"align" mode, after the flush: the copies and zeroing `stage_state` planned (one batched
