@@ -611,12 +611,12 @@ class KVCacheManager:
         self._state_moves[req_id] = (num_computed if last >= 0 else 0, src, row[new])
 
     def take_state_moves(self, scheduled: Collection[str]) -> StateMoves:
-        """The step's StateMoves (the requests it schedules, in their order) and a clean slate."""
+        """The step's StateMoves (of the requests it schedules, in the order they were allocated) and
+        a clean slate. Work in the moves, not the rows."""
         moves, self._state_moves = self._state_moves, {}
         out = StateMoves()
-        for req_id in scheduled:
-            move = moves.get(req_id)
-            if move is not None:
+        for req_id, move in moves.items():
+            if req_id in scheduled:
                 out.req_ids.append(req_id)
                 for values, v in zip((out.from_tokens, out.src, out.dst), move):
                     values.append(v)
