@@ -32,12 +32,10 @@ from toolkit.config import default_state_pages
 from toolkit.kv_cache_manager import (
     CacheGroupKind,
     KVCacheManager,
-    PrefixHit,
     PrefixLookup,
     StateMoves,
-    block_hashes,
-    lookup_not_searched,
 )
+from toolkit.prefix_policy import PrefixPolicy
 from toolkit.request import Request, RequestStatus, TokenLogprobs, make_children
 from toolkit.sampling import SamplingParams
 from toolkit.stop_strings import check_stop_strings
@@ -141,6 +139,7 @@ class Scheduler:
         has_mamba = any(g.kind == "mamba" for g in groups)
         self.prefill_checkpoints = enable_prefix_caching and has_mamba and prefill_checkpoints
         self.align = enable_prefix_caching and has_mamba and not self.prefill_checkpoints
+        self.prefix = PrefixPolicy(self.kv, self.block_size, self.caching, self.align, self.prefill_checkpoints)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -351,7 +350,7 @@ class Scheduler:
             inherits = parent is not None and not any(c.fork_from for c in parent.children if c is not req)
             if inherits:
                 self.kv.transfer(parent.request_id, req.request_id)
-            hit = self._adopt_prefix_hit(req)
+            hit = self.prefix.adopt_hit(req)
             n = self._num_new_tokens(req, budget)
             if self.kv.allocate(req.request_id, req.num_computed_tokens, req.num_computed_tokens + n) is None:
                 if inherits:
@@ -395,88 +394,23 @@ class Scheduler:
         """Cache mode "all", once every scheduled row has its pages: free state pages go to the block
         boundaries inside this step's prefill chunks, in batch order while the pool has any, and the
         layers save the states there (checkpoints; a boundary left without a page saves nothing)."""
-        bs = self.block_size
         for req_id, n in num_scheduled.items():
-            start = self.requests[req_id].num_computed_tokens
-            columns = [b // bs - 1 for b in range((start // bs + 1) * bs, start + n, bs)]
+            columns = self.prefix.checkpoint_columns(self.requests[req_id].num_computed_tokens, n)
             if columns and self.kv.add_state_pages(req_id, columns) and req_id in cached.req_ids:
                 i = cached.req_ids.index(req_id)        # a new request's rows are the manager's own lists
                 cached.new_block_ids[i] = tuple(self.kv.row_tail(req_id, g, since=ids.start) if self.kv.aligned(g)
                                                 else ids for g, ids in enumerate(cached.new_block_ids[i]))
                 self.kv.row_delivered(req_id)
 
-    def _adopt_prefix_hit(self, req: Request) -> PrefixHit | None:
-        """A request about to be admitted from scratch takes the longest cached prefix of its tokens.
-        Its lookup (what the cache held, and why the hit is what it is) stays on the request
-        (`prefix_lookup`), as does, in "align" mode, the junction its prefill stops at."""
-        lookup = self._lookup(req)
-        req.prefix_lookup = lookup
-        # a shared prefix without a checkpoint at its end: the prefill makes one there
-        req.prefix_junction = lookup.junction if self.align else 0
-        hit = self.kv.prefix_hit(lookup, req.block_hashes) if lookup.hit_blocks else None
-        if hit is not None:
-            self.kv.adopt(req.request_id, hit)
-            req.num_computed_tokens = hit.num_tokens
-        return hit
-
-    def _lookup(self, req: Request) -> PrefixLookup:
-        """The request's prefix lookup; not searched with caching off, for a request that starts
-        with computed tokens, or with prompt logprobs (every prompt position must be computed, as
-        in vLLM)."""
-        why = ""
-        if not self.caching:
-            why = "prefix caching is off"
-        elif req.num_computed_tokens or req.fork_from is not None:
-            why = "not searched: the request starts with its parent's computed tokens (an n > 1 child)"
-        elif req.sampling_params.prompt_logprobs is not None:
-            why = ("not searched: the request asks for prompt logprobs, which need every prompt "
-                   "position computed (as in vLLM)")
-        if why:
-            return lookup_not_searched(req.num_tokens, self.block_size, why)
-        hashes = block_hashes(req.all_token_ids, self.block_size, req.block_hashes)
-        found = self.kv.lookup(hashes, req.num_tokens)
-        found.internal_checkpoints = self.prefill_checkpoints
-        return found
-
     def _num_new_tokens(self, req: Request, budget: int) -> int:
-        """Tokens the request runs this step. In "align" mode (prefix caching on a model with Mamba
-        layers; vLLM `_mamba_block_aligned_split`) a prefill chunk ends on a block boundary unless it
-        is the last: an unfinished chunk's end is floored to a boundary (unless the block is larger
-        than the budget), a chunk that starts mid-block stops at the next boundary, and every chunk
-        stops at the last boundary before the final token, where the state a later request can hit
-        must be saved; and at the end of the prefix it shares with earlier requests (`prefix_junction`),
-        so that the next request sharing it can hit there."""
+        """Tokens the request runs this step: what it still lacks, within the budget; in "align"
+        mode a prefill chunk ends where the prefix policy says (`PrefixPolicy.aligned_chunk_end`)."""
         start = req.num_computed_tokens
         total = req.num_tokens_to_compute
         end = start + min(total - start, budget)
-        if not self.align or end - start <= 1:
-            return end - start
-        bs = self.block_size
-        if end < total and end // bs * bs > start:
-            end = end // bs * bs
-        if start % bs:
-            end = min(end, (start // bs + 1) * bs)
-        for stop in (req.prefix_junction, (req.num_tokens - 1) // bs * bs):   # the junction, the last
-            if start < stop < end:                                            # boundary before the end
-                end = stop
+        if self.align and end - start > 1:
+            end = self.prefix.aligned_chunk_end(req, start, end, total)
         return end - start
-
-    def _cache_computed(self, sched_out: SchedulerOutput, accepted: dict[str, list[int]] | None = None) -> None:
-        """After a step: what its requests computed becomes hittable (scheduler-side only: the next
-        step's admissions see it, never this step's). A verify row's computed tokens include its
-        accepted drafts (`accepted[req_id]` minus the target's own last token), not yet appended."""
-        for req_id in sched_out.num_scheduled_tokens:
-            req = self.requests.get(req_id)
-            if req is None:
-                continue
-            hashes = req.block_hashes
-            if len(hashes) < req.num_computed_tokens // self.block_size:   # a block filled: hash it
-                start = len(hashes) * self.block_size       # the tail only: work per block, not per token held
-                tokens = req.token_slice(start, req.num_tokens)
-                if accepted and req_id in sched_out.scheduled_spec_decode_tokens:
-                    tokens += accepted[req_id][:-1]
-                hashes = block_hashes(tokens, self.block_size, hashes, offset=start)
-            self.kv.cache_computed(req_id, hashes, req.num_computed_tokens)
 
     def update_from_output(self, sched_out: SchedulerOutput, output: ModelRunnerOutput
                            ) -> tuple[list[Request], dict[str, int]]:
@@ -498,7 +432,8 @@ class Scheduler:
                 req.num_computed_tokens -= len(drafts) + 1 - len(accepted[req_id])
         if self.caching:
             self.kv.set_state_offsets(sched_out.num_scheduled_tokens, output.state_offsets)
-            self._cache_computed(sched_out, accepted)
+            self.prefix.cache_computed(self.requests, sched_out.num_scheduled_tokens,
+                                       sched_out.scheduled_spec_decode_tokens, accepted)
         if self.kv.window_pools:        # sliding windows: between steps a row holds its window only
             for req_id in sched_out.num_scheduled_tokens:
                 req = self.requests.get(req_id)
