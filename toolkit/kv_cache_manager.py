@@ -613,6 +613,8 @@ class KVCacheManager:
     def take_state_moves(self, scheduled: Collection[str]) -> StateMoves:
         """The step's StateMoves (of the requests it schedules, in the order they were allocated) and
         a clean slate. Work in the moves, not the rows."""
+        if not self._state_moves:        # most steps, and every step without prefix caching
+            return StateMoves()
         moves, self._state_moves = self._state_moves, {}
         out = StateMoves()
         for req_id, move in moves.items():

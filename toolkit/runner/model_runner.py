@@ -47,6 +47,8 @@ from toolkit.runner.spec_decode import NgramProposer, VerifyResult, kept_on_devi
 from toolkit.runner.staging import Staging
 from toolkit.scheduler import ModelRunnerOutput, NewRequestData, SchedulerOutput
 
+_NO_ROWS = np.zeros(0, dtype=np.int64)     # a step without state moves (read only)
+
 
 @dataclass
 class ExecuteModelState:
@@ -240,7 +242,8 @@ class ModelRunner:
             input_batch.idx_mapping_np, input_batch.query_start_loc_np, input_batch.num_computed_tokens_np,
             None if padded is None else padded * per_row)
         moves = sched_out.state_moves       # prefix caching: rows entering a new column (the scheduler's plan)
-        move_rows = np.array([self.req_states.req_id_to_index[r] for r in moves.req_ids], dtype=np.int64)
+        move_rows = np.array([self.req_states.req_id_to_index[r] for r in moves.req_ids], dtype=np.int64) \
+            if moves.req_ids else _NO_ROWS
         self.model_state.stage_state(input_batch, self.block_tables, self.staging, moves, move_rows)
         self.staging.flush()                    # the step's host data in one copy (staging.py)
         if input_batch.input_ids_sampled:
