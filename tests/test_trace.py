@@ -207,3 +207,35 @@ def test_snapshot_copies_every_tensor_and_array_once_and_shares_views_met_twice(
     assert slotted.a.tolist() == [0, 1, 2, 3] and slotted.names == ["a"] and slotted.names is not obj["y"][0].names
     assert (seven, none) == (7, None) and type(copy["y"]) is tuple
     assert counter[0] == view.nbytes + array.nbytes
+
+
+@pytest.mark.parametrize("preset, kwargs", [
+    ("tiny-bamba", dict(max_num_batched_tokens=16)),                  # chunked prefills, mixed steps
+    ("tiny-lfm2", dict(enable_prefix_caching=True, block_size=4,
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 2})),
+])
+def test_records_read_late_equal_the_batch_and_metadata_the_step_used(preset, kwargs, monkeypatch):
+    """Every record's batch and metadata, read after the run (later steps rewrote the runner's
+    buffers), equal an eager copy of the live objects taken at the step's end."""
+    import toolkit.inspect.recorder as recorder_module
+    from toolkit.inspect.serialize import equal
+    from toolkit.inspect.step_record import snapshot
+
+    eager = []
+    real = recorder_module.step_record
+
+    def step_record_and_copy(step, *args, **kw):
+        if step.exec_state is not None:
+            eager.append((snapshot(step.exec_state.input_batch), snapshot(step.exec_state.attn_metadata.groups)))
+        return real(step, *args, **kw)
+    monkeypatch.setattr(recorder_module, "step_record", step_record_and_copy)
+    llm = LLM(preset, inspect="metadata", trace_capacity=None, **kwargs)
+    prompts = [{"prompt_token_ids": [3, 4, 5, 6] * 5}, {"prompt_token_ids": list(range(3, 14))},
+               {"prompt_token_ids": [7, 8]}]
+    llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    records = [r for r in llm.trace if r.stage == "generate"]
+    assert len(records) == len(eager) > 5
+    for i, (record, (batch, groups)) in enumerate(zip(records, eager)):
+        assert equal(record.input_batch, batch), f"step {i}: input batch"
+        assert equal(record.attn_metadata, groups), f"step {i}: metadata"
+    llm.shutdown()
