@@ -20,8 +20,9 @@
 # part     estimate  what
 # second   ~5 min    what first left unrun: tests/test_cudagraph.py's GPU tests (graphs vs eager, ten cycles),
 #                    the HF-parity tests on CUDA, spec_decode.py fp32 (outputs asserted equal) on demo-hybrid
-#                    (n-gram, draft demo-mamba) and bamba-300m-shape (n-gram), then backend="triton" vs
-#                    "torch" on CUDA until the time is out
+#                    (n-gram, draft demo-mamba) and bamba-300m-shape (n-gram), inspect_overhead.py (recording's
+#                    cost per decode step with CUDA graphs), then backend="triton" vs "torch" on CUDA until
+#                    the time is out
 # first    ~6 min    doctor's CUDA lines (kernels compiled on CUDA tensors, CUDA vs CPU fp32, graphs vs eager);
 #                    decode (batch 1 and 128) and prefill (128 x 64) of mamba2-130m-, bamba-300m- and
 #                    lfm2-350m-shape in bf16: eager, graphs, HF generate, fraction of the roofline, one
@@ -124,6 +125,8 @@ commands_of() { # one command per line; "@N " first: that command stops after at
             echo "@90 ${PYTEST[*]} tests/test_cudagraph.py -k gpu"   # graphs vs eager per preset, ten cycles
             echo "@220 ${PYTEST[*]} $(tests_of parity)"
             echo "@100 $PY benchmarks/spec_decode.py --device cuda --dtype float32 --presets demo-hybrid bamba-300m-shape --ks 2 --repeats 2 --draft demo-hybrid=demo-mamba"
+            # what recording costs where the forward is a graph replay (issue 36: "metadata" within 5% of "off")
+            echo "@55 $PY benchmarks/inspect_overhead.py --device cuda --presets tiny-bamba tiny-mamba2 --batch 8 --new-tokens 33 --repeats 3"
             echo "${PYTEST[*]} $(tests_of backend)" ;;
         doctor) echo "$PY -m toolkit doctor" ;;
         kernels|backend|parity|graphs) echo "${PYTEST[*]} $(tests_of "$1")" ;;

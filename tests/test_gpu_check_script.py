@@ -102,15 +102,16 @@ def test_the_first_part_fits_one_lease_in_the_order_that_tells_most(dry_run):
 
 
 def test_the_second_part_runs_what_the_first_lease_left(dry_run):
-    """`second`: the GPU graph tests, HF parity on CUDA, speculative decoding's speed, then the
-    Triton-vs-torch tests; the fixed limits under the budget, nothing stops at the first failure."""
+    """`second`: the GPU graph tests, HF parity on CUDA, speculative decoding's speed, recording's cost,
+    then the Triton-vs-torch tests; the fixed limits under the budget, nothing stops at the first failure."""
     part = parse_parts(dry_run)["second"]
     limits = [int(c[0][1:]) for c in part["commands"] if c[0].startswith("@")]
     cmds = [c[1:] if c[0].startswith("@") else c for c in part["commands"]]
-    assert len(limits) == 3 and sum(limits) < 470 and part["minutes"] <= 8
+    assert len(limits) == 4 and sum(limits) < 470 and part["minutes"] <= 8
     assert cmds[0][-3:] == ["tests/test_cudagraph.py", "-k", "gpu"]
     assert {f"tests/{p.name}" for p in REPO.glob("tests/test_parity_*.py")} <= set(cmds[1])
-    assert "benchmarks/spec_decode.py" in cmds[2] and cmds[3][-1] == "tests/test_backend_triton.py"
+    assert "benchmarks/spec_decode.py" in cmds[2] and "benchmarks/inspect_overhead.py" in cmds[3]
+    assert cmds[4][-1] == "tests/test_backend_triton.py"
     for cmd in cmds:
         assert cmd[0] == sys.executable and not STOP_EARLY & set(cmd)
 
