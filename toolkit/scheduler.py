@@ -425,15 +425,15 @@ class Scheduler:
         moves back; their KV slots are overwritten later, as in vLLM). The next step's drafts go to
         the requests still running (vLLM's `update_draft_token_ids`)."""
         finished, kept = [], {}
-        accepted, logprobs = output.sampled_token_ids, output.logprobs
+        kept_tokens, logprobs = output.sampled_token_ids, output.logprobs    # req_id -> tokens the row keeps
         for req_id, drafts in sched_out.scheduled_spec_decode_tokens.items():
             req = self.requests.get(req_id)
             if req is not None:
-                req.num_computed_tokens -= len(drafts) + 1 - len(accepted[req_id])
+                req.num_computed_tokens -= len(drafts) + 1 - len(kept_tokens[req_id])
         if self.caching:
             self.kv.set_state_offsets(sched_out.num_scheduled_tokens, output.state_offsets)
             self.prefix.cache_computed(self.requests, sched_out.num_scheduled_tokens,
-                                       sched_out.scheduled_spec_decode_tokens, accepted)
+                                       sched_out.scheduled_spec_decode_tokens, kept_tokens)
         if self.kv.window_pools:        # sliding windows: between steps a row holds its window only
             for req_id in sched_out.num_scheduled_tokens:
                 req = self.requests.get(req_id)
@@ -450,7 +450,7 @@ class Scheduler:
                 continue
             if req is None or req.num_computed_tokens < req.num_tokens:
                 continue
-            tokens = accepted[req_id]
+            tokens = kept_tokens[req_id]
             lps = logprobs.get(req_id) if req.sampling_params.logprobs is not None else None
             for i, token in enumerate(tokens):
                 req.output_token_ids.append(token)

@@ -5,7 +5,7 @@ mappings -> model_state.prepare_attn -> forward (execute_model), then logits -> 
 Logprobs never cost a sync of their own: they are computed on the device after sampling (the
 sampled tokens', and per prefill chunk the prompt tokens' from the logits of every token of the
 chunk, for the rows that ask) and copied to host memory without blocking (`to_host`) before the
-step's one sync, the copy of the sampled ids; they are read after it.
+step's one sync, the copy of the sampled ids; they are read after it (runner/logprobs.py).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from toolkit.config import RunnerConfig, SpeculativeConfig
-from toolkit.host import to_device, to_host
+from toolkit.host import to_device
 from toolkit.layers.ops import TORCH_OPS, set_ops, triton_ops
 from toolkit.request import TokenLogprobs
 from toolkit.runner.attn_utils import AttnMetadata, init_attn_groups
@@ -40,9 +40,10 @@ from toolkit.runner.input_batch import (
 )
 from toolkit.runner.input_batch import staging_regions as input_regions
 from toolkit.runner.kv_cache import allocate_kv_caches, check_prefill_checkpoints, make_kv_cache_groups
+from toolkit.runner.logprobs import issue_logprobs, logprobs_to_host
 from toolkit.runner.model_states import init_model_state
 from toolkit.runner.request_states import RequestStates
-from toolkit.runner.sampler import LogitsRows, Sampler, compute_logprobs
+from toolkit.runner.sampler import LogitsRows, Sampler
 from toolkit.runner.spec_decode import NgramProposer, VerifyResult, kept_on_device, verify
 from toolkit.runner.staging import Staging
 from toolkit.scheduler import ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -318,7 +319,8 @@ class ModelRunner:
             logit_rows = torch.searchsorted(batch.query_start_loc[1:], logit_tokens.to(torch.int32), right=True)
             kept_device = kept_on_device(sampled, next_draft, logit_rows, batch.num_reqs)
             self.sampler.count_kept(rows, sampled, (kept_device[1], logit_rows))
-        pending = self._logprobs(state, sampled)       # device work, copied to the host without blocking
+        pending = issue_logprobs(state, sampled, self.sampler, self.req_states.all_token_ids,
+                                 self.model.compute_logits, self.device)   # device work, copied without blocking
         clock.mark("sample")
         sampled_np = sampled.cpu().numpy()      # the step's one device -> host copy (a sync)
         clock.mark("wait", event=False)
@@ -328,7 +330,7 @@ class ModelRunner:
             state.verify = verify(batch.req_ids, batch.draft_token_ids, batch.num_draft_tokens,
                                   batch.cu_num_logits_np, sampled_np)
             num_kept[batch.num_draft_tokens > 0] = state.verify.num_accepted
-        self._logprobs_to_host(state, pending, num_kept)
+        logprobs_to_host(state, pending, num_kept, self.sampler)
         last_kept = self._post_update(batch, sampled, sampled_np, num_kept, kept_device)
         state.checkpoint_copies, state_offsets = self.model_state.postprocess_state(
             batch, sampled, num_kept if self.proposer else None, None if kept_device is None else kept_device[0])
@@ -367,66 +369,6 @@ class ModelRunner:
         computed = rs.num_computed_tokens[idx]
         decode_next = (computed == rs.total_len[idx] - 1) & (computed >= rs.prefill_len[idx])
         return self.proposer.propose_rows(rs, batch.req_ids, idx, decode_next)
-
-    def _logprobs(self, state: ExecuteModelState, sampled: torch.Tensor):
-        """Logprobs of the step's sampled tokens and of the prompt tokens each prefill chunk
-        predicts, for the rows that ask (a recording reads the others from its logits): computed on
-        the device, their host copies issued without blocking. Returns what `_logprobs_to_host`
-        reads after the sync (None when nothing was asked)."""
-        batch, sampler = state.input_batch, self.sampler
-        idx = batch.idx_mapping_np
-        want = sampler.num_logprobs[idx]
-        sampled_part = prompt_part = None
-        if (want >= 0).any():
-            tensors = compute_logprobs(state.logits, sampled, max(int(want.max()), 0))
-            sampled_part = tuple(to_host(t) for t in tensors)
-        # prompt logprobs: the chunk's token at position p predicts the prompt token at p + 1
-        rows, starts, counts = [], [], []
-        want_prompt = sampler.num_prompt_logprobs[idx]
-        for row in np.nonzero(want_prompt >= 0)[0]:
-            first = int(batch.num_computed_tokens_np[row]) + 1          # the first token predicted
-            count = min(int(batch.num_scheduled_tokens[row]), int(sampler.num_prompt_tokens[idx[row]]) - first)
-            if count > 0:
-                rows.append(int(row))
-                starts.append(first)
-                counts.append(count)
-        if rows:
-            token_index = np.concatenate([np.arange(c) + batch.query_start_loc_np[r]
-                                          for r, c in zip(rows, counts, strict=True)])
-            targets = np.concatenate([self.req_states.all_token_ids[idx[r], s:s + c].numpy()
-                                      for r, s, c in zip(rows, starts, counts, strict=True)])
-            index = to_device(np.stack([token_index, targets.astype(np.int64)]), self.device)
-            prompt_logits = self.model.compute_logits(state.hidden_states[index[0]])
-            tensors = compute_logprobs(prompt_logits, index[1], int(want_prompt[rows].max()))
-            prompt_part = (rows, starts, counts, tuple(to_host(t) for t in tensors))
-        return sampled_part, prompt_part
-
-    def _logprobs_to_host(self, state: ExecuteModelState, pending, num_kept: np.ndarray) -> None:
-        """After the sync: the host copies `_logprobs` issued, as TokenLogprobs per request, each
-        cut to the top k its request asked for (0 for rows that did not ask); a verify row's hold
-        one row per kept token (`num_kept` [B])."""
-        sampled_part, prompt_part = pending
-        batch, sampler = state.input_batch, self.sampler
-        positions = batch.seq_lens_cpu_upper_bound.numpy() - batch.num_drafts_np
-        if sampled_part is not None:
-            ids, lps, ranks = (t.numpy() for t in sampled_part)
-            want = sampler.num_logprobs[batch.idx_mapping_np]
-            first = batch.cu_num_logits_np
-            state.sampled_logprobs = {
-                rid: TokenLogprobs(int(positions[row]), ids[a:b, :1 + max(int(want[row]), 0)].copy(),
-                                   lps[a:b, :1 + max(int(want[row]), 0)].copy(), ranks[a:b].copy())
-                for row, rid, a, b in zip(range(batch.num_reqs), batch.req_ids, first, first[:-1] + num_kept)
-                if want[row] >= 0}
-        if prompt_part is not None:
-            rows, starts, counts, tensors = prompt_part
-            ids, lps, ranks = (t.numpy() for t in tensors)
-            out, at = {}, 0
-            for row, start, count in zip(rows, starts, counts, strict=True):
-                k = 1 + int(sampler.num_prompt_logprobs[batch.idx_mapping_np[row]])
-                out[batch.req_ids[row]] = TokenLogprobs(start, ids[at:at + count, :k].copy(),
-                                                        lps[at:at + count, :k].copy(), ranks[at:at + count].copy())
-                at += count
-            state.prompt_logprobs = out
 
     def _post_update(self, batch: InputBatch, sampled: torch.Tensor, sampled_cpu: np.ndarray,
                      num_kept: np.ndarray, kept_device: tuple[torch.Tensor, torch.Tensor] | None = None
