@@ -156,17 +156,11 @@ def check_hit_states(replay: ColdReplay, scheduler, runner, state, where: str,
                 continue
             page = int(runner.block_tables.state_pages(group.group_id, idx, end)[0])
             for name in group.layer_names:
-                names = (state_names or {}).get(name, [])
-                for i, (ours, ref) in enumerate(zip(runner.kv_caches[name], cold[name])):
-                    ours = ours[page].float()
-                    atol, rtol = STATE_TOLERANCE.get(runner.kv_caches[name][i].dtype, STATE_TOLERANCE[torch.float32])
-                    bad = exceeds(ours, ref.float(), atol, rtol)
-                    if bool(bad.any()):
-                        label = names[i] if i < len(names) else f"state tensor {i}"
-                        diff = float((ours - ref.float()).abs().max())
-                        out.append(Violation(
-                            "checkpoint_equals_cold_state", f"{where}, request {rid!r}, layer {name}",
-                            f"{label} at page {page}", f"the state it starts from after a hit of {start} "
-                            f"tokens differs from a cold prefill of those tokens: max |diff| {diff:.3g} "
-                            f"(atol {atol:g} + rtol {rtol:g} * |cold|) in {int(bad.sum())} elements"))
+                for label, diff, n, atol, rtol in _compare(runner, group, name, page, cold[name],
+                                                           (state_names or {}).get(name, [])):
+                    out.append(Violation(
+                        "checkpoint_equals_cold_state", f"{where}, request {rid!r}, layer {name}",
+                        f"{label} at page {page}", f"the state it starts from after a hit of {start} "
+                        f"tokens differs from a cold prefill of those tokens: max |diff| {diff:.3g} "
+                        f"(atol {atol:g} + rtol {rtol:g} * |cold|) in {n} elements"))
     return out

@@ -95,6 +95,22 @@ CHECK_TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 1e-2), tor
 CaptureCheck = Callable[[int, Callable[[], torch.Tensor], Callable[[], torch.Tensor]], "str | None"]
 
 
+def replay_differs(want: torch.Tensor, got: torch.Tensor, dtype: torch.dtype) -> str | None:
+    """A replay's logits `got` [B, V] against the eager forward's `want` (float32): None when the greedy
+    tokens are equal and the logits within CHECK_TOLERANCE of the model's dtype, else the first
+    differing output in words."""
+    atol, rtol = CHECK_TOLERANCE.get(dtype, CHECK_TOLERANCE[torch.float32])
+    tokens = want.argmax(-1) != got.argmax(-1)
+    bad = (got - want).abs() > atol + rtol * want.abs()
+    if not (tokens.any() or bad.any()):
+        return None
+    row = int(tokens.nonzero()[0, 0]) if tokens.any() else int(bad.nonzero()[0, 0])
+    col = int((got[row] - want[row]).abs().argmax())
+    return (f"row {row}: eager token {int(want[row].argmax())}, graph token {int(got[row].argmax())}; "
+            f"logit {col}: eager {float(want[row, col]):.6g}, graph {float(got[row, col]):.6g} "
+            f"(tolerance {atol:g} + {rtol:g} * |eager|)")
+
+
 class CudaGraphManager:
     """Chooses the padded size of a batch and, in "full_decode" mode, holds one graph per size.
 

@@ -25,7 +25,7 @@ from toolkit.request import TokenLogprobs
 from toolkit.runner.attn_utils import AttnMetadata, init_attn_groups
 from toolkit.runner.block_table import BlockTables
 from toolkit.runner.block_table import staging_regions as table_regions
-from toolkit.runner.cudagraph import CHECK_TOLERANCE, CudaGraphManager
+from toolkit.runner.cudagraph import CudaGraphManager, replay_differs
 from toolkit.runner.device import StageClock, on_device
 from toolkit.runner.draft_model import DraftModelSpeculator
 from toolkit.runner.input_batch import (
@@ -444,26 +444,17 @@ class ModelRunner:
     def _check_graph(self, size: int, run_eager, replay) -> str | None:
         """A graph's replay against the eager forward on the same dummy batch (cudagraph.py): None
         when the greedy tokens are equal and the logits within the dtype's tolerance, else the
-        first differing output. Each dummy row reads and writes a scratch state page of its own
-        (`_prepare_dummy(vary_tokens=True)`: rows sharing the null slot race on it on a GPU), zeroed
-        before each run so that both start from the same state, and after (a free slot is zero)."""
+        first differing output (`replay_differs`). Each dummy row reads and writes a scratch state
+        page of its own (`_prepare_dummy(vary_tokens=True)`: rows sharing the null slot race on it
+        on a GPU), zeroed before each run so that both start from the same state, and after (a free
+        slot is zero)."""
         slots = [0, *self._check_slots[:size]]
         logits = []
         for run in (run_eager, replay):
             self._zero_state_slots(slots)
             logits.append(self.model.compute_logits(run()[:size]).float())
         self._zero_state_slots(slots)
-        want, got = logits
-        atol, rtol = CHECK_TOLERANCE.get(self.cfg.dtype, CHECK_TOLERANCE[torch.float32])
-        tokens = want.argmax(-1) != got.argmax(-1)
-        bad = (got - want).abs() > atol + rtol * want.abs()
-        if not (tokens.any() or bad.any()):
-            return None
-        row = int(tokens.nonzero()[0, 0]) if tokens.any() else int(bad.nonzero()[0, 0])
-        col = int((got[row] - want[row]).abs().argmax())
-        return (f"row {row}: eager token {int(want[row].argmax())}, graph token {int(got[row].argmax())}; "
-                f"logit {col}: eager {float(want[row, col]):.6g}, graph {float(got[row, col]):.6g} "
-                f"(tolerance {atol:g} + {rtol:g} * |eager|)")
+        return replay_differs(*logits, self.cfg.dtype)
 
     def _zero_state_slots(self, slots: list[int]) -> None:
         """Zero these recurrent state pages (the null page and the capture check's)."""
