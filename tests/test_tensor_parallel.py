@@ -33,6 +33,7 @@ from toolkit.layers.parallel import padded_vocab
 from toolkit.models import load_model
 from toolkit.models.registry import MODEL_REGISTRY
 from toolkit.models.tensor_parallel import SHARDABLE, check_tensor_parallel, shard_model
+from toolkit.runner.executor import ASK
 
 from harness import ScriptedProposer
 
@@ -221,6 +222,19 @@ def test_the_engine_starts_its_workers(preset):
         llm.warmup(progress=False)
         assert tokens_of(llm) == want
         assert all(not r.violations for r in llm.trace)
+        # a step where nothing finishes sends the workers execute_model and sample_tokens only (the
+        # inspection's own collectives aside): no remove_requests of an empty list
+        sent, broadcast = [], llm._executor.broadcast
+        llm._executor.broadcast = lambda message, sent=sent, broadcast=broadcast: (sent.append(message[0]),
+                                                                                    broadcast(message))[1]
+        llm.add_request({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=3, temperature=0.0))
+        llm.step()
+        llm.step()
+        mirrored = [name for name in sent if not name.startswith(ASK)]
+        assert mirrored == ["execute_model", "sample_tokens"] * 2, mirrored
+        llm._executor.broadcast = broadcast
+        while llm.has_unfinished_requests():
+            llm.step()
         llm.shutdown()
         assert not mp.active_children() and not dist.is_initialized()
 

@@ -275,7 +275,8 @@ class LLM:
             self.scheduler.recover_from_failed_step(sched_out)
             raise
         done = time.perf_counter()
-        self.model_runner.remove_requests([r.request_id for r in finished])
+        if finished:                    # (tensor parallelism: each call is a broadcast to the workers)
+            self.model_runner.remove_requests([r.request_id for r in finished])
         outputs = finished_outputs(finished, self.tokenizer.decode)
         if not warm:                    # warmup's own ids ("warmup-<i>") may be used again
             self._request_ids.finished.update(r.request_id for r in finished)
