@@ -70,3 +70,24 @@ def test_a_records_ledger_shares_the_rows_that_did_not_change():
     assert second.holdings["b"][0] is not first.holdings["b"][0] and len(second.holdings["b"][0]) == 4
     assert second.holdings == {rid: [list(ids) for ids in held] for rid, held in s.kv.holdings().items()}
     assert second.holdings["b"][0] is not s.kv.block_ids("b")[0]        # a copy, not the manager's own row
+
+
+def test_logits_check_names_each_row_with_a_non_finite_value():
+    """`check_logits`: every row holding a NaN or an inf is named with its request (a verify row's
+    several logits rows map back to it through cu_num_logits); finite logits pass, also where their
+    sum overflows (the one-pass test falls back to the per-row one)."""
+    import numpy as np
+    import torch
+
+    logits = torch.zeros(5, 7)
+    assert checks.check_logits(logits, ["a", "b"], "step 0", np.array([0, 2, 5])) == []
+    assert checks.check_logits(torch.full((3, 7), 3e38), ["a", "b", "c"], "step 0") == []    # sum is inf
+    logits[1, 3] = float("nan")
+    logits[4, 0] = float("-inf")
+    logits[4, 1] = float("inf")
+    found = checks.check_logits(logits, ["a", "b"], "step 0", lambda: np.array([0, 2, 5]))
+    assert [(v.check, v.where) for v in found] == [("logits_finite", "step 0, request 'a'"),
+                                                   ("logits_finite", "step 0, request 'b'")]
+    assert [v.message for v in found] == ["1 non-finite values", "2 non-finite values"]
+    one_row_each = checks.check_logits(logits[[1, 4]], ["x", "y"], "step 1")
+    assert [v.where for v in one_row_each] == ["step 1, request 'x'", "step 1, request 'y'"]
