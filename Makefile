@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
-.PHONY: demo test test-fast lint bench browser-setup notebooks docs docs-serve
+.PHONY: demo test test-setup test-fast lint bench browser-setup notebooks docs docs-serve
 demo: $(VENV)/.installed
 	$(PY) -m toolkit demo
 
@@ -20,8 +20,13 @@ demo: $(VENV)/.installed
 # -n: pytest-xdist, one worker per core (at most 4); loadgroup keeps the Triton recordings and their
 # compile test in one worker; --durations: the 15 slowest tests, printed at the end of every run
 PYTEST := TRITON_INTERPRET=1 $(VENV)/bin/pytest -n auto --maxprocesses 4 --dist loadgroup --durations=15
-test: $(VENV)/.installed lint browser-setup docs
+# the setup side by side (a sub-make with -j): chromium and the widget JS download while pip installs, then
+# the lint and the docs build together; each target's output kept in one piece
+test:
+	$(MAKE) --no-print-directory -j3 --output-sync=target test-setup
 	$(PYTEST) tests
+
+test-setup: $(VENV)/.installed lint browser-setup docs
 
 # the iteration tier (under 3 minutes on 2 cores): the core's unit tests, the per-family parity files,
 # the model-parametrized suites on tiny-llama and tiny-mamba2 only; no notebooks, browser, Triton engines,
