@@ -16,6 +16,11 @@ import torch  # noqa: E402  (after the thread variables)
 # Without a GPU the kernels run under the interpreter; on a GPU they compile.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # helpers called inside a kernel no longer re-patch triton.language (a fifth of an interpreted
+    # engine's time, nothing the kernels compute): tests/interpreter_speed.py
+    import interpreter_speed
+    interpreter_speed.install()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
