@@ -292,7 +292,7 @@ def test_a_verify_step_syncs_once(monkeypatch, preset, caching, penalties):
             with recorder:
                 record = llm.step()
         state = llm.model_runner.execute_state
-        verify_steps += state.verify is not None
+        verify_steps += state.verification is not None
         copies += bool(state.checkpoint_copies)
         report = "\n".join(f"  {op:40s} at {where}" for op, where in recorder.events)
         assert len(recorder.events) == 1, f"{preset} decode step {step}: {len(recorder.events)} host syncs:\n{report}"

@@ -270,7 +270,7 @@ class LLM:
             update_start = time.perf_counter()
             finished, kept = self.scheduler.update_from_output(sched_out, output)
             if state is not None and self.speculative_config is not None and not warm:
-                self.spec_stats.add(state.verify)
+                self.spec_stats.add(state.verification)
         except BaseException:
             self.scheduler.recover_from_failed_step(sched_out)
             raise

@@ -114,10 +114,10 @@ def step_record(step: StepOutcome, backend: str, logits: torch.Tensor | None = N
 
 
 def spec_rows(state: ExecuteModelState, sampled: dict[str, int], read_device: bool = True) -> dict[str, SpecRow]:
-    """Per decode row of a speculative step: the verification's outcome (`state.verify`) and, when
+    """Per decode row of a speculative step: the verification's outcome (`state.verification`) and, when
     `read_device`, the state columns from the step's Mamba metadata (what the layers read)."""
     batch = state.input_batch
-    if state.verify is None and batch.num_draft_tokens is None and not any(
+    if state.verification is None and batch.num_draft_tokens is None and not any(
             getattr(g.metadata, "num_accepted_tokens", None) is not None for g in state.attn_metadata.groups):
         return {}
     mamba = next((g.metadata for g in state.attn_metadata.groups
@@ -125,13 +125,14 @@ def spec_rows(state: ExecuteModelState, sampled: dict[str, int], read_device: bo
     read = mamba is not None and read_device
     accepted = mamba.num_accepted_tokens.tolist() if read else None
     columns = mamba.state_indices_tensor_d.tolist() if read else None
-    verified = {rid: i for i, rid in enumerate(state.verify.req_ids)} if state.verify else {}
+    verification = state.verification
+    verified = {rid: i for i, rid in enumerate(verification.req_ids)} if verification else {}
     out = {}
     for row in np.nonzero(batch.runs_as_decode_np)[0]:
         rid = batch.req_ids[row]
         if rid in verified:
             i = verified[rid]
-            drafts, target, kept = state.verify.drafts[i], state.verify.target[i], int(state.verify.num_accepted[i])
+            drafts, target, kept = verification.drafts[i], verification.target[i], int(verification.num_accepted[i])
         else:
             drafts, target, kept = [], [sampled[rid]], 1
         out[rid] = SpecRow(drafts, target, kept, accepted[row] - 1 if accepted else None,

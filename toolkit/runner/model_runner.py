@@ -69,7 +69,7 @@ class ExecuteModelState:
     checkpoint_copies: Any = None        # prefix caching + spec decoding: postprocess_state's CheckpointCopies
     # speculative decoding, set by sample_tokens: what the verification decided (None: no drafts this
     # step), and the drafts proposed for each row's next step
-    verify: VerifyResult | None = None
+    verification: VerifyResult | None = None
     proposed_drafts: dict[str, list[int]] = field(default_factory=dict)
     # set by sample_tokens (host, after the sync): each row's sampled token with its logprob and rank
     # (the top k its request asked for; every row while an observer records), and the prompt
@@ -280,7 +280,7 @@ class ModelRunner:
         the logprobs asked for, and the next step's drafts (the same objects as the state's).
         `state.timings` gets "sample" and "wait" (host seconds waiting at the sync); on CUDA,
         `state.device_timings` the device seconds of each stage (StageClock). With speculative
-        decoding, `state.verify` and `state.proposed_drafts` (spec_decode.py)."""
+        decoding, `state.verification` and `state.proposed_drafts` (spec_decode.py)."""
         state = self.execute_state
         if state is None:
             return ModelRunnerOutput({})
@@ -327,16 +327,16 @@ class ModelRunner:
         state.device_timings = clock.device_times()
         num_kept = np.ones(batch.num_reqs, dtype=np.int32)
         if batch.num_draft_tokens is not None:
-            state.verify = verify(batch.req_ids, batch.draft_token_ids, batch.num_draft_tokens,
+            state.verification = verify(batch.req_ids, batch.draft_token_ids, batch.num_draft_tokens,
                                   batch.cu_num_logits_np, sampled_np)
-            num_kept[batch.num_draft_tokens > 0] = state.verify.num_accepted
+            num_kept[batch.num_draft_tokens > 0] = state.verification.num_accepted
         logprobs_to_host(state, pending, num_kept, self.sampler)
         last_kept = self._post_update(batch, sampled, sampled_np, num_kept, kept_device)
         state.checkpoint_copies, state_offsets = self.model_state.postprocess_state(
             batch, sampled, num_kept if self.proposer else None, None if kept_device is None else kept_device[0])
         kept = {rid: [token] for rid, token in zip(batch.req_ids, last_kept.tolist())}
-        if state.verify is not None:
-            kept.update((rid, state.verify.kept(i)) for i, rid in enumerate(state.verify.req_ids))
+        if state.verification is not None:
+            kept.update((rid, state.verification.kept(i)) for i, rid in enumerate(state.verification.req_ids))
         if self.proposer is not None:
             state.proposed_drafts = self._propose(batch)
         clock.mark("sample", event=False)
