@@ -738,11 +738,6 @@ class KVCacheManager:
         `count_lookup`)."""
         return self.prefix_hit(self.lookup(hashes, num_tokens), hashes)
 
-    def known_prefix(self, hashes: list[BlockHash], num_tokens: int) -> int:
-        """Tokens of the longest prefix of full blocks (at most N - 1 tokens) that some request
-        computed lately, with or without a checkpoint at its end (`PrefixLookup.known_blocks`)."""
-        return self.lookup(hashes, num_tokens).known_blocks * self.groups[0].block_size
-
     def count_lookup(self, num_tokens: int, hit: PrefixHit | None) -> None:
         """A looked-up request was admitted: count it in `stats`."""
         got = hit.num_tokens if hit else 0
