@@ -91,3 +91,24 @@ def test_logits_check_names_each_row_with_a_non_finite_value():
     assert [v.message for v in found] == ["1 non-finite values", "2 non-finite values"]
     one_row_each = checks.check_logits(logits[[1, 4]], ["x", "y"], "step 1")
     assert [v.where for v in one_row_each] == ["step 1, request 'x'", "step 1, request 'y'"]
+
+
+def test_a_runner_block_table_row_that_differs_from_the_ledger_is_named():
+    """check_ledger with the runner: each running request's block-table row against its ledger ids,
+    per group (an attention and a Mamba group here); a changed id is named with the request and group."""
+    from toolkit import LLM, SamplingParams
+    llm = LLM("tiny-bamba", device="cpu", dtype="float32", max_num_seqs=2, checks=False)
+    for prompt in ([5, 6, 7, 8, 9], [10, 11, 12]):
+        llm.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=8, ignore_eos=True))
+    llm.step()
+    llm.step()
+    sched, runner = llm.scheduler, llm.model_runner
+    assert check_ledger(sched, runner, "here") == []
+    idx = runner.req_states.req_id_to_index["1"]
+    for g in range(len(sched.kv.groups)):
+        table = runner.block_tables.tables[g]
+        table[idx, 0] += 1
+        (v,) = check_ledger(sched, runner, "here")
+        assert (v.check, v.where) == ("block_table_matches_ledger", f"here, request '1', group {g}"), v
+        table[idx, 0] -= 1
+    assert check_ledger(sched, runner, "here") == []

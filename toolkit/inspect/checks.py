@@ -78,7 +78,7 @@ def check_ledger(scheduler, runner, where: str) -> list[Violation]:
         if sum(len(held[g]) for held in holdings.values()) <= WALK_BELOW or not _group_books_agree(kv, g, holdings):
             out += _group_book_violations(kv, g, holdings, where)
         if runner is not None:
-            out += _block_tables_match(kv, g, running, runner, where)
+            out += _block_tables_match(kv, g, running, holdings, runner, where)
     return out
 
 
@@ -163,8 +163,9 @@ def check_held_not_free(scheduler, where: str) -> list[Violation]:
     return out
 
 
-def _block_tables_match(kv, g: int, running: set[str], runner, where: str) -> list[Violation]:
-    """The runner's block-table row of each running request equals the scheduler's ledger."""
+def _block_tables_match(kv, g: int, running: set[str], holdings: dict, runner, where: str) -> list[Violation]:
+    """The runner's block-table row of each running request equals the scheduler's ledger
+    (`holdings`: request id -> its ids per group, as check_ledger read them)."""
     out: list[Violation] = []
     index, gaps = runner.req_states.req_id_to_index, kv.has_gaps(g)
     table, num_blocks = runner.block_tables.tables[g], runner.block_tables.num_blocks[g]
@@ -172,9 +173,9 @@ def _block_tables_match(kv, g: int, running: set[str], runner, where: str) -> li
         idx = index.get(rid)
         if idx is None:
             continue                     # admitted this step by the scheduler, not yet run
-        want = kv.block_ids(rid)[g]
-        n = int(num_blocks[idx])
-        row = table[idx, :n].tolist()
+        held = holdings.get(rid)
+        want = held[g] if held is not None else []
+        row = table[idx, :num_blocks[idx]].tolist()
         if not gaps and row == want:             # the common case: no copies
             continue
         want = list(want)

@@ -204,6 +204,11 @@ class Recorder:
         # num_accepted_tokens must say; a request (re)admitted starts at 1)
         self._kept_last_step: dict[str, int] = {}
         self._column_last_step: dict[str, int] = {}      # prefix caching: each request's running column
+        # what check_metadata needs of the engine's groups, fixed for its life: group id -> block size of
+        # the position-indexed Mamba rows (prefix caching, "align"), group id -> W of the sliding windows
+        self._aligned = {g.group_id: g.block_size for g in runner.kv_cache_groups
+                         if g.kind == "mamba" and runner.block_tables.aligned[g.group_id]}
+        self._windows = {g.group_id: g.sliding_window for g in runner.kv_cache_groups if g.sliding_window}
         runner.observer = self
 
     def _shards_of(self, layer: str) -> list:
@@ -329,11 +334,8 @@ class Recorder:
         record.violations = list(self._pending)
         state = step.exec_state
         if self.checks_on and state is not None:
-            aligned = {g.group_id: g.block_size for g in self.runner.kv_cache_groups
-                       if g.kind == "mamba" and self.runner.block_tables.aligned[g.group_id]}
-            windows = {g.group_id: g.sliding_window for g in self.runner.kv_cache_groups if g.sliding_window}
-            record.violations += checks.check_metadata(record.attn_metadata, record.scheduled,
-                                                       self._ledger_at_schedule, self.where, aligned, windows)
+            record.violations += checks.check_metadata(record.attn_metadata, record.scheduled, self._ledger_at_schedule,
+                                                       self.where, self._aligned, self._windows)
             if state.logits is not None:      # the host copy when recorded (no device read, numpy-fast)
                 logits = record.logits if record.logits is not None else state.logits
                 batch = state.input_batch
@@ -369,8 +371,7 @@ class Recorder:
 
     def _aligned_block_size(self) -> int | None:
         """The block size of the position-indexed Mamba rows (prefix caching), else None."""
-        return next((g.block_size for g in self.runner.kv_cache_groups
-                     if g.kind == "mamba" and self.runner.block_tables.aligned[g.group_id]), None)
+        return next(iter(self._aligned.values()), None)
 
     def _accepted_expected(self, record: StepRecord) -> dict[str, int]:
         """Request -> the num_accepted_tokens its row should carry this step: what it kept at its last
