@@ -84,6 +84,20 @@ def test_full_mode_records_states_and_top_logits():
         assert meta.trace[-1].states == [] and meta.trace[-1].top_logit_ids is None
 
 
+def test_record_sizes_shortcut_counts_what_the_walk_counts():
+    """The trace's byte budget sizes a plain metadata record without walking it: the same sizes as
+    the walk, for such records and (through the walk) for records with logprobs and full-mode states."""
+    from toolkit.inspect import trace as trace_module
+    assert trace_module._FAST_OK, "a new StepRecord field: list it in trace._FAST_OK's set, or in _COUNTED"
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2)
+    for mode, params in (("metadata", GREEDY), ("metadata", sp), ("full", GREEDY)):
+        with small("tiny-mamba2", inspect=mode) as llm:
+            llm.generate(PROMPTS, params)
+            for rec in llm.trace:
+                assert trace_module.record_sizes(rec) == trace_module._walked_sizes(rec), (mode, rec.stage)
+            assert sum(trace_module.record_sizes(rec)[1] for rec in llm.trace) > 0
+
+
 SAVE_AND_COMPARE = """
 import sys, torch
 from toolkit.inspect import Trace

@@ -33,7 +33,15 @@ STATES, LOGITS, REST = 0, 1, 2      # the parts of a record's size, in the order
 def record_sizes(record: StepRecord) -> list[int]:
     """Host bytes of a record: [states, logits (with the top-k), the rest]. The input batch and
     metadata snapshots, most of the rest, were counted as they were taken (snapshot_host_bytes):
-    only the other fields are walked."""
+    only the other fields are walked. The common record of inspect="metadata" (no states, no top-k,
+    no logprobs) walks nothing: the other fields it would walk hold no tensor or array (_FAST_OK)."""
+    if (_FAST_OK and record.snapshot_host_bytes is not None and not record.states and record.top_logit_values is None
+            and record.top_logit_ids is None and not record.logprobs and not record.prompt_logprobs):
+        return [0, object_bytes(record.logits, "host"), record.snapshot_host_bytes]
+    return _walked_sizes(record)
+
+
+def _walked_sizes(record: StepRecord) -> list[int]:
     seen: set[int] = set()                 # one walk: the rest skips what states and logits counted
     states = object_bytes(record.states, "host", seen)
     logits = object_bytes([record.logits, record.top_logit_values, record.top_logit_ids], "host", seen)
@@ -51,6 +59,10 @@ _COUNTED = {"input_batch", "attn_metadata", "states", "logits", "top_logit_value
             "finished_request_ids", "preempted_request_ids", "prefix_hits", "proposed_drafts", "violations",
             "dropped", "ledger", "state_copies", "checkpoint_copies", "spec",
             "prefix_lookups", "outputs"}   # counted above, or holding no tensor or array by their types
+# record_sizes' shortcut holds while the fields the walk would visit are these: scalars and strings, and
+# the two logprob dicts it tests empty (a new StepRecord field turns the shortcut off until listed here)
+_FAST_OK = {n for n in _WALKED if n not in _COUNTED} == {
+    "step_index", "stage", "backend", "graph", "padded_size", "snapshot_host_bytes", "logprobs", "prompt_logprobs"}
 
 
 class Trace:
