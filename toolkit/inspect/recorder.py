@@ -11,10 +11,9 @@ each warmup stage; it is None with `inspect="off"` and checks off.
   gathered from the state cache at the request's slot (only the layers and requests the capture
   filter chooses: inspect/capture.py); and the top-k logits per row.
 
-Everything recorded is a copy of what the runner used (`snapshot`): the batch and metadata right
-before the forward reads them (`before_forward`), the logits and states inside the step, copied to
-host memory before its one sync, so that on a GPU they leave the device's memory alone and cost no
-extra sync. The trace keeps records within its byte
+Everything recorded is a copy of what the runner used (`snapshot`), taken after it used it; states
+and logits are copied to host memory inside the step, before its one sync, so that on a GPU they
+leave the device's memory alone and cost no extra sync. The trace keeps records within its byte
 budget (inspect/trace.py).
 """
 from __future__ import annotations
@@ -78,39 +77,23 @@ class StepOutcome:
     timings: dict[str, float]           # seconds: "schedule", "update" (the runner adds its own)
 
 
-@dataclass
-class Snapshot:
-    """Copies of a step's InputBatch and per-group metadata (`snapshot`), and their host bytes."""
-    input_batch: object
-    attn_metadata: list
-    host_bytes: int
-
-
-def snapshot_step(state: ExecuteModelState) -> Snapshot:
-    """The batch and metadata of `state` copied (a view in both is cloned once)."""
-    host_bytes = [0]                # the snapshots' host bytes, for the trace's budget (record_sizes)
-    clones: dict = {}
-    return Snapshot(snapshot(state.input_batch, host_bytes, clones),
-                    snapshot(state.attn_metadata.groups, host_bytes, clones), host_bytes[0])
-
-
 def step_record(step: StepOutcome, backend: str, logits: torch.Tensor | None = None,
-                read_device: bool = True, copies: Snapshot | None = None) -> StepRecord:
-    """The StepRecord of a step: copies of the objects the runner used (`copies`: taken before the
-    forward, by the Recorder; else taken here, after the step), and `logits` (a copy already taken,
-    else the step's logits are copied here). `read_device=False` (inspection off): nothing is read
-    from the device (a read would sync it), so speculative rows carry no state columns."""
+                read_device: bool = True) -> StepRecord:
+    """The StepRecord of a step: snapshots of the objects the runner used, taken after the step
+    (`logits`: a copy already taken, else the step's logits are snapshot here). `read_device=False`
+    (inspection off): nothing is read from the device (a read would sync it), so speculative rows
+    carry no state columns."""
     state = step.exec_state
-    if state is not None and copies is None:
-        copies = snapshot_step(state)
+    host_bytes = [0]                # the snapshots' host bytes, for the trace's budget (record_sizes)
+    clones: dict = {}               # a view in both the batch and the metadata is cloned once
     return StepRecord(
         step_index=step.step_index, stage=step.stage, backend=backend,
         scheduled=scheduled_rows(state.input_batch) if state else [],
         graph=state.graph if state else "eager", padded_size=state.padded_size if state else None,
         preempted_request_ids=list(step.sched_out.preempted_req_ids),
         finished_request_ids=[r.request_id for r in step.finished],
-        input_batch=copies.input_batch if state else None,
-        attn_metadata=copies.attn_metadata if state else [],
+        input_batch=snapshot(state.input_batch, host_bytes, clones) if state else None,
+        attn_metadata=snapshot(state.attn_metadata.groups, host_bytes, clones) if state else [],
         logits=logits if logits is not None else snapshot(state.logits) if state else None,
         sampled_token_ids=step.sampled, kept_token_ids=step.kept, outputs=list(step.outputs),
         timings={"schedule": step.timings["schedule"], **(state.timings if state else {}),
@@ -127,7 +110,7 @@ def step_record(step: StepOutcome, backend: str, logits: torch.Tensor | None = N
         spec=spec_rows(state, step.sampled, read_device) if state else {},
         proposed_drafts={rid: d for rid, d in state.proposed_drafts.items()        # for requests still running
                          if rid not in {r.request_id for r in step.finished}} if state else {},
-        snapshot_host_bytes=copies.host_bytes if state else 0)
+        snapshot_host_bytes=host_bytes[0])
 
 
 def spec_rows(state: ExecuteModelState, sampled: dict[str, int], read_device: bool = True) -> dict[str, SpecRow]:
@@ -195,7 +178,6 @@ class Recorder:
         self._after: Captured | None = None
         self._logits: torch.Tensor | None = None
         self._top: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._copies: Snapshot | None = None      # the step's batch and metadata, copied before the forward
         self._pending: list[Violation] = []
         self._layer_info: dict[str, tuple[str, list[str]]] = {}     # recurrent layer -> (kind, state names)
         specs = {n: g.spec for g in runner.kv_cache_groups if g.kind == "mamba" for n in g.layer_names}
@@ -247,7 +229,7 @@ class Recorder:
         """Called after scheduling: the ledger `check_metadata` compares the step with, and (prefix
         caching) whether each hit admitted holds what it claims."""
         self.where, self._before, self._after, self._pending = where, None, None, []
-        self._logits = self._top = self._copies = None
+        self._logits = self._top = None
         self._states_refused = False
         self._ledger_at_schedule = checks.ledger_of(self.scheduler, self._last_ledger) if self.checks_on else None
         if self.checks_on and self.scheduler.kv.caching and sched_out is not None:
@@ -264,9 +246,6 @@ class Recorder:
                 self._column_last_step.pop(new.req_id, None)
 
     def before_forward(self, runner, state) -> None:
-        # the batch and metadata the forward reads, copied now: they are what the step used, and the
-        # objects are still in the CPU's caches (after the forward a copy of them costs about twice)
-        self._copies = snapshot_step(state)
         plan = None
         if self.mode == "full" and self.capture.layers:
             batch = state.input_batch
@@ -336,7 +315,7 @@ class Recorder:
     def record_step(self, step: StepOutcome) -> StepRecord:
         """The step's record, with the full-mode fields and the checks' violations, appended to
         the trace; raises InvariantError (after recording) if a check failed."""
-        record = step_record(step, self.backend, self._logits, copies=self._copies)
+        record = step_record(step, self.backend, self._logits)
         if self.spec and self._before is not None and step.exec_state is not None:
             # the state each verify row kept: the column of its last kept position (the cache is as the
             # forward left it: sampling and the update write no state)
@@ -384,7 +363,7 @@ class Recorder:
                         kept = 1
                     self._column_last_step[rid] = col
                 self._kept_last_step[rid] = kept
-        self._before = self._after = self._logits = self._top = self._copies = None
+        self._before = self._after = self._logits = self._top = None
         self._pending = []
         self.trace.append(record)
         checks.raise_if_any(record.violations)

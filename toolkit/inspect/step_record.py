@@ -1,8 +1,7 @@
 """StepRecord: what one engine step did, holding the objects the runner used.
 
 The runner writes each step into persistent buffers, so a record keeps a snapshot (a clone) of
-the InputBatch and of the metadata, taken right before the forward (with inspection off, after the
-step: `step()`'s record); nothing here is recomputed.
+the InputBatch and of the metadata taken right after the step; nothing here is recomputed.
 With `LLM(inspect="off")`, `generate()` and `warmup()` build no records at all.
 
 Shapes: B = rows in the batch (decodes first), V = vocabulary, k = `TOP_K_LOGITS`.
