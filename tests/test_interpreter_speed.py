@@ -8,7 +8,9 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton", reason="triton has no wheels for macOS / Windows")
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter only")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="TRITON_INTERPRET is not 1: this run compiles the kernels (a GPU), so there is no interpreter to check")
 
 import interpreter_speed  # noqa: E402
 import triton.language as tl  # noqa: E402

@@ -433,7 +433,8 @@ class KVCacheManager:
         return self._pages_released_upto.get(req_id, 0)
 
     def block_ids(self, req_id: str) -> tuple[list[int], ...]:
-        return self._ids.get(req_id, tuple([] for _ in self.groups))
+        ids = self._ids.get(req_id)         # (no empty default built for the holders, the common case)
+        return ids if ids is not None else tuple([] for _ in self.groups)
 
     def _live(self, g: int, ids: list[int]) -> list[int]:
         return [i for i in ids if i] if self.has_gaps(g) else list(ids)
