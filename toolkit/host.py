@@ -53,8 +53,10 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     """A host copy of `t`. From a CUDA device the copy lands in pinned memory without blocking the
     host: read it only after the stream has passed the copy (e.g. after the step's one sync, the
     sampled ids' copy). On the CPU, a copy in memory of its own (`mapped_empty`: recorded data
-    lives long)."""
+    lives long; below MAPPED_MIN_BYTES a clone, one op where an empty tensor and a copy are two)."""
     if t.device.type == "cpu":
+        if t.nbytes < MAPPED_MIN_BYTES:
+            return t.clone(memory_format=torch.contiguous_format)
         return mapped_empty(tuple(t.shape), t.dtype).copy_(t)
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     out.copy_(t, non_blocking=True)

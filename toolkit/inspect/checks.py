@@ -247,7 +247,9 @@ def check_metadata(groups, scheduled, ledger: CacheLedger, where: str,
         if gm.kind == "mamba":
             md = gm.metadata
             decode, prefill = md.state_indices_tensor_d, md.state_indices_tensor_p
-            got = [] if decode is None else decode.view(md.num_decodes, -1).tolist()
+            got = [] if decode is None else decode.tolist()     # [D] (a slot per row) or [D, 1 + k] (columns)
+            if got and decode.dim() == 1:
+                got = [[i] for i in got]
             got += [] if prefill is None else [[i] for i in prefill.tolist()]
             spec = gm.common.num_accepted_tokens is not None     # speculative decoding: 1 + k columns held
             bs = (aligned_block_sizes or {}).get(gm.group_id)

@@ -27,9 +27,6 @@ TOP_K_LOGITS = 8
 DROPPED = "dropped: trace budget (LLM(trace_max_bytes=...))"   # what a view says of a dropped part
 
 
-_FIELDS: dict[type, tuple[str, ...]] = {}        # dataclass type -> its field names (dataclasses.fields is slow)
-
-
 def snapshot(obj: Any, host_bytes: list[int] | None = None, _clones: dict | None = None) -> Any:
     """Deep copy that clones tensors and arrays (dataclasses, dicts, lists and tuples walked); a
     tensor met twice (the same view, e.g. query_start_loc in the batch and in each group's common
@@ -37,9 +34,11 @@ def snapshot(obj: Any, host_bytes: list[int] | None = None, _clones: dict | None
     tensors and arrays made are added to (what the trace's byte budget counts, without walking the
     copy again: `record_sizes`).
 
-    Runs on every recorded step, so it is written for speed (inspect="metadata" must cost little): a
-    leaf is told by its exact type (one set lookup) before any call, and a dataclass is copied through
-    its `__dict__` (no `copy.copy`, no `__init__`: a builder's output is not revalidated)."""
+    Runs on every recorded step, so it is written for speed (inspect="metadata" must cost little):
+    each exact type gets its copier once (`_COPIERS`: one dict lookup per value after that); a
+    dataclass's copier is made for its fields (`_dataclass_copier`) and copies its `__dict__` (no
+    `copy.copy`, no `__init__`: a builder's output is not revalidated); a tensor already met as the
+    same object is found by its id before its view key is built."""
     return _snap(obj, host_bytes if host_bytes is not None else [0], {} if _clones is None else _clones)
 
 
@@ -47,28 +46,88 @@ def _snap(obj: Any, counter: list[int], clones: dict) -> Any:
     cls = type(obj)
     if cls in _LEAVES:
         return obj
-    if isinstance(obj, torch.Tensor):
-        key = (obj.data_ptr(), obj.dtype, obj.shape, obj.stride(), obj.device)
-        out = clones.get(key)
-        if out is None:
-            out = clones[key] = (obj.detach() if obj.requires_grad else obj).clone()
-            if out.device.type == "cpu":
-                counter[0] += out.nbytes
+    copier = _COPIERS.get(cls)
+    if copier is None:
+        copier = _COPIERS[cls] = _copier_for(cls, obj)
+    return copier(obj, counter, clones)
+
+
+def _snap_tensor(t: torch.Tensor, counter: list[int], clones: dict) -> torch.Tensor:
+    out = clones.get(id(t))             # the same object met before (alive while the snapshot runs)
+    if out is not None:
         return out
+    key = (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device)      # the same view through another object
+    out = clones.get(key)
+    if out is None:
+        out = clones[key] = (t.detach() if t.requires_grad else t).clone()
+        if out.is_cpu:
+            counter[0] += out.nbytes
+    clones[id(t)] = out
+    return out
+
+
+def _snap_array(a: np.ndarray, counter: list[int], clones: dict) -> np.ndarray:
+    counter[0] += a.nbytes
+    return a.copy()
+
+
+def _snap_list(obj: list, counter: list[int], clones: dict) -> list:
+    return [v if type(v) in _LEAVES else _snap(v, counter, clones) for v in obj]
+
+
+def _snap_tuple(obj: tuple, counter: list[int], clones: dict) -> tuple:
+    return tuple([v if type(v) in _LEAVES else _snap(v, counter, clones) for v in obj])
+
+
+def _snap_dict(obj: dict, counter: list[int], clones: dict) -> dict:
+    return {k: v if type(v) in _LEAVES else _snap(v, counter, clones) for k, v in obj.items()}
+
+
+def _snap_scalar(obj: Any, counter: list[int], clones: dict) -> Any:
+    return obj
+
+
+def _snap_other(obj: Any, counter: list[int], clones: dict) -> Any:
+    """A type without a copier of its own (a subclass of list, tuple or dict, a dataclass with
+    __slots__): the general way."""
+    if isinstance(obj, torch.Tensor):
+        return _snap_tensor(obj, counter, clones)
+    if dataclasses.is_dataclass(obj):
+        out = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            object.__setattr__(out, f.name, _snap(getattr(obj, f.name), counter, clones))
+        return out
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_snap(v, counter, clones) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _snap(v, counter, clones) for k, v in obj.items()}
+    if isinstance(obj, np.ndarray):
+        return _snap_array(obj, counter, clones)
+    if isinstance(obj, _SCALARS):
+        return obj
+    return copy.copy(obj)
+
+
+def _copier_for(cls: type, obj: Any):
+    if cls is torch.Tensor or cls is torch.nn.Parameter:
+        return _snap_tensor
     if cls is np.ndarray:
-        counter[0] += obj.nbytes
-        return obj.copy()
-    names = _FIELDS.get(cls)
-    if names is None and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(obj))
-    if names is not None:
-        values = getattr(obj, "__dict__", None)
-        if values is None:                      # a dataclass with __slots__: the slow, general way
-            out = copy.copy(obj)
-            for name in names:
-                object.__setattr__(out, name, _snap(getattr(obj, name), counter, clones))
-            return out
-        values = dict(values)
+        return _snap_array
+    if cls in _EXACT:
+        return _EXACT[cls]
+    if dataclasses.is_dataclass(cls) and hasattr(obj, "__dict__"):
+        return _dataclass_copier(cls)
+    if issubclass(cls, _SCALARS):
+        return _snap_scalar
+    return _snap_other
+
+
+def _dataclass_copier(cls: type):
+    """A copier for one dataclass: its `__dict__` copied, each field that is not a leaf snapshot."""
+    names = tuple(f.name for f in dataclasses.fields(cls))
+
+    def copy_dataclass(obj: Any, counter: list[int], clones: dict) -> Any:
+        values = obj.__dict__.copy()
         for name in names:
             v = values[name]
             if type(v) not in _LEAVES:
@@ -76,23 +135,13 @@ def _snap(obj: Any, counter: list[int], clones: dict) -> Any:
         out = object.__new__(cls)
         object.__setattr__(out, "__dict__", values)
         return out
-    if cls is list or cls is tuple:
-        items = [v if type(v) in _LEAVES else _snap(v, counter, clones) for v in obj]
-        return items if cls is list else tuple(items)
-    if isinstance(obj, dict):
-        return {k: v if type(v) in _LEAVES else _snap(v, counter, clones) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return cls(_snap(v, counter, clones) for v in obj)
-    if isinstance(obj, np.ndarray):
-        counter[0] += obj.nbytes
-        return obj.copy()
-    if isinstance(obj, _SCALARS):
-        return obj
-    return copy.copy(obj)
+    return copy_dataclass
 
 
 _SCALARS = (int, float, str, bool, bytes, type(None), np.generic, torch.dtype, torch.device)
 _LEAVES = frozenset((int, float, str, bool, bytes, type(None), torch.dtype, torch.device))   # exact types
+_EXACT = {list: _snap_list, tuple: _snap_tuple, dict: _snap_dict}
+_COPIERS: dict[type, Any] = {}        # exact type -> its copier (filled as types are met)
 
 
 @dataclass

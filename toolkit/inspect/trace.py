@@ -21,6 +21,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import overload
 
+import torch
+
 from toolkit.errors import TraceBudgetWarning
 from toolkit.host import release_free_memory
 from toolkit.inspect import serialize
@@ -37,7 +39,9 @@ def record_sizes(record: StepRecord) -> list[int]:
     no logprobs) walks nothing: the other fields it would walk hold no tensor or array (_FAST_OK)."""
     if (_FAST_OK and record.snapshot_host_bytes is not None and not record.states and record.top_logit_values is None
             and record.top_logit_ids is None and not record.logprobs and not record.prompt_logprobs):
-        return [0, object_bytes(record.logits, "host"), record.snapshot_host_bytes]
+        logits = record.logits
+        return [0, logits.nbytes if type(logits) is torch.Tensor and logits.is_cpu else object_bytes(logits, "host"),
+                record.snapshot_host_bytes]
     return _walked_sizes(record)
 
 
