@@ -2,11 +2,17 @@
 "full", against the same engine with recording removed (a bare schedule -> execute -> sample ->
 update step, no record, no checks, no timings, no recovery).
 
-    python benchmarks/inspect_overhead.py [--presets tiny-bamba tiny-mamba2] [--batch 8]
+    python benchmarks/inspect_overhead.py [--presets tiny-bamba tiny-mamba2] [--batch 8] [--breakdown]
 
 Method: decode step = (t(N tokens) - t(1 token)) / (N - 1) through `LLM.generate`, greedy, no EOS;
 the modes are interleaved and each takes the best of --repeats runs, so slow drift of the machine
 hits them alike. Run it on an idle machine: on 2 cores another busy process swamps the differences.
+
+`--breakdown`: then, for inspect="metadata", where the recording's time goes inside a step: each
+part timed by a wrapper around it over one generate() of --new-tokens decode steps, in us per step
+(nested parts are inside their parents: the snapshots inside step_record, the checks inside
+record_step). These are the figures to compare when one part changes: a 30 us change is 1% of a
+tiny-bamba batch-8 step, below what the end-to-end difference resolves from run to run.
 """
 from __future__ import annotations
 
@@ -18,7 +24,10 @@ import time
 
 import torch
 
+import toolkit.inspect.recorder as recorder_module
+import toolkit.inspect.trace as trace_module
 from toolkit import LLM, SamplingParams
+from toolkit.inspect import checks
 from toolkit.outputs import request_output
 
 sys.path.insert(0, os.path.dirname(__file__))   # table.py beside it, also under PYTHONSAFEPATH=1
@@ -52,6 +61,43 @@ def run(llm: LLM, prompts: list[list[int]], k: int) -> float:
     return time.perf_counter() - start
 
 
+# the parts --breakdown times: (owner, attribute, label); a method is wrapped on its class
+PARTS = [(recorder_module.Recorder, hook, f"Recorder.{hook}")
+         for hook in ("begin", "before_forward", "after_forward", "after_logits", "record_step")] + [
+    (recorder_module, "step_record", "  step_record"),
+    (recorder_module, "snapshot", "    snapshot (batch, metadata)"),
+    (recorder_module, "scheduled_rows", "    scheduled_rows"),
+    (trace_module.Trace, "append", "  Trace.append"),
+    (trace_module, "record_sizes", "    record_sizes"),
+] + [(checks, name, f"  checks.{name}") for name in (
+    "ledger_of", "check_ledger", "check_metadata", "check_logits", "check_fresh_slots")]
+
+
+def breakdown(llm: LLM, prompts: list[list[int]], k: int) -> list[tuple[str, float, float]]:
+    """(part, us per decode step, calls per step) over one generate() of k tokens."""
+    totals = {label: [0, 0] for _, _, label in PARTS}
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in PARTS]
+
+    def timed(fn, label):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[label][0] += time.perf_counter_ns() - start
+                totals[label][1] += 1
+        return wrapper
+    for (owner, name, fn), (_, _, label) in zip(originals, PARTS):
+        setattr(owner, name, timed(fn, label))
+    try:
+        run(llm, prompts, k)
+    finally:
+        for owner, name, fn in originals:
+            setattr(owner, name, fn)
+    steps = totals["Recorder.record_step"][1]
+    return [(label, ns / steps / 1e3, calls / steps) for label, (ns, calls) in totals.items() if calls]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", nargs="+", default=["tiny-bamba", "tiny-mamba2"])
@@ -61,11 +107,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--breakdown", action="store_true", help="also time the parts of a recorded step")
     args = ap.parse_args()
     print(f"device={args.device} dtype={args.dtype} torch={torch.__version__} threads="
           f"{torch.get_num_threads()} batch={args.batch} prompt_len={args.prompt_len} "
           f"new_tokens={args.new_tokens} repeats={args.repeats}")
-    rows = []
+    rows, parts_rows = [], []
     for preset in args.presets:
         llms = {name: cls(preset, device=args.device, dtype=args.dtype, max_num_seqs=args.batch,
                           max_num_batched_tokens=args.batch * args.prompt_len,
@@ -88,11 +135,18 @@ def main() -> None:
             rows.append([preset, name, f"{step * 1e3:.3f}", f"{args.batch / step:,.0f}",
                          f"{(step / base - 1) * 100:+.1f}%"])
             print("  ".join(rows[-1]), flush=True)
+        if args.breakdown:
+            parts = breakdown(llms["metadata"], prompts, args.new_tokens)
+            parts_rows += [[preset, label, f"{us:.1f}", f"{calls:g}"] for label, us, calls in parts]
         for llm in llms.values():
             llm.shutdown()
     header = ["preset", "mode", "decode step ms", "decode tok/s", "vs removed"]
     print()
     print_markdown_table(header, rows)
+    if parts_rows:
+        print()
+        print_markdown_table(["preset", 'inspect="metadata": part of a step', "us per step", "calls per step"],
+                             parts_rows)
 
 
 if __name__ == "__main__":

@@ -119,19 +119,24 @@ def _group_book_violations(kv, g: int, holdings: dict, where: str) -> list[Viola
     """Group g walked id by id: the violations, with their messages."""
     out: list[Violation] = []
     group, pool = kv.groups[g], kv.pool(g)
+    gaps, caching = kv.has_gaps(g), kv.caching
     seen: dict[int, set[str]] = {}
     for rid, held in holdings.items():
         ids = held[g]
-        if 0 in ids and not kv.has_gaps(g):
+        if 0 in ids and not gaps:
             out.append(Violation("null_id_not_live", f"{where}, request {rid!r}, group {g} ({group.kind})",
                                  "block ids", f"holds the null id 0: {ids}"))
         for i in ids:
             if i == 0:
                 continue
-            if i in seen and not kv.caching:
+            holders = seen.get(i)
+            if holders is None:
+                seen[i] = {rid}
+                continue
+            if not caching:
                 out.append(Violation("no_shared_ids", f"{where}, group {g} ({group.kind})", "block ids",
-                                     f"id {i} is held by both {sorted(seen[i])[0]!r} and {rid!r}"))
-            seen.setdefault(i, set()).add(rid)
+                                     f"id {i} is held by both {sorted(holders)[0]!r} and {rid!r}"))
+            holders.add(rid)
     for i in sorted(pool._free.keys() & seen.keys()):                    # (pool.is_free, as a set operation)
         out.append(Violation("held_ids_not_free", f"{where}, group {g} ({group.kind}), id {i}", "free queue",
                              f"held by {sorted(seen[i])} but waiting in the free queue: the next "
@@ -241,6 +246,7 @@ def check_metadata(groups, scheduled, ledger: CacheLedger, where: str,
     before it, never read), and must hold a block in each of those columns."""
     out: list[Violation] = []
     rids = [s.request_id for s in scheduled]
+    holds_nothing = [[]] * len(ledger.group_kinds)      # a row the ledger does not know (named by the compare)
     for gm in groups:
         label = f"{where}, group {gm.group_id} ({gm.builder})"
         table = gm.common.block_table_tensor
@@ -254,7 +260,7 @@ def check_metadata(groups, scheduled, ledger: CacheLedger, where: str,
             spec = gm.common.num_accepted_tokens is not None     # speculative decoding: 1 + k columns held
             bs = (aligned_block_sizes or {}).get(gm.group_id)
             for row, (rid, slots) in enumerate(zip(rids, got)):
-                held = ledger.holdings.get(rid, [[]] * len(ledger.group_kinds))[gm.group_id]
+                held = ledger.holdings.get(rid, holds_nothing)[gm.group_id]
                 width = len(slots) if spec and row < md.num_decodes else 1
                 if bs is not None:      # "align": the column of its last scheduled token (and the spec
                     sc = scheduled[row]  # columns after it)
@@ -280,7 +286,7 @@ def check_metadata(groups, scheduled, ledger: CacheLedger, where: str,
             rows = table.numpy() if table.device.type == "cpu" else table.cpu().numpy()    # one read, not per row
             window = (sliding_windows or {}).get(gm.group_id)
             for row, rid in enumerate(rids):
-                want = list(ledger.holdings.get(rid, [[]] * len(ledger.group_kinds))[gm.group_id])
+                want = list(ledger.holdings.get(rid, holds_nothing)[gm.group_id])
                 got = rows[row, :len(want)].tolist()
                 if window is not None:       # from the first block the row's first query reads
                     first = window_start_block(scheduled[row].num_computed_before, window, gm.metadata.block_size)
