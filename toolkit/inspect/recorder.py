@@ -179,7 +179,6 @@ class Recorder:
         self._logits: torch.Tensor | None = None
         self._top: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pending: list[Violation] = []
-        self._logits_checked = False      # after_logits checked this step's logits (a CPU step)
         self._layer_info: dict[str, tuple[str, list[str]]] = {}     # recurrent layer -> (kind, state names)
         specs = {n: g.spec for g in runner.kv_cache_groups if g.kind == "mamba" for n in g.layer_names}
         for module in runner.model.modules():
@@ -231,7 +230,6 @@ class Recorder:
         caching) whether each hit admitted holds what it claims."""
         self.where, self._before, self._after, self._pending = where, None, None, []
         self._logits = self._top = None
-        self._logits_checked = False
         self._states_refused = False
         self._ledger_at_schedule = checks.ledger_of(self.scheduler, self._last_ledger) if self.checks_on else None
         if self.checks_on and self.scheduler.kv.caching and sched_out is not None:
@@ -310,13 +308,6 @@ class Recorder:
 
     def after_logits(self, runner, state) -> None:
         self._logits = to_host(state.logits)
-        if self.checks_on and self._logits.is_cpu and state.logits.is_cpu:
-            # a CPU step's copy is read here, next to the forward's own reductions (in record_step the
-            # sum runs cold: 18 -> 10 us a tiny-bamba step); a GPU copy is read after the step's sync
-            batch = state.input_batch
-            self._pending += checks.check_logits(self._logits, batch.req_ids, self.where,
-                                                 lambda: batch.cu_num_logits_np)
-            self._logits_checked = True
         if self.mode == "full":
             top = state.logits.topk(min(TOP_K_LOGITS, state.logits.shape[-1]), dim=-1)
             self._top = to_host(top.values), to_host(top.indices)
@@ -345,7 +336,7 @@ class Recorder:
         if self.checks_on and state is not None:
             record.violations += checks.check_metadata(record.attn_metadata, record.scheduled, self._ledger_at_schedule,
                                                        self.where, self._aligned, self._windows)
-            if state.logits is not None and not self._logits_checked:   # the host copy when recorded
+            if state.logits is not None:      # the host copy when recorded (no device read, numpy-fast)
                 logits = record.logits if record.logits is not None else state.logits
                 batch = state.input_batch
                 record.violations += checks.check_logits(logits, batch.req_ids, self.where,
