@@ -209,13 +209,15 @@ def test_snapshot_copies_every_tensor_and_array_once_and_shares_views_met_twice(
     buffer = torch.arange(10, dtype=torch.int32)
     view = buffer[2:6]
     array = np.arange(4)
-    obj = {"x": [Frozen(view, np.int64(3)), Frozen(view, np.int64(4))], "y": (Slotted(array, ["a"]), 7, None)}
+    same_view_again = buffer[2:6]                                  # another object, the same view
+    obj = {"x": [Frozen(view, np.int64(3)), Frozen(view, np.int64(4)), Frozen(same_view_again, np.int64(5))],
+           "y": (Slotted(array, ["a"]), 7, None)}
     counter = [0]
     copy = snapshot(obj, counter)
     buffer.zero_()
     array[:] = -1
-    x0, x1 = copy["x"]
-    assert x0.t.tolist() == [2, 3, 4, 5] and x0.t is x1.t          # one clone for the view met twice
+    x0, x1, x2 = copy["x"]
+    assert x0.t.tolist() == [2, 3, 4, 5] and x0.t is x1.t is x2.t   # one clone for the view met three times
     assert x0.scalar == 3 and type(x0) is Frozen
     slotted, seven, none = copy["y"]
     assert slotted.a.tolist() == [0, 1, 2, 3] and slotted.names == ["a"] and slotted.names is not obj["y"][0].names
