@@ -38,7 +38,8 @@ def snapshot(obj: Any, host_bytes: list[int] | None = None, _clones: dict | None
     each exact type gets its copier once (`_COPIERS`: one dict lookup per value after that); a
     dataclass's copier is made for its fields (`_dataclass_copier`) and copies its `__dict__` (no
     `copy.copy`, no `__init__`: a builder's output is not revalidated); a tensor already met as the
-    same object is found by its id before its view key is built."""
+    same object is found by its id before its view key is built. `_clones` may be shared only by
+    snapshots of objects alive together (a step's batch and metadata): an id names one live object."""
     return _snap(obj, host_bytes if host_bytes is not None else [0], {} if _clones is None else _clones)
 
 
