@@ -19,3 +19,9 @@ class AttentionMetadataBuilder(ABC):
     @abstractmethod
     def _build(self, common: CommonAttentionMetadata, producer: str) -> Any:
         """Backend-specific metadata from a contract-checked common metadata."""
+
+    def persistent_buffers(self) -> list:
+        """The tensors this builder keeps from step to step and writes in place, which its metadata
+        may view (a recorded step copies them: what the record shows must not change with the next
+        step). Every other tensor of its metadata is made fresh by the step that builds it."""
+        return []

@@ -162,6 +162,9 @@ class BaseMambaMetadataBuilder(AttentionMetadataBuilder):
         # position-indexed rows
         self._spec_columns: dict[tuple[torch.device, int], torch.Tensor] = {}
 
+    def persistent_buffers(self) -> list[torch.Tensor]:
+        return [*self._align_buffers.values(), *self._spec_columns.values()]
+
     def state_indices(self, common: CommonAttentionMetadata) -> torch.Tensor:
         """Device int32 [B]: the state page of every row (see the module docstring for the modes)."""
         table = common.block_table_tensor

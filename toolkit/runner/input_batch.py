@@ -58,6 +58,10 @@ class InputBuffers:
         self.token_req_rows = staging.device("token_req_rows") if verify else None
         self.draft_ids = staging.device("draft_ids") if verify else None
 
+    def persistent_buffers(self) -> list[torch.Tensor]:
+        """What the batch views besides the staging arena: the input ids."""
+        return [self.input_ids]
+
 
 @dataclass
 class InputBatch:

@@ -162,6 +162,16 @@ class ModelRunner:
         self.clock = StageClock(use_events=cfg.device.type == "cuda")
 
     # ---- state updates ---------------------------------------------------------------------
+    def persistent_buffers(self) -> list[torch.Tensor]:
+        """The tensors a step's batch and metadata may view that the runner keeps and rewrites from
+        step to step: the staging arena, the input ids, the metadata builders' and the model state's
+        own buffers (what a recorded step copies; every other tensor of the batch and metadata is
+        made fresh by its step). tests/test_persistent_buffers.py finds one left out."""
+        out = self.staging.persistent_buffers() + self.input_buffers.persistent_buffers()
+        for group in self.attn_groups:
+            out += group.builder.persistent_buffers()
+        return out + self.model_state.persistent_buffers()
+
     def remove_requests(self, req_ids) -> None:
         """Release the rows of finished, aborted or preempted requests (unknown ids are skipped)."""
         req_ids = list(req_ids)

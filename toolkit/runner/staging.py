@@ -120,6 +120,10 @@ class Staging:
     def flush(self) -> int:
         return self.arena.flush()
 
+    def persistent_buffers(self) -> list[torch.Tensor]:
+        """The device arena every staged tensor views (rewritten each step)."""
+        return [self.arena.device_buffer]
+
 
 class StagingBank:
     """One of several sets of the same regions in a Staging, seen under their plain names: region

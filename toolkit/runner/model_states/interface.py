@@ -31,6 +31,11 @@ class ModelState(ABC):
     def name(self) -> str:
         return type(self).__name__
 
+    def persistent_buffers(self) -> list[torch.Tensor]:
+        """Tensors kept from step to step and written in place that the step's metadata may view
+        (AttentionMetadataBuilder.persistent_buffers)."""
+        return []
+
     def initialize_kv_cache(self, kv_cache_groups: list[KVCacheGroup],
                             caches: dict[str, torch.Tensor | tuple[torch.Tensor, ...]]) -> None:
         """Called once the caches exist."""

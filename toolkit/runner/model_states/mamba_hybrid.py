@@ -232,6 +232,9 @@ class MambaHybridModelState(DefaultModelState):
         column. Not the row's last position, `num_drafts`, unless the boundary is there."""
         return boundary - start - 1
 
+    def persistent_buffers(self) -> list[torch.Tensor]:
+        return [self._batch_accepted] if self.num_speculative_tokens else []     # the metadata's accepted counts
+
     def attn_metadata_kwargs(self, input_batch: InputBatch, for_capture: bool) -> dict:
         kwargs = super().attn_metadata_kwargs(input_batch, for_capture)
         kwargs["is_prefilling"] = torch.from_numpy(input_batch.is_prefilling_np)
