@@ -229,6 +229,8 @@ def test_snapshot_copies_every_tensor_and_array_once_and_shares_views_met_twice(
     ("tiny-bamba", dict(max_num_batched_tokens=16)),                  # chunked prefills, mixed steps
     ("tiny-lfm2", dict(enable_prefix_caching=True, block_size=4,
                        speculative_config={"method": "ngram", "num_speculative_tokens": 2})),
+    ("tiny-mamba2", dict(enable_prefix_caching=True, block_size=4, cudagraph_mode="padded_eager",   # the builders'
+                         speculative_config={"method": "ngram", "num_speculative_tokens": 2})),   # own buffers
 ])
 def test_records_read_late_equal_the_batch_and_metadata_the_step_used(preset, kwargs, monkeypatch):
     """Every record's batch and metadata, read after the run (later steps rewrote the runner's
@@ -251,6 +253,7 @@ def test_records_read_late_equal_the_batch_and_metadata_the_step_used(preset, kw
     llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     records = [r for r in llm.trace if r.stage == "generate"]
     assert len(records) == len(eager) > 5
+    assert all(r.is_pending for r in records)       # kept by reference: made below, after every step ran
     for i, (record, (batch, groups)) in enumerate(zip(records, eager)):
         assert equal(record.input_batch, batch), f"step {i}: input batch"
         assert equal(record.attn_metadata, groups), f"step {i}: metadata"

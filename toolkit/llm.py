@@ -464,6 +464,7 @@ class LLM:
         if self._closed:
             return
         self._closed = True
+        self.trace.materialize()        # records kept by reference let go of the runner's objects
         runner = self.model_runner
         released = released_by_shutdown(runner)
         runner.shutdown(collect_garbage=False)

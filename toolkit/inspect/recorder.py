@@ -11,7 +11,9 @@ each warmup stage; it is None with `inspect="off"` and checks off.
   gathered from the state cache at the request's slot (only the layers and requests the capture
   filter chooses: inspect/capture.py); and the top-k logits per row.
 
-Everything recorded is a copy of what the runner used (`snapshot`), taken after it used it; states
+Everything recorded is a copy of what the runner used (`snapshot`), taken after it used it (the
+batch and metadata by reference while the runner's persistent buffers are small: copies of those
+buffers, the snapshot made when first read, StepRecord.materialize); states
 and logits are copied to host memory inside the step, before its one sync, so that on a GPU they
 leave the device's memory alone and cost no extra sync. The trace keeps records within its byte
 budget (inspect/trace.py).
@@ -44,10 +46,12 @@ from toolkit.inspect.step_record import (
     TOP_K_LOGITS,
     CheckpointCopy,
     LayerState,
+    PendingSnapshot,
     SpecRow,
     StateCopy,
     StepRecord,
     Violation,
+    freeze,
     scheduled_rows,
     snapshot,
 )
@@ -60,6 +64,10 @@ from toolkit.runner.model_runner import ExecuteModelState, ModelRunner
 from toolkit.scheduler import Scheduler, SchedulerOutput
 
 MODES = ("off", "metadata", "full")
+# a step is recorded by reference (its batch and metadata made when first read, the runner's persistent
+# buffers copied whole) while those buffers take at most this many bytes; above it (large batches and
+# contexts: wide block tables) the batch and metadata are snapshot in the step as before
+BY_REFERENCE_MAX_BYTES = 256 * 1024
 
 
 @dataclass
@@ -78,22 +86,37 @@ class StepOutcome:
 
 
 def step_record(step: StepOutcome, backend: str, logits: torch.Tensor | None = None,
-                read_device: bool = True) -> StepRecord:
+                read_device: bool = True, persistent: list[torch.Tensor] | None = None) -> StepRecord:
     """The StepRecord of a step: snapshots of the objects the runner used, taken after the step
     (`logits`: a copy already taken, else the step's logits are snapshot here). `read_device=False`
     (inspection off): nothing is read from the device (a read would sync it), so speculative rows
-    carry no state columns."""
+    carry no state columns. `persistent`: the runner's persistent buffers (`persistent_buffers()`):
+    the batch and metadata are then kept by reference, with a copy of those buffers, and made when
+    first read (PendingSnapshot: no walk in the step)."""
     state = step.exec_state
-    host_bytes = [0]                # the snapshots' host bytes, for the trace's budget (record_sizes)
-    clones: dict = {}               # a view in both the batch and the metadata is cloned once
+    if state is not None and persistent is not None:
+        frozen, nbytes = freeze(persistent)
+        record = _step_record(step, backend, logits, read_device, [nbytes], None)
+        record.keep_by_reference(PendingSnapshot(state.input_batch, state.attn_metadata.groups, frozen))
+        return record
+    return _step_record(step, backend, logits, read_device, [0], {})
+
+
+def _step_record(step: StepOutcome, backend: str, logits: torch.Tensor | None, read_device: bool,
+                 host_bytes: list[int], clones: dict | None) -> StepRecord:
+    """`clones` None: the batch and metadata are left out (the caller keeps them by reference);
+    else the memo of their snapshots (a view in both is cloned once). `host_bytes`: what the trace's
+    budget counts for them (record_sizes)."""
+    state = step.exec_state
+    snap = clones is not None and state is not None
     return StepRecord(
         step_index=step.step_index, stage=step.stage, backend=backend,
         scheduled=scheduled_rows(state.input_batch) if state else [],
         graph=state.graph if state else "eager", padded_size=state.padded_size if state else None,
         preempted_request_ids=list(step.sched_out.preempted_req_ids),
         finished_request_ids=[r.request_id for r in step.finished],
-        input_batch=snapshot(state.input_batch, host_bytes, clones) if state else None,
-        attn_metadata=snapshot(state.attn_metadata.groups, host_bytes, clones) if state else [],
+        input_batch=snapshot(state.input_batch, host_bytes, clones) if snap else None,
+        attn_metadata=snapshot(state.attn_metadata.groups, host_bytes, clones) if snap else [],
         logits=logits if logits is not None else snapshot(state.logits) if state else None,
         sampled_token_ids=step.sampled, kept_token_ids=step.kept, outputs=list(step.outputs),
         timings={"schedule": step.timings["schedule"], **(state.timings if state else {}),
@@ -315,7 +338,9 @@ class Recorder:
     def record_step(self, step: StepOutcome) -> StepRecord:
         """The step's record, with the full-mode fields and the checks' violations, appended to
         the trace; raises InvariantError (after recording) if a check failed."""
-        record = step_record(step, self.backend, self._logits)
+        persistent = self.runner.persistent_buffers()
+        by_reference = sum(b.untyped_storage().nbytes() for b in persistent) <= BY_REFERENCE_MAX_BYTES
+        record = step_record(step, self.backend, self._logits, persistent=persistent if by_reference else None)
         if self.spec and self._before is not None and step.exec_state is not None:
             # the state each verify row kept: the column of its last kept position (the cache is as the
             # forward left it: sampling and the update write no state)
@@ -334,7 +359,9 @@ class Recorder:
         record.violations = list(self._pending)
         state = step.exec_state
         if self.checks_on and state is not None:
-            record.violations += checks.check_metadata(record.attn_metadata, record.scheduled, self._ledger_at_schedule,
+            groups = state.attn_metadata.groups     # the live objects, as the step left them (not the record's:
+            # one kept by reference is made when first read)
+            record.violations += checks.check_metadata(groups, record.scheduled, self._ledger_at_schedule,
                                                        self.where, self._aligned, self._windows)
             if state.logits is not None:      # the host copy when recorded (no device read, numpy-fast)
                 logits = record.logits if record.logits is not None else state.logits
@@ -342,7 +369,7 @@ class Recorder:
                 record.violations += checks.check_logits(logits, batch.req_ids, self.where,
                                                           lambda: batch.cu_num_logits_np)
             if self.spec:
-                record.violations += checks.check_spec_columns(record.attn_metadata, record.scheduled,
+                record.violations += checks.check_spec_columns(groups, record.scheduled,
                                                                self._accepted_expected(record), self.where)
                 if self.scheduler.kv.caching:
                     record.violations += checks.check_spec_checkpoints(self.runner, state, record.spec, self.where)

@@ -1,8 +1,12 @@
 """StepRecord: what one engine step did, holding the objects the runner used.
 
 The runner writes each step into persistent buffers, so a record keeps a snapshot (a clone) of
-the InputBatch and of the metadata taken right after the step; nothing here is recomputed.
-With `LLM(inspect="off")`, `generate()` and `warmup()` build no records at all.
+the InputBatch and of the metadata as the step left them; nothing here is recomputed. The Recorder
+keeps a step by reference (`PendingSnapshot`): the runner's per-step objects, which the step made
+fresh, and a copy of the persistent buffers they view (`ModelRunner.persistent_buffers()`); the
+snapshot is made from those when `input_batch` or `attn_metadata` is first read, with the same
+values (tests/test_trace.py, tests/test_persistent_buffers.py). With `LLM(inspect="off")`,
+`generate()` and `warmup()` build no records at all.
 
 Shapes: B = rows in the batch (decodes first), V = vocabulary, k = `TOP_K_LOGITS`.
 """
@@ -60,9 +64,15 @@ def _snap_tensor(t: torch.Tensor, counter: list[int], clones: dict) -> torch.Ten
     key = (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device)      # the same view through another object
     out = clones.get(key)
     if out is None:
-        out = clones[key] = (t.detach() if t.requires_grad else t).clone()
-        if out.is_cpu:
-            counter[0] += out.nbytes
+        frozen = clones.get(_FROZEN)            # a pending record's copies of the runner's buffers
+        copy = frozen.get(t.untyped_storage().data_ptr()) if frozen else None
+        if copy is not None:                    # the same view of the copy, taken at the step's end
+            out = clones[key] = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                copy, t.storage_offset(), t.shape, t.stride())
+        else:
+            out = clones[key] = (t.detach() if t.requires_grad else t).clone()
+            if out.is_cpu:
+                counter[0] += out.nbytes
     clones[id(t)] = out
     return out
 
@@ -143,6 +153,36 @@ _SCALARS = (int, float, str, bool, bytes, type(None), np.generic, torch.dtype, t
 _LEAVES = frozenset((int, float, str, bool, bytes, type(None), torch.dtype, torch.device))   # exact types
 _EXACT = {list: _snap_list, tuple: _snap_tuple, dict: _snap_dict}
 _COPIERS: dict[type, Any] = {}        # exact type -> its copier (filled as types are met)
+_FROZEN = object()                    # the key of a PendingSnapshot's copies in a snapshot's memo
+
+
+def freeze(buffers: list[torch.Tensor]) -> tuple[dict[int, torch.UntypedStorage], int]:
+    """A copy of each buffer's whole storage, keyed by the original's address, and the host bytes
+    copied: what a step's batch and metadata view of the runner's persistent buffers
+    (`ModelRunner.persistent_buffers()`), as the step left them."""
+    frozen: dict[int, torch.UntypedStorage] = {}
+    nbytes = 0
+    for b in buffers:
+        storage = b.untyped_storage()
+        if storage.data_ptr() not in frozen:
+            frozen[storage.data_ptr()] = storage.clone()
+            nbytes += storage.nbytes() if b.is_cpu else 0
+    return frozen, nbytes
+
+
+@dataclass
+class PendingSnapshot:
+    """A step's batch and metadata recorded by reference: the runner's own per-step objects (made
+    fresh by the step, never written after it) and copies of the persistent buffers they view
+    (`freeze`). `materialize` makes the snapshot `snapshot` would have made at the step's end: the
+    views of the buffers become the same views of the copies, everything else is copied."""
+    input_batch: InputBatch
+    groups: list[GroupMetadata]
+    frozen: dict[int, torch.UntypedStorage]
+
+    def materialize(self) -> tuple[InputBatch, list[GroupMetadata]]:
+        counter, clones = [0], {_FROZEN: self.frozen}
+        return snapshot(self.input_batch, counter, clones), snapshot(self.groups, counter, clones)
 
 
 @dataclass
@@ -337,6 +377,34 @@ class StepRecord:
     # trace's budget then need not walk them); None: not counted (a record loaded from a file)
     snapshot_host_bytes: int | None = field(default=None, repr=False, compare=False)
 
+    # ---- a record by reference (Recorder, inspect="metadata" / "full"): `input_batch` and
+    # `attn_metadata` are left out of the instance until first read, and made from `_pending` then
+    def __getattr__(self, name: str):            # called only for an attribute the instance lacks
+        if name in _PENDING_FIELDS and "_pending" in self.__dict__:
+            self.materialize()
+            return self.__dict__[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def materialize(self) -> None:
+        """Make the batch and metadata of a record kept by reference (nothing when they are made)."""
+        pending = self.__dict__.pop("_pending", None)
+        if pending is not None:
+            self.__dict__["input_batch"], self.__dict__["attn_metadata"] = pending.materialize()
+
+    @property
+    def is_pending(self) -> bool:
+        """Its batch and metadata are kept by reference, not yet made (`materialize`)."""
+        return "_pending" in self.__dict__
+
+    def keep_by_reference(self, pending: PendingSnapshot) -> None:
+        self.__dict__.pop("input_batch", None)
+        self.__dict__.pop("attn_metadata", None)
+        self.__dict__["_pending"] = pending
+
+    def __getstate__(self) -> dict:              # pickle / copy: the made snapshot, not the runner's objects
+        self.materialize()
+        return self.__dict__
+
     @property
     def is_warmup(self) -> bool:
         return self.stage.startswith("warmup")
@@ -416,3 +484,6 @@ class StepRecord:
             raise KeyError(f"no recorded state for layer {layer_name!r} in this step: states {DROPPED}")
         recorded = [s.layer_name for s in self.states] or "none; states need inspect='full'"
         raise KeyError(f"no recorded state for layer {layer_name!r} in this step (recorded: {recorded})")
+
+
+_PENDING_FIELDS = ("input_batch", "attn_metadata")

@@ -51,7 +51,7 @@ def _walked_sizes(record: StepRecord) -> list[int]:
     logits = object_bytes([record.logits, record.top_logit_values, record.top_logit_ids], "host", seen)
     if record.snapshot_host_bytes is None:
         return [states, logits, object_bytes(record, "host", seen)]
-    seen.update((id(record.input_batch), id(record.attn_metadata)))
+    seen.update((id(record.__dict__.get("input_batch")), id(record.__dict__.get("attn_metadata"))))   # not made
     rest = record.snapshot_host_bytes + sum(object_bytes(getattr(record, name), "host", seen)
                                             for name in _WALKED if name not in _COUNTED)
     return [states, logits, rest]
@@ -113,6 +113,12 @@ class Trace:
         self._total -= sum(self._sizes.popleft())
         self.num_dropped += 1
         self._checked = [max(0, c - 1) for c in self._checked]
+
+    def materialize(self) -> None:
+        """Make the batch and metadata of every record kept by reference (StepRecord.materialize):
+        after this the records hold nothing of the runner's (the engine calls it at shutdown)."""
+        for record in self._records:
+            record.materialize()
 
     @property
     def last_record_bytes(self) -> int:
