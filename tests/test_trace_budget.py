@@ -35,9 +35,11 @@ def run(llm: LLM) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def unbounded():
-    """The same workload with no byte bound: the reference for what a budget keeps."""
+    """The same workload with no byte bound: the reference for what a budget keeps (its records
+    made: a budget makes a record kept by reference before it drops anything of it)."""
     llm = full(trace_max_bytes=None)
     tokens = run(llm)
+    llm.trace.materialize()
     yield llm, tokens
     llm.shutdown()
 

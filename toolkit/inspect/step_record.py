@@ -66,9 +66,11 @@ def _snap_tensor(t: torch.Tensor, counter: list[int], clones: dict) -> torch.Ten
     if out is None:
         frozen = clones.get(_FROZEN)            # a pending record's copies of the runner's buffers
         copy = frozen.get(t.untyped_storage().data_ptr()) if frozen else None
-        if copy is not None:                    # the same view of the copy, taken at the step's end
-            out = clones[key] = torch.empty(0, dtype=t.dtype, device=t.device).set_(
-                copy, t.storage_offset(), t.shape, t.stride())
+        if copy is not None:        # the same view of the copy taken at the step's end, cloned: the record
+            out = clones[key] = torch.empty(0, dtype=t.dtype, device=t.device).set_(   # then keeps only
+                copy, t.storage_offset(), t.shape, t.stride()).clone()                  # what it views
+            if out.is_cpu:
+                counter[0] += out.nbytes
         else:
             out = clones[key] = (t.detach() if t.requires_grad else t).clone()
             if out.is_cpu:
@@ -180,9 +182,10 @@ class PendingSnapshot:
     groups: list[GroupMetadata]
     frozen: dict[int, torch.UntypedStorage]
 
-    def materialize(self) -> tuple[InputBatch, list[GroupMetadata]]:
+    def materialize(self) -> tuple[InputBatch, list[GroupMetadata], int]:
+        """(the batch's snapshot, the metadata's, the host bytes they hold)."""
         counter, clones = [0], {_FROZEN: self.frozen}
-        return snapshot(self.input_batch, counter, clones), snapshot(self.groups, counter, clones)
+        return snapshot(self.input_batch, counter, clones), snapshot(self.groups, counter, clones), counter[0]
 
 
 @dataclass
@@ -389,7 +392,8 @@ class StepRecord:
         """Make the batch and metadata of a record kept by reference (nothing when they are made)."""
         pending = self.__dict__.pop("_pending", None)
         if pending is not None:
-            self.__dict__["input_batch"], self.__dict__["attn_metadata"] = pending.materialize()
+            self.__dict__["input_batch"], self.__dict__["attn_metadata"], nbytes = pending.materialize()
+            self.snapshot_host_bytes = nbytes
 
     @property
     def is_pending(self) -> bool:

@@ -89,6 +89,7 @@ class Trace:
         self.num_dropped = 0            # whole records dropped (by the capacity, or the budget)
         self.num_trimmed = 0            # records whose states or logits the budget dropped
         self._checked = [0, 0]          # per part: the leading records whose part is already gone
+        self._made = 0                  # the leading records not kept by reference (see _fit)
         self._warned = False
 
     @property
@@ -113,12 +114,19 @@ class Trace:
         self._total -= sum(self._sizes.popleft())
         self.num_dropped += 1
         self._checked = [max(0, c - 1) for c in self._checked]
+        self._made = max(0, self._made - 1)
 
     def materialize(self) -> None:
         """Make the batch and metadata of every record kept by reference (StepRecord.materialize):
-        after this the records hold nothing of the runner's (the engine calls it at shutdown)."""
-        for record in self._records:
-            record.materialize()
+        after this the records hold nothing of the runner's (the engine calls it at shutdown), and
+        host_bytes counts what they keep."""
+        for i, record in enumerate(self._records):
+            if record.is_pending:
+                record.materialize()
+                sizes = record_sizes(record)
+                self._total += sum(sizes) - sum(self._sizes[i])
+                self._sizes[i] = sizes
+        self._made = len(self._records)
 
     @property
     def last_record_bytes(self) -> int:
@@ -146,7 +154,16 @@ class Trace:
         records (and `reserve` more bytes) fit in max_bytes. The record just appended gives up its
         states and logits after every older one has: the step just taken is the one most looked at."""
         before = self.host_bytes
-        total = before + reserve
+        # first, what drops nothing: a record kept by reference holds whole copies of the runner's
+        # buffers until its batch and metadata are made, which keep only what they view
+        while self.host_bytes + reserve > self.max_bytes and self._made < len(self._records):
+            record = self._records[self._made]
+            record.materialize()            # (a record already made by a reader: counted again)
+            sizes = record_sizes(record)
+            self._total += sum(sizes) - sum(self._sizes[self._made])
+            self._sizes[self._made] = sizes
+            self._made += 1
+        total = self.host_bytes + reserve
         dropped: dict[str, int] = {}
         older = len(self._records) - (0 if reserve else 1)      # records before the newest
         for part, name in ((STATES, "states"), (LOGITS, "logits")):
