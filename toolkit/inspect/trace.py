@@ -227,6 +227,7 @@ class Trace:
         self._sizes.clear()
         self._total = 0
         self._checked = [0, 0]
+        self._made = 0
 
     def __len__(self) -> int:
         return len(self._records)
