@@ -12,13 +12,17 @@ hits them alike. Run it on an idle machine: on 2 cores another busy process swam
 part timed by a wrapper around it over one generate() of --new-tokens decode steps, in us per step
 (nested parts are inside their parents: the snapshots inside step_record, the checks inside
 record_step). These are the figures to compare when one part changes: a 30 us change is 1% of a
-tiny-bamba batch-8 step, below what the end-to-end difference resolves from run to run.
+tiny-bamba batch-8 step, below what the end-to-end difference resolves from run to run. And the
+median engine step (`LLM._step`, every step of --repeats generate() calls per mode, the modes
+alternated) of "off" and "metadata": a median is not moved by the occasional slow step that the
+best-of-repeats totals above keep.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import random
+import statistics
 import sys
 import time
 
@@ -98,6 +102,29 @@ def breakdown(llm: LLM, prompts: list[list[int]], k: int) -> list[tuple[str, flo
     return [(label, ns / steps / 1e3, calls / steps) for label, (ns, calls) in totals.items() if calls]
 
 
+def step_medians(llms: dict[str, LLM], prompts: list[list[int]], k: int, repeats: int) -> dict[str, float]:
+    """Mode -> the median seconds of one engine step over `repeats` generate() calls of k tokens."""
+    times: dict[str, list[float]] = {name: [] for name in llms}
+    for name, llm in llms.items():
+        step = llm._step
+
+        def timed(*args, _step=step, _times=times[name], **kwargs):
+            start = time.perf_counter()
+            try:
+                return _step(*args, **kwargs)
+            finally:
+                _times.append(time.perf_counter() - start)
+        llm._step = timed
+    try:
+        for _ in range(repeats):
+            for llm in llms.values():
+                run(llm, prompts, k)
+    finally:
+        for llm in llms.values():
+            del llm._step                   # the class's method again
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", nargs="+", default=["tiny-bamba", "tiny-mamba2"])
@@ -138,6 +165,10 @@ def main() -> None:
         if args.breakdown:
             parts = breakdown(llms["metadata"], prompts, args.new_tokens)
             parts_rows += [[preset, label, f"{us:.1f}", f"{calls:g}"] for label, us, calls in parts]
+            med = step_medians({m: llms[m] for m in ("off", "metadata")}, prompts, args.new_tokens, args.repeats)
+            parts_rows.append([preset, "median engine step, off -> metadata",
+                               f"{med['off'] * 1e6:.0f} -> {med['metadata'] * 1e6:.0f} "
+                               f"({(med['metadata'] / med['off'] - 1) * 100:+.1f}%)", ""])
         for llm in llms.values():
             llm.shutdown()
     header = ["preset", "mode", "decode step ms", "decode tok/s", "vs removed"]
