@@ -66,15 +66,14 @@ def _snap_tensor(t: torch.Tensor, counter: list[int], clones: dict) -> torch.Ten
     if out is None:
         frozen = clones.get(_FROZEN)            # a pending record's copies of the runner's buffers
         copy = frozen.get(t.untyped_storage().data_ptr()) if frozen else None
-        if copy is not None:        # the same view of the copy taken at the step's end, cloned: the record
-            out = clones[key] = torch.empty(0, dtype=t.dtype, device=t.device).set_(   # then keeps only
-                copy, t.storage_offset(), t.shape, t.stride()).clone()                  # what it views
-            if out.is_cpu:
-                counter[0] += out.nbytes
+        if copy is not None:
+            # the same view of the copy taken at the step's end, cloned: a made record keeps what it views
+            view = torch.empty(0, dtype=t.dtype, device=t.device).set_(copy, t.storage_offset(), t.shape, t.stride())
+            out = clones[key] = view.clone()
         else:
             out = clones[key] = (t.detach() if t.requires_grad else t).clone()
-            if out.is_cpu:
-                counter[0] += out.nbytes
+        if out.is_cpu:
+            counter[0] += out.nbytes
     clones[id(t)] = out
     return out
 
