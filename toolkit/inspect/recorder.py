@@ -86,18 +86,18 @@ class StepOutcome:
 
 
 def step_record(step: StepOutcome, backend: str, logits: torch.Tensor | None = None,
-                read_device: bool = True, persistent: list[torch.Tensor] | None = None) -> StepRecord:
+                read_device: bool = True, frozen: tuple[dict, int] | None = None) -> StepRecord:
     """The StepRecord of a step: snapshots of the objects the runner used, taken after the step
     (`logits`: a copy already taken, else the step's logits are snapshot here). `read_device=False`
     (inspection off): nothing is read from the device (a read would sync it), so speculative rows
-    carry no state columns. `persistent`: the runner's persistent buffers (`persistent_buffers()`):
-    the batch and metadata are then kept by reference, with a copy of those buffers, and made when
-    first read (PendingSnapshot: no walk in the step)."""
+    carry no state columns. `frozen`: copies of the runner's persistent buffers and their host bytes
+    (`freeze`): the batch and metadata are then kept by reference and made when first read
+    (PendingSnapshot: no walk in the step)."""
     state = step.exec_state
-    if state is not None and persistent is not None:
-        frozen, nbytes = freeze(persistent)
+    if state is not None and frozen is not None:
+        copies, nbytes = frozen
         record = _step_record(step, backend, logits, read_device, [nbytes], None)
-        record.keep_by_reference(PendingSnapshot(state.input_batch, state.attn_metadata.groups, frozen))
+        record.keep_by_reference(PendingSnapshot(state.input_batch, state.attn_metadata.groups, copies))
         return record
     return _step_record(step, backend, logits, read_device, [0], {})
 
@@ -338,9 +338,8 @@ class Recorder:
     def record_step(self, step: StepOutcome) -> StepRecord:
         """The step's record, with the full-mode fields and the checks' violations, appended to
         the trace; raises InvariantError (after recording) if a check failed."""
-        persistent = self.runner.persistent_buffers()
-        by_reference = sum(b.untyped_storage().nbytes() for b in persistent) <= BY_REFERENCE_MAX_BYTES
-        record = step_record(step, self.backend, self._logits, persistent=persistent if by_reference else None)
+        frozen = freeze(self.runner.persistent_buffers(), BY_REFERENCE_MAX_BYTES) if step.exec_state else None
+        record = step_record(step, self.backend, self._logits, frozen=frozen)
         if self.spec and self._before is not None and step.exec_state is not None:
             # the state each verify row kept: the column of its last kept position (the cache is as the
             # forward left it: sampling and the update write no state)

@@ -157,18 +157,16 @@ _COPIERS: dict[type, Any] = {}        # exact type -> its copier (filled as type
 _FROZEN = object()                    # the key of a PendingSnapshot's copies in a snapshot's memo
 
 
-def freeze(buffers: list[torch.Tensor]) -> tuple[dict[int, torch.UntypedStorage], int]:
+def freeze(buffers: list[torch.Tensor], max_bytes: int) -> tuple[dict[int, torch.UntypedStorage], int] | None:
     """A copy of each buffer's whole storage, keyed by the original's address, and the host bytes
     copied: what a step's batch and metadata view of the runner's persistent buffers
-    (`ModelRunner.persistent_buffers()`), as the step left them."""
-    frozen: dict[int, torch.UntypedStorage] = {}
-    nbytes = 0
-    for b in buffers:
-        storage = b.untyped_storage()
-        if storage.data_ptr() not in frozen:
-            frozen[storage.data_ptr()] = storage.clone()
-            nbytes += storage.nbytes() if b.is_cpu else 0
-    return frozen, nbytes
+    (`ModelRunner.persistent_buffers()`), as the step left them. None (nothing copied) when the
+    storages take more than `max_bytes`."""
+    storages = {s.data_ptr(): (s, b.is_cpu) for b in buffers for s in (b.untyped_storage(),)}
+    if sum(s.nbytes() for s, _ in storages.values()) > max_bytes:
+        return None
+    frozen = {ptr: s.clone() for ptr, (s, _) in storages.items()}
+    return frozen, sum(s.nbytes() for s, on_cpu in storages.values() if on_cpu)
 
 
 @dataclass

@@ -122,11 +122,15 @@ class Trace:
         host_bytes counts what they keep."""
         for i, record in enumerate(self._records):
             if record.is_pending:
-                record.materialize()
-                sizes = record_sizes(record)
-                self._total += sum(sizes) - sum(self._sizes[i])
-                self._sizes[i] = sizes
+                self._make(i)
         self._made = len(self._records)
+
+    def _make(self, i: int) -> None:
+        """Make record i (StepRecord.materialize) and count its bytes again."""
+        self._records[i].materialize()
+        sizes = record_sizes(self._records[i])
+        self._total += sum(sizes) - sum(self._sizes[i])
+        self._sizes[i] = sizes
 
     @property
     def last_record_bytes(self) -> int:
@@ -157,11 +161,7 @@ class Trace:
         # first, what drops nothing: a record kept by reference holds whole copies of the runner's
         # buffers until its batch and metadata are made, which keep only what they view
         while self.host_bytes + reserve > self.max_bytes and self._made < len(self._records):
-            record = self._records[self._made]
-            record.materialize()            # (a record already made by a reader: counted again)
-            sizes = record_sizes(record)
-            self._total += sum(sizes) - sum(self._sizes[self._made])
-            self._sizes[self._made] = sizes
+            self._make(self._made)          # (a record already made by a reader: counted again)
             self._made += 1
         total = self.host_bytes + reserve
         dropped: dict[str, int] = {}

@@ -161,7 +161,6 @@ class ModelRunner:
         self.observer: StepObserver | None = None
         self.clock = StageClock(use_events=cfg.device.type == "cuda")
 
-    # ---- state updates ---------------------------------------------------------------------
     def persistent_buffers(self) -> list[torch.Tensor]:
         """The tensors a step's batch and metadata may view that the runner keeps and rewrites from
         step to step: the staging arena, the input ids, the metadata builders' and the model state's
@@ -172,6 +171,7 @@ class ModelRunner:
             out += group.builder.persistent_buffers()
         return out + self.model_state.persistent_buffers()
 
+    # ---- state updates ---------------------------------------------------------------------
     def remove_requests(self, req_ids) -> None:
         """Release the rows of finished, aborted or preempted requests (unknown ids are skipped)."""
         req_ids = list(req_ids)
