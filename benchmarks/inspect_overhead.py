@@ -32,6 +32,7 @@ import toolkit.inspect.recorder as recorder_module
 import toolkit.inspect.trace as trace_module
 from toolkit import LLM, SamplingParams
 from toolkit.inspect import checks
+from toolkit.inspect.ledger_book import LedgerBook
 from toolkit.outputs import request_output
 
 sys.path.insert(0, os.path.dirname(__file__))   # table.py beside it, also under PYTHONSAFEPATH=1
@@ -73,8 +74,8 @@ PARTS = [(recorder_module.Recorder, hook, f"Recorder.{hook}")
     (recorder_module, "scheduled_rows", "    scheduled_rows"),
     (trace_module.Trace, "append", "  Trace.append"),
     (trace_module, "record_sizes", "    record_sizes"),
-] + [(checks, name, f"  checks.{name}") for name in (
-    "ledger_of", "check_ledger", "check_metadata", "check_logits", "check_fresh_slots")]
+] + [(LedgerBook, name, f"  LedgerBook.{name}") for name in ("refresh", "audit")] + [
+    (checks, name, f"  checks.{name}") for name in ("check_metadata", "check_logits", "check_fresh_slots")]
 
 
 def breakdown(llm: LLM, prompts: list[list[int]], k: int) -> list[tuple[str, float, float]]:

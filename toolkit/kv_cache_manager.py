@@ -110,6 +110,15 @@ class BlockPool:
         self.cached: dict[BlockHash, int] = {}       # hash -> id
         self.block_index: dict[int, int] = {}        # registered id -> the block of the prompt it holds
         self.num_evictions = 0
+        # the ids whose holders or place in the free queue changed, while an auditor asks for them
+        # (track_changes: the runtime checks' LedgerBook); None: nobody does, nothing is kept
+        self.changed: set[int] | None = None
+
+    def track_changes(self) -> None:
+        """From now on, note in `changed` each id that allocate / touch / free / hand_over move (the
+        auditor empties it); these four methods are the only writers of `holders` and `_free`."""
+        if self.changed is None:
+            self.changed = set()
 
     @property
     def num_total(self) -> int:
@@ -141,6 +150,8 @@ class BlockPool:
                 self.num_evictions += 1
             self.holders[i] = {holder}
             ids.append(i)
+        if self.changed is not None:
+            self.changed.update(ids)
         return ids
 
     def touch(self, ids: list[int], holder: str) -> None:
@@ -148,6 +159,8 @@ class BlockPool:
         for i in ids:
             self._free.pop(i, None)
             self.holders.setdefault(i, set()).add(holder)
+        if self.changed is not None:
+            self.changed.update(ids)
 
     def free(self, ids: list[int], holder: str) -> None:
         for i in reversed(ids):                      # a prefix's tail is evicted before its head
@@ -162,6 +175,8 @@ class BlockPool:
             self._free[i] = None
             if i not in self.hash_of:
                 self._free.move_to_end(i, last=False)
+        if self.changed is not None:
+            self.changed.update(ids)
 
     def register(self, i: int, h: BlockHash, index: int) -> None:
         """Id i now holds the content named by h, block `index` of its prefix (the first id
@@ -179,6 +194,8 @@ class BlockPool:
                                    f"{sorted(held) if held else 'nobody'}")
             held.discard(from_holder)
             held.add(to_holder)
+        if self.changed is not None:
+            self.changed.update(ids)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ Some checks read device tensors (a host sync): they run only when checks are on.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import chain, repeat
 
@@ -65,10 +65,11 @@ def check_ledger(scheduler, runner, where: str) -> list[Violation]:
     exactly the requests whose rows hold it (the ref count). runner None: the pools and the ledger
     only (at scheduling, before the runner has seen the step).
 
-    Every held id is audited every step, so the audit grows with the requests' lengths: each group
-    is first tested whole with set operations (C loops: about 8x faster than the per-id walk at 128
-    rows of 16k tokens), and only a group that fails is walked id by id for the messages; a group of
-    a few ids (WALK_BELOW) is walked at once."""
+    The whole audit: every held id, so it grows with the requests' lengths (tests and scripts/soak.py
+    run it; after each step the Recorder runs the same checks on what the step changed, inspect/
+    ledger_book.py). Each group is first tested whole with set operations (C loops: about 8x faster
+    than the per-id walk at 128 rows of 16k tokens), and only a group that fails is walked id by id
+    for the messages; a group of a few ids (WALK_BELOW) is walked at once."""
     out: list[Violation] = []
     kv = scheduler.kv
     holdings = dict(kv.block_ids_by_request())        # read only: no copy of the rows
@@ -78,7 +79,7 @@ def check_ledger(scheduler, runner, where: str) -> list[Violation]:
         if sum(len(held[g]) for held in holdings.values()) <= WALK_BELOW or not _group_books_agree(kv, g, holdings):
             out += _group_book_violations(kv, g, holdings, where)
         if runner is not None:
-            out += _block_tables_match(kv, g, running, holdings, runner, where)
+            out += block_tables_match(kv, g, running, holdings, runner, where)
     return out
 
 
@@ -124,8 +125,7 @@ def _group_book_violations(kv, g: int, holdings: dict, where: str) -> list[Viola
     for rid, held in holdings.items():
         ids = held[g]
         if 0 in ids and not gaps:
-            out.append(Violation("null_id_not_live", f"{where}, request {rid!r}, group {g} ({group.kind})",
-                                 "block ids", f"holds the null id 0: {ids}"))
+            out.append(null_id_violation(where, rid, g, group.kind, ids))
         for i in ids:
             if i == 0:
                 continue
@@ -134,21 +134,39 @@ def _group_book_violations(kv, g: int, holdings: dict, where: str) -> list[Viola
                 seen[i] = {rid}
                 continue
             if not caching:
-                out.append(Violation("no_shared_ids", f"{where}, group {g} ({group.kind})", "block ids",
-                                     f"id {i} is held by both {sorted(holders)[0]!r} and {rid!r}"))
+                out.append(shared_id_violation(where, g, group.kind, i, sorted(holders)[0], rid))
             holders.add(rid)
     for i in sorted(pool._free.keys() & seen.keys()):                    # (pool.is_free, as a set operation)
-        out.append(Violation("held_ids_not_free", f"{where}, group {g} ({group.kind}), id {i}", "free queue",
-                             f"held by {sorted(seen[i])} but waiting in the free queue: the next "
-                             "allocation may evict it (a checkpoint page evicted while still referenced)"))
+        out.append(held_free_violation(where, g, group.kind, i, sorted(seen[i])))
     if seen == pool.holders:            # the common case, compared whole (C loops); else id by id below
         return out
     for i in sorted(set(seen) | set(pool.holders)):
         if seen.get(i, set()) != pool.holders.get(i, set()):
-            out.append(Violation("ref_counts_match_rows", f"{where}, group {g} ({group.kind}), id {i}",
-                                 "pool holders", f"rows hold it: {sorted(seen.get(i, ()))}; the pool "
-                                 f"counts {sorted(pool.holders.get(i, ()))}"))
+            out.append(ref_count_violation(where, g, group.kind, i, seen.get(i, ()), pool.holders.get(i, ())))
     return out
+
+
+# the ledger's messages, one place for the whole audit (check_ledger) and the step-by-step one
+# (inspect/ledger_book.py)
+def null_id_violation(where: str, rid: str, g: int, kind: str, ids: list[int]) -> Violation:
+    return Violation("null_id_not_live", f"{where}, request {rid!r}, group {g} ({kind})", "block ids",
+                     f"holds the null id 0: {ids}")
+
+
+def shared_id_violation(where: str, g: int, kind: str, i: int, first: str, second: str) -> Violation:
+    return Violation("no_shared_ids", f"{where}, group {g} ({kind})", "block ids",
+                     f"id {i} is held by both {first!r} and {second!r}")
+
+
+def held_free_violation(where: str, g: int, kind: str, i: int, holders: list[str]) -> Violation:
+    return Violation("held_ids_not_free", f"{where}, group {g} ({kind}), id {i}", "free queue",
+                     f"held by {holders} but waiting in the free queue: the next "
+                     "allocation may evict it (a checkpoint page evicted while still referenced)")
+
+
+def ref_count_violation(where: str, g: int, kind: str, i: int, rows, pool) -> Violation:
+    return Violation("ref_counts_match_rows", f"{where}, group {g} ({kind}), id {i}", "pool holders",
+                     f"rows hold it: {sorted(rows)}; the pool counts {sorted(pool)}")
 
 
 def check_held_not_free(scheduler, where: str) -> list[Violation]:
@@ -162,15 +180,14 @@ def check_held_not_free(scheduler, where: str) -> list[Violation]:
         bad = kv.pool(g)._free.keys() & {i for i in chain.from_iterable(rows.values()) if i}
         for i in sorted(bad):
             holders = sorted(rid for rid, ids in rows.items() if i in ids)
-            out.append(Violation("held_ids_not_free", f"{where}, group {g} ({group.kind}), id {i}", "free queue",
-                                 f"held by {holders} but waiting in the free queue: the next "
-                                 "allocation may evict it (a checkpoint page evicted while still referenced)"))
+            out.append(held_free_violation(where, g, group.kind, i, holders))
     return out
 
 
-def _block_tables_match(kv, g: int, running: set[str], holdings: dict, runner, where: str) -> list[Violation]:
+def block_tables_match(kv, g: int, running: Iterable[str], holdings: dict, runner, where: str) -> list[Violation]:
     """The runner's block-table row of each running request equals the scheduler's ledger
-    (`holdings`: request id -> its ids per group, as check_ledger read them)."""
+    (`holdings`: request id -> its ids per group, as check_ledger read them); `running`: the running
+    requests to compare (all of them, or those whose rows changed: inspect/ledger_book.py)."""
     out: list[Violation] = []
     index, gaps = runner.req_states.req_id_to_index, kv.has_gaps(g)
     table, num_blocks = runner.block_tables.tables[g], runner.block_tables.num_blocks[g]

@@ -41,6 +41,7 @@ from toolkit.inspect.capture import (
     resolve_requests,
 )
 from toolkit.inspect.cold_state import ColdReplay, check_hit_states, check_spec_start_states
+from toolkit.inspect.ledger_book import LedgerBook
 from toolkit.inspect.ranks import CapturePlan, RankSync
 from toolkit.inspect.step_record import (
     TOP_K_LOGITS,
@@ -194,7 +195,9 @@ class Recorder:
         self.backend = backend
         self.where = ""
         self._ledger_at_schedule = None
-        self._last_ledger = None          # the last record's ledger: unchanged rows are shared with it
+        # the ledger kept from step to step (unchanged rows shared between records) and, with checks,
+        # its audit of what each step changed (inspect/ledger_book.py)
+        self.book = LedgerBook(scheduler, runner, audit=checks_on)
         self._rows: list[int] = []
         self._host_slots: dict[str, list[int]] = {}
         self._before: Captured | None = None
@@ -254,12 +257,12 @@ class Recorder:
         self.where, self._before, self._after, self._pending = where, None, None, []
         self._logits = self._top = None
         self._states_refused = False
-        self._ledger_at_schedule = checks.ledger_of(self.scheduler, self._last_ledger) if self.checks_on else None
+        self._ledger_at_schedule = self.book.refresh() if self.checks_on else None
         if self.checks_on and self.scheduler.kv.caching and sched_out is not None:
             self._pending += checks.check_hits_backed(self.scheduler, sched_out, where)
             # a page held when the step runs must not wait in the free queue (the next allocation could
             # evict it): checked here too, as a hit's pages may be released again by the step's end
-            self._pending += checks.check_held_not_free(self.scheduler, f"{where}, at scheduling")
+            self._pending += self.book.held_not_free(f"{where}, at scheduling")
         if self.spec and sched_out is not None:
             for rid in sched_out.finished_req_ids:
                 self._kept_last_step.pop(rid, None)
@@ -348,8 +351,7 @@ class Recorder:
             after = {n: [kept[row].columns[kept[row].next_column] if row in kept and kept[row].columns else slot
                          for row, slot in zip(self._rows, slots)] for n, slots in self._host_slots.items()}
             self._after = gather_states(self.runner, step.exec_state, self.capture, self._rows, after)
-        record.ledger = checks.ledger_of(self.scheduler, self._last_ledger)
-        self._last_ledger = record.ledger
+        record.ledger = self.book.refresh()
         record.states = self._layer_states()
         if self._states_refused:
             record.dropped = ["states"]
@@ -376,7 +378,7 @@ class Recorder:
                 record.violations += checks.check_checkpoints_at_block_end(self.scheduler, self.runner, state,
                                                                            self.where)
         if self.checks_on:
-            record.violations += checks.check_ledger(self.scheduler, self.runner, self.where)
+            record.violations += self.book.audit(self.where)
         if self.spec and state is not None:
             bs = self._aligned_block_size()
             for sc in record.scheduled:

@@ -48,6 +48,9 @@ class BlockTables:
         # model's) must not be incremental.
         self.incremental = incremental
         self._staged_rows: np.ndarray | None = None
+        # the request rows append_block_ids / clear_row wrote, while an auditor asks for them
+        # (track_writes: the runtime checks' LedgerBook, which empties it); None: nothing is kept
+        self.written_rows: set[int] | None = None
         self._changed: set[int] = set()
 
     @property
@@ -77,6 +80,8 @@ class BlockTables:
             self.num_blocks[g][req_idx] = end
         if changed and self.incremental:
             self._changed.add(req_idx)
+        if changed and self.written_rows is not None:
+            self.written_rows.add(req_idx)
 
     def state_pages(self, g: int, idx_mapping_np: np.ndarray, seq_lens_np: np.ndarray) -> np.ndarray:
         """int [B]: the state page each row's forward reads and writes (group g, a Mamba group): its
@@ -93,6 +98,13 @@ class BlockTables:
             self.num_blocks[g][req_idx] = 0
         if self.incremental:
             self._changed.add(req_idx)
+        if self.written_rows is not None:
+            self.written_rows.add(req_idx)
+
+    def track_writes(self) -> None:
+        """From now on, note in `written_rows` each request row append_block_ids / clear_row write."""
+        if self.written_rows is None:
+            self.written_rows = set()
 
     def gather_block_tables(self, idx_mapping_np: np.ndarray, num_rows: int | None = None
                             ) -> tuple[torch.Tensor, ...]:
