@@ -278,3 +278,75 @@ def test_the_step_audit_looks_at_what_changed_not_at_what_is_held():
     short, long = audited_per_decode_step(40), audited_per_decode_step(400)
     assert long == short, (short, long)
     assert 0 < long[0] <= 4 and 0 < long[1] <= 4, long
+
+
+# ---- check_metadata's whole-batch compare (the book's arrays) against its row-by-row one ------------
+@pytest.fixture
+def metadata_side_by_side(monkeypatch):
+    """Each check_metadata of the Recorder (with the book's arrays), with the same check row by row
+    (no book): [(with, without)]."""
+    from toolkit.inspect import checks
+    pairs = []
+    check = checks.check_metadata
+
+    def both(*args, book=None, **kwargs):
+        found = check(*args, book=book, **kwargs)
+        pairs.append((found, check(*args, **kwargs)))
+        return found
+    monkeypatch.setattr(checks, "check_metadata", both)
+    return pairs
+
+
+def staged_table_off_by_one(mp):             # the batch's block table differs from the runner's rows
+    gather, calls = BlockTables.gather_block_tables, [0]
+
+    def patched(self, *args, **kwargs):
+        out = gather(self, *args, **kwargs)
+        if out[0].shape[0] > 1 and out[0][1, 0] and after(calls, 4):
+            out[0][1, 0] += 1
+        return out
+    mp.setattr(BlockTables, "gather_block_tables", patched)
+
+
+def window_released_early(mp):               # a block the window still reads leaves the row (and the
+    # manager counts it released, so that the ledger audit passes: check_metadata names it)
+    trim, calls = KVCacheManager.trim_windows, [0]
+
+    def patched(self, req_id, num_computed):
+        trim(self, req_id, num_computed)
+        for g in self.window_pools:
+            row = self._ids.get(req_id, [[]] * (g + 1))[g]
+            live = [c for c, i in enumerate(row) if i]
+            if len(live) > 1 and after(calls, 6):
+                self.pool(g).free([row[live[0]]], req_id)
+                row[live[0]] = 0
+                self._window_released_upto[req_id, g] = live[0] + 1
+    mp.setattr(KVCacheManager, "trim_windows", patched)
+
+
+METADATA_FAULTS = {
+    "staged table off by one": ("bamba", staged_table_off_by_one, {"block_table_matches_ledger"}),
+    "window released early": ("lfm3, sliding windows", window_released_early, {"window_blocks_held"}),
+}
+
+
+@pytest.mark.parametrize("engine", ["bamba", "lfm3, sliding windows", "bamba, caching align"])
+def test_the_whole_batch_compare_finds_nothing_where_the_row_compare_finds_nothing(engine, metadata_side_by_side):
+    preset, extra = ENGINES[engine]
+    with LLM(preset, **{**TIGHT, **extra}) as llm:
+        traffic(llm, seed=5, n=2)
+    assert len(metadata_side_by_side) >= 30
+    assert all(w == [] and wo == [] for w, wo in metadata_side_by_side)
+
+
+@pytest.mark.parametrize("fault", list(METADATA_FAULTS))
+def test_a_wrong_batch_table_is_named_as_the_row_compare_names_it(fault, metadata_side_by_side, monkeypatch):
+    engine, plant, wanted = METADATA_FAULTS[fault]
+    preset, extra = ENGINES[engine]
+    with LLM(preset, **{**TIGHT, **extra}) as llm:
+        plant(monkeypatch)
+        with pytest.raises(InvariantError):
+            traffic(llm, seed=3, steps=60)
+    *clean, (found, row_by_row) = metadata_side_by_side
+    assert all(w == [] and wo == [] for w, wo in clean)
+    assert key(found) == key(row_by_row) and wanted <= {v.check for v in found}

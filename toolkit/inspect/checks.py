@@ -254,13 +254,16 @@ def check_spec_columns(groups, scheduled, kept_last_step: dict[str, int], where:
 
 def check_metadata(groups, scheduled, ledger: CacheLedger, where: str,
                    aligned_block_sizes: dict[int, int] | None = None,
-                   sliding_windows: dict[int, int] | None = None) -> list[Violation]:
+                   sliding_windows: dict[int, int] | None = None, book=None) -> list[Violation]:
     """A real step's metadata against the ledger taken when the step was scheduled.
     `groups`: list[GroupMetadata]; `scheduled`: list[ScheduledRequest] in batch order;
     `aligned_block_sizes`: group id -> block size of the Mamba groups with position-indexed rows
     (prefix caching, "align"); `sliding_windows`: group id -> W of the sliding-window groups, whose
     rows are compared from the first block the row's queries read (the runner keeps released ids
-    before it, never read), and must hold a block in each of those columns."""
+    before it, never read), and must hold a block in each of those columns. `book`: the ledger's
+    LedgerBook (inspect/ledger_book.py), whose arrays of the same rows let an attention group be
+    compared whole (array operations: no per-row work); only a group that fails is compared row by
+    row for the messages."""
     out: list[Violation] = []
     rids = [s.request_id for s in scheduled]
     holds_nothing = [[]] * len(ledger.group_kinds)      # a row the ledger does not know (named by the compare)
@@ -302,7 +305,12 @@ def check_metadata(groups, scheduled, ledger: CacheLedger, where: str,
         else:
             rows = table.numpy() if table.device.type == "cpu" else table.cpu().numpy()    # one read, not per row
             window = (sliding_windows or {}).get(gm.group_id)
-            for row, rid in enumerate(rids):
+            if book is not None and _table_agrees(rows, book, gm.group_id, rids, scheduled, window,
+                                                  getattr(gm.metadata, "block_size", None)):
+                rids_to_walk = ()
+            else:
+                rids_to_walk = rids
+            for row, rid in enumerate(rids_to_walk):
                 want = list(ledger.holdings.get(rid, holds_nothing)[gm.group_id])
                 got = rows[row, :len(want)].tolist()
                 if window is not None:       # from the first block the row's first query reads
@@ -321,6 +329,27 @@ def check_metadata(groups, scheduled, ledger: CacheLedger, where: str,
             padded = GroupView(gm.group_id, gm.builder, table[n:], gm.common.slot_mapping[num_tokens:])
             out += check_dummy_metadata([padded], f"{where}, padded rows {n}..{table.shape[0] - 1}")
     return out
+
+
+def _table_agrees(rows: np.ndarray, book, g: int, rids: list[str], scheduled, window: int | None,
+                  block_size: int | None) -> bool:
+    """An attention group's metadata block table `rows` [>= B, W] passes every row check of
+    check_metadata (the same conditions, on arrays): each row starts with its ledger row (from the
+    first block its queries read, with a sliding window, where the ledger holds no 0)."""
+    want, lengths = book.rows_of(g, rids)                      # [B, width], [B]
+    n, width = want.shape
+    if width > rows.shape[1]:
+        return False
+    cols = np.arange(width)
+    read = cols < lengths[:, None]                             # [B, width]: the columns compared
+    if window is not None:
+        if block_size is None:
+            return False
+        computed = np.fromiter((s.num_computed_before for s in scheduled), np.int64, n)
+        read &= cols >= (np.maximum(computed - window + 1, 0) // block_size)[:, None]
+        if (read & (want == 0)).any():                         # window_blocks_held
+            return False
+    return not (read & (rows[:n, :width] != want)).any()
 
 
 @dataclass

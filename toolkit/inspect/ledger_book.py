@@ -54,6 +54,13 @@ class LedgerBook:
         self._moved_rows: set[str] = set()
         self._null_rows: set[tuple[str, int]] = set()       # (request, group) rows that gained a 0
         self._runner_rows: dict[str, int] = {}               # running request -> its runner row, last audit
+        # the rows again as arrays, for check_metadata's compare of a whole batch at once: per group a
+        # table [slots, width] (0 past a row's length) and the lengths [slots]; slot 0 holds nothing
+        # (a request the ledger does not know)
+        self._slot: dict[str, int] = {}
+        self._free_slots: list[int] = list(range(7, 0, -1))
+        self.tables = [np.zeros((8, 8), dtype=np.int32) for _ in self.kinds]
+        self.lengths = [np.zeros(8, dtype=np.int64) for _ in self.kinds]
         self.audited = (0, 0)           # the ids and the runner rows the last audit looked at
         if audit:
             for pool in self.kv.pools:
@@ -85,6 +92,8 @@ class LedgerBook:
             for rid in before.keys() - rows.keys():        # freed (finished, preempted, aborted)
                 for g, ids in enumerate(before[rid]):
                     self._moved(rid, g, ids, [])
+                if rid in self._slot:
+                    self._free_slots.append(self._slot.pop(rid))
         self.rows = rows
         return CacheLedger(self.kinds, rows)
 
@@ -93,13 +102,18 @@ class LedgerBook:
         if not self.auditing:
             return
         n = len(old)
+        slot = self._slot_of(rid)
         if len(new) >= n and new[:n] == old:        # the common change: ids appended
             removed, added = (), new[n:]
+            self._write(g, slot, n, added)
         else:                                       # ids replaced in place (aligned rows, windows), cut
             m = min(n, len(new))
             a, b = np.asarray(old[:m], dtype=np.int64), np.asarray(new[:m], dtype=np.int64)
             at = np.nonzero(a != b)[0]
             removed, added = a[at].tolist() + old[m:], b[at].tolist() + new[m:]
+            self._write(g, slot, 0, new)
+            self.tables[g][slot, len(new):n] = 0
+        self.lengths[g][slot] = len(new)
         index, moved = self.by_id[g], self._moved_ids[g]
         for i in removed:
             if i:
@@ -119,6 +133,33 @@ class LedgerBook:
             elif not self.gaps[g]:
                 self._null_rows.add((rid, g))
         self._moved_rows.add(rid)
+
+    def _slot_of(self, rid: str) -> int:
+        slot = self._slot.get(rid)
+        if slot is None:
+            if not self._free_slots:
+                grown = len(self.lengths[0])
+                self._free_slots = list(range(2 * grown - 1, max(grown, 1) - 1, -1))
+                self.tables = [np.concatenate([t, np.zeros_like(t)]) for t in self.tables]
+                self.lengths = [np.concatenate([n, np.zeros_like(n)]) for n in self.lengths]
+            slot = self._slot[rid] = self._free_slots.pop()
+        return slot
+
+    def _write(self, g: int, slot: int, start: int, ids: list[int]) -> None:
+        end = start + len(ids)
+        if end > self.tables[g].shape[1]:          # a longer row than any before: the table widens
+            t = self.tables[g]
+            self.tables[g] = np.zeros((t.shape[0], max(end, 2 * t.shape[1])), dtype=t.dtype)
+            self.tables[g][:, :t.shape[1]] = t
+        if ids:
+            self.tables[g][slot, start:end] = ids
+
+    def rows_of(self, g: int, rids: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Group g's ledger rows of these requests as arrays: [len(rids), longest row] (0 past each
+        row's end) and the lengths [len(rids)]; a request the ledger does not know holds nothing."""
+        slots = [self._slot.get(rid, 0) for rid in rids]
+        lengths = self.lengths[g][slots]
+        return self.tables[g][slots, :int(lengths.max(initial=0))], lengths
 
     # ---- the audit -------------------------------------------------------------------------------
     def audit(self, where: str) -> list[Violation]:

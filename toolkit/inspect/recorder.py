@@ -351,7 +351,6 @@ class Recorder:
             after = {n: [kept[row].columns[kept[row].next_column] if row in kept and kept[row].columns else slot
                          for row, slot in zip(self._rows, slots)] for n, slots in self._host_slots.items()}
             self._after = gather_states(self.runner, step.exec_state, self.capture, self._rows, after)
-        record.ledger = self.book.refresh()
         record.states = self._layer_states()
         if self._states_refused:
             record.dropped = ["states"]
@@ -363,7 +362,7 @@ class Recorder:
             groups = state.attn_metadata.groups     # the live objects, as the step left them (not the record's:
             # one kept by reference is made when first read)
             record.violations += checks.check_metadata(groups, record.scheduled, self._ledger_at_schedule,
-                                                       self.where, self._aligned, self._windows)
+                                                       self.where, self._aligned, self._windows, book=self.book)
             if state.logits is not None:      # the host copy when recorded (no device read, numpy-fast)
                 logits = record.logits if record.logits is not None else state.logits
                 batch = state.input_batch
@@ -377,6 +376,9 @@ class Recorder:
             if self.scheduler.kv.caching:
                 record.violations += checks.check_checkpoints_at_block_end(self.scheduler, self.runner, state,
                                                                            self.where)
+        # the ledger after the step (after check_metadata: the book's arrays are the ledger at scheduling
+        # until this refresh)
+        record.ledger = self.book.refresh()
         if self.checks_on:
             record.violations += self.book.audit(self.where)
         if self.spec and state is not None:
