@@ -162,11 +162,19 @@ def freeze(buffers: list[torch.Tensor], max_bytes: int) -> tuple[dict[int, torch
     copied: what a step's batch and metadata view of the runner's persistent buffers
     (`ModelRunner.persistent_buffers()`), as the step left them. None (nothing copied) when the
     storages take more than `max_bytes`."""
-    storages = {s.data_ptr(): (s, b.is_cpu) for b in buffers for s in (b.untyped_storage(),)}
-    if sum(s.nbytes() for s, _ in storages.values()) > max_bytes:
+    storages: dict[int, tuple[torch.Tensor, torch.UntypedStorage]] = {}
+    for b in buffers:
+        storage = b.untyped_storage()
+        storages.setdefault(storage.data_ptr(), (b, storage))
+    if sum(storage.nbytes() for _, storage in storages.values()) > max_bytes:
         return None
-    frozen = {ptr: s.clone() for ptr, (s, _) in storages.items()}
-    return frozen, sum(s.nbytes() for s, on_cpu in storages.values() if on_cpu)
+    copies, host = {}, 0
+    for ptr, (b, storage) in storages.items():
+        nbytes = storage.nbytes()
+        whole = b.nbytes == nbytes and b.is_contiguous()        # the buffer is all its storage (offset 0):
+        copies[ptr] = b.clone().untyped_storage() if whole else storage.clone()     # one op, the common case
+        host += nbytes if b.is_cpu else 0
+    return copies, host
 
 
 @dataclass
