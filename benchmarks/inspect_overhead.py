@@ -75,6 +75,8 @@ PARTS = [(recorder_module.Recorder, hook, f"Recorder.{hook}")
     (recorder_module, "scheduled_rows", "    scheduled_rows"),
     (trace_module.Trace, "append", "  Trace.append"),
     (trace_module, "record_sizes", "    record_sizes"),
+    (trace_module.Trace, "_pop_oldest", "    Trace._pop_oldest (the record pushed out, freed)"),
+    (trace_module.Trace, "_fit", "    Trace._fit"),
 ] + [(LedgerBook, name, f"  LedgerBook.{name}") for name in ("refresh", "audit")] + [
     (checks, name, f"  checks.{name}") for name in ("check_metadata", "check_logits", "check_fresh_slots")]
 
