@@ -266,70 +266,103 @@ def check_metadata(groups, scheduled, ledger: CacheLedger, where: str,
     row for the messages."""
     out: list[Violation] = []
     rids = [s.request_id for s in scheduled]
+    holdings = ledger.holdings
     holds_nothing = [[]] * len(ledger.group_kinds)      # a row the ledger does not know (named by the compare)
     for gm in groups:
-        label = f"{where}, group {gm.group_id} ({gm.builder})"
         table = gm.common.block_table_tensor
         if gm.kind == "mamba":
-            md = gm.metadata
-            decode, prefill = md.state_indices_tensor_d, md.state_indices_tensor_p
-            got = [] if decode is None else decode.tolist()     # [D] (a slot per row) or [D, 1 + k] (columns)
-            if got and decode.dim() == 1:
-                got = [[i] for i in got]
-            got += [] if prefill is None else [[i] for i in prefill.tolist()]
-            spec = gm.common.num_accepted_tokens is not None     # speculative decoding: 1 + k columns held
-            bs = (aligned_block_sizes or {}).get(gm.group_id)
-            for row, (rid, slots) in enumerate(zip(rids, got)):
-                held = ledger.holdings.get(rid, holds_nothing)[gm.group_id]
-                width = len(slots) if spec and row < md.num_decodes else 1
-                if bs is not None:      # "align": the column of its last scheduled token (and the spec
-                    sc = scheduled[row]  # columns after it)
-                    col = max((sc.num_computed_before + sc.num_tokens - 1) // bs, 0)
-                    want = [held[c] if c < len(held) else 0 for c in range(col, col + width)]
-                else:                   # its one slot, or its 1 + k columns (a prefill row: column 0)
-                    want = list(held[:width])
-                if slots != want:
-                    name = "state_indices_tensor_d" if row < md.num_decodes else "state_indices_tensor_p"
-                    shown = slots[0] if len(slots) == 1 else slots
-                    out.append(Violation("state_indices_match_ledger", f"{label}, request {rid!r} (row {row})",
-                                         name, f"state index {shown}, but the request's slot is {want}"))
-            if md.has_initial_states_p is not None:
-                flags = md.has_initial_states_p.tolist()
-                for i, flag in enumerate(flags):
-                    s = scheduled[md.num_decodes + i]
-                    if flag != (s.num_computed_before > 0):
-                        out.append(Violation(
-                            "initial_state_flag", f"{label}, request {s.request_id!r} (prefill row {i})",
-                            "has_initial_states_p", f"is {flag} but the request had "
-                            f"{s.num_computed_before} computed tokens (a fresh request starts from zero)"))
+            out += _state_indices_match(gm, rids, scheduled, holdings, holds_nothing, where,
+                                        (aligned_block_sizes or {}).get(gm.group_id))
         else:
-            rows = table.numpy() if table.device.type == "cpu" else table.cpu().numpy()    # one read, not per row
-            window = (sliding_windows or {}).get(gm.group_id)
-            if (book is not None and sum(len(ledger.holdings.get(rid, holds_nothing)[gm.group_id]) for rid in rids)
-                    >= WHOLE_TABLE_FROM and _table_agrees(rows, book, gm.group_id, rids, scheduled, window,
-                                                          getattr(gm.metadata, "block_size", None))):
-                rids_to_walk = ()
-            else:
-                rids_to_walk = rids
-            for row, rid in enumerate(rids_to_walk):
-                want = list(ledger.holdings.get(rid, holds_nothing)[gm.group_id])
-                got = rows[row, :len(want)].tolist()
-                if window is not None:       # from the first block the row's first query reads
-                    first = window_start_block(scheduled[row].num_computed_before, window, gm.metadata.block_size)
-                    got, want = [0] * first + got[first:], [0] * first + want[first:]
-                    if 0 in want[first:]:
-                        out.append(Violation(
-                            "window_blocks_held", f"{label}, request {rid!r} (row {row})", "block ids",
-                            f"the row's queries read keys from block {first} on (sliding window {window}), but "
-                            f"the ledger holds no block in column {want.index(0, first)}: {want}"))
-                if got != want:
-                    out.append(Violation("block_table_matches_ledger", f"{label}, request {rid!r} (row {row})",
-                                         "block_table_tensor", f"row starts {got}, ledger has {want}"))
-        n, num_tokens = len(rids), sum(sc.num_tokens for sc in scheduled)
+            out += _block_table_rows_match(gm, rids, scheduled, holdings, holds_nothing, where,
+                                           (sliding_windows or {}).get(gm.group_id), book)
+        n = len(rids)
         if table.shape[0] > n:          # a padded decode batch: its padded rows as a dummy batch's
+            num_tokens = sum(sc.num_tokens for sc in scheduled)
             padded = GroupView(gm.group_id, gm.builder, table[n:], gm.common.slot_mapping[num_tokens:])
             out += check_dummy_metadata([padded], f"{where}, padded rows {n}..{table.shape[0] - 1}")
     return out
+
+
+def _state_indices_match(gm, rids: list[str], scheduled, holdings: dict, holds_nothing: list, where: str,
+                         bs: int | None) -> list[Violation]:
+    """check_metadata of a Mamba group: each row's state indices and initial-state flag."""
+    out: list[Violation] = []
+    g, md = gm.group_id, gm.metadata
+    decode, prefill = md.state_indices_tensor_d, md.state_indices_tensor_p
+    spec = gm.common.num_accepted_tokens is not None     # speculative decoding: 1 + k columns held
+    one_slot = bs is None and not spec and (decode is None or decode.dim() == 1)
+    flat = None
+    if one_slot:            # the common case, compared in one list compare: a row's slot, its first id
+        flat = ([] if decode is None else decode.tolist()) + ([] if prefill is None else prefill.tolist())
+        want = [held[0] if held else None for held in (holdings.get(rid, holds_nothing)[g] for rid in rids)]
+    if flat is None or flat != want[:len(flat)]:
+        got = [] if decode is None else decode.tolist()     # [D] (a slot per row) or [D, 1 + k] (columns)
+        if got and decode.dim() == 1:
+            got = [[i] for i in got]
+        got += [] if prefill is None else [[i] for i in prefill.tolist()]
+        for row, (rid, slots) in enumerate(zip(rids, got)):
+            held = holdings.get(rid, holds_nothing)[g]
+            width = len(slots) if spec and row < md.num_decodes else 1
+            if bs is not None:      # "align": the column of its last scheduled token (and the spec
+                sc = scheduled[row]  # columns after it)
+                col = max((sc.num_computed_before + sc.num_tokens - 1) // bs, 0)
+                want = [held[c] if c < len(held) else 0 for c in range(col, col + width)]
+            else:                   # its one slot, or its 1 + k columns (a prefill row: column 0)
+                want = list(held[:width])
+            if slots != want:
+                name = "state_indices_tensor_d" if row < md.num_decodes else "state_indices_tensor_p"
+                shown = slots[0] if len(slots) == 1 else slots
+                out.append(Violation("state_indices_match_ledger", f"{_label(where, gm)}, request {rid!r} (row {row})",
+                                     name, f"state index {shown}, but the request's slot is {want}"))
+    if md.has_initial_states_p is not None:
+        flags = md.has_initial_states_p.tolist()
+        prefills = scheduled[md.num_decodes:md.num_decodes + len(flags)]
+        if len(prefills) == len(flags) and flags == [s.num_computed_before > 0 for s in prefills]:
+            return out
+        for i, flag in enumerate(flags):
+            s = scheduled[md.num_decodes + i]
+            if flag != (s.num_computed_before > 0):
+                out.append(Violation(
+                    "initial_state_flag", f"{_label(where, gm)}, request {s.request_id!r} (prefill row {i})",
+                    "has_initial_states_p", f"is {flag} but the request had "
+                    f"{s.num_computed_before} computed tokens (a fresh request starts from zero)"))
+    return out
+
+
+def _block_table_rows_match(gm, rids: list[str], scheduled, holdings: dict, holds_nothing: list, where: str,
+                            window: int | None, book) -> list[Violation]:
+    """check_metadata of an attention group: each row's block table against its ledger row."""
+    out: list[Violation] = []
+    g, table = gm.group_id, gm.common.block_table_tensor
+    rows = table.numpy() if table.device.type == "cpu" else table.cpu().numpy()    # one read, not per row
+    if (book is not None and sum(len(holdings.get(rid, holds_nothing)[g]) for rid in rids) >= WHOLE_TABLE_FROM
+            and _table_agrees(rows, book, g, rids, scheduled, window, getattr(gm.metadata, "block_size", None))):
+        return out
+    for row, rid in enumerate(rids):
+        held = holdings.get(rid, holds_nothing)[g]
+        got = rows[row, :len(held)].tolist()
+        if window is None:
+            if got != held:
+                out.append(Violation("block_table_matches_ledger", f"{_label(where, gm)}, request {rid!r} (row {row})",
+                                     "block_table_tensor", f"row starts {got}, ledger has {list(held)}"))
+            continue
+        # a sliding window: from the first block the row's first query reads
+        first = window_start_block(scheduled[row].num_computed_before, window, gm.metadata.block_size)
+        got, want = [0] * first + got[first:], [0] * first + list(held[first:])
+        if 0 in want[first:]:
+            out.append(Violation(
+                "window_blocks_held", f"{_label(where, gm)}, request {rid!r} (row {row})", "block ids",
+                f"the row's queries read keys from block {first} on (sliding window {window}), but "
+                f"the ledger holds no block in column {want.index(0, first)}: {want}"))
+        if got != want:
+            out.append(Violation("block_table_matches_ledger", f"{_label(where, gm)}, request {rid!r} (row {row})",
+                                 "block_table_tensor", f"row starts {got}, ledger has {want}"))
+    return out
+
+
+def _label(where: str, gm) -> str:
+    return f"{where}, group {gm.group_id} ({gm.builder})"
 
 
 WHOLE_TABLE_FROM = 1024     # ledger ids in a group's rows from which check_metadata compares its table whole
