@@ -16,9 +16,9 @@ An id is audited (its holders by the rows against the pool's, not free while hel
 prefix caching) when either side moved it; a running request's block-table row is compared with the
 ledger when its ledger row, its runner row or its row index changed. Everything else passed the last
 audit and has not changed since, so it passes again. What this cannot see is a write that bypasses the
-pools' methods (a test setting `pool.holders[i]` by hand): the whole audit, `check_ledger`, is for
-that (tests/test_ledger_check.py, scripts/soak.py). A violation found stays in the next audit until
-it is mended.
+pools' or the block tables' methods (a test setting `pool.holders[i]` or a table entry by hand): the
+whole audit, `check_ledger`, is for that (tests/test_ledger_check.py, scripts/soak.py). A violation
+found stays in the next audit until it is mended.
 """
 from __future__ import annotations
 
