@@ -167,13 +167,18 @@ class LedgerBook:
         `refresh` first): the same checks and messages, in the same order (per group: null ids,
         shared ids, held ids in the free queue, ref counts, block tables)."""
         kv, out = self.kv, []
+        pools = kv.pools
+        compare = self._runner_rows_to_compare()
+        if not (compare or self._moved_rows or self._null_rows or any(self._moved_ids)
+                or any(pool.changed for pool in pools)):
+            self.audited = (0, 0)       # nothing moved since the last audit (many decode steps)
+            return out
         changed = {}
-        for pool in kv.pools:                   # a pool may serve several groups: taken once
+        for pool in pools:                      # a pool may serve several groups: taken once
             changed[id(pool)] = pool.changed
             pool.changed = set()
         bad_ids: list[set[int]] = [set() for _ in self.kinds]     # audited again next time
         bad_rows: set[str] = set()
-        compare = self._runner_rows_to_compare()
         num_ids = 0
         for g, kind in enumerate(self.kinds):
             for rid, h in sorted(self._null_rows):
