@@ -351,3 +351,25 @@ def test_a_wrong_batch_table_is_named_as_the_row_compare_names_it(fault, metadat
     *clean, (found, row_by_row) = metadata_side_by_side
     assert all(w == [] and wo == [] for w, wo in clean)
     assert key(found) == key(row_by_row) and wanted <= {v.check for v in found}
+
+
+def test_a_pool_that_moves_alone_is_audited():
+    """A step where no row changed and the runner wrote nothing, but a pool's method moved an id:
+    the audit does not take the quick way out (the whole audit's violations, no fewer)."""
+    from types import SimpleNamespace
+
+    from toolkit.kv_cache_manager import CacheGroupKind
+    kv = KVCacheManager([CacheGroupKind("attention", 4)], num_kv_blocks=40, num_state_pages=0)
+    for rid in ("a", "b", "c"):
+        kv.allocate(rid, 0, 10)
+    sched = SimpleNamespace(kv=kv, running=[])
+    book = LedgerBook(sched)
+    book.refresh()
+    assert book.audit("here") == [] and book.audited[0] == 9
+    book.refresh()
+    assert book.audit("here") == [] and book.audited == (0, 0)       # nothing moved
+    kv.kv_pool.free([kv.block_ids("a")[0][0]], "a")                   # the pool moves; a's row does not
+    book.refresh()
+    found = book.audit("here")
+    assert {v.check for v in found} == {"ref_counts_match_rows", "held_ids_not_free"}
+    assert key(found) == key(check_ledger(sched, None, "here"))
