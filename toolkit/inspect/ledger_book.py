@@ -58,9 +58,9 @@ class LedgerBook:
         # table [slots, width] (0 past a row's length) and the lengths [slots]; slot 0 holds nothing
         # (a request the ledger does not know)
         self._slot: dict[str, int] = {}
-        self._free_slots: list[int] = list(range(7, 0, -1))
         self.tables = [np.zeros((8, 8), dtype=np.int32) for _ in self.kinds]
         self.lengths = [np.zeros(8, dtype=np.int64) for _ in self.kinds]
+        self._free_slots: list[int] = list(range(len(self.lengths[0]) - 1, 0, -1))    # popped from the end: 1 first
         self.audited = (0, 0)           # the ids and the runner rows the last audit looked at
         if audit:
             for pool in self.kv.pools:
@@ -191,7 +191,7 @@ class LedgerBook:
             ids = sorted((self._moved_ids[g] | changed[id(pool)]) - {0})
             num_ids += len(ids)
             for i in ids:
-                found = len(shared) + len(free) + len(counts)
+                named = len(shared) + len(free) + len(counts)
                 rows = index.get(i, {})
                 pool_holders = pool.holders.get(i, set())
                 if rows and not kv.caching and sum(rows.values()) > 1:
@@ -201,14 +201,14 @@ class LedgerBook:
                     free.append(held_free_violation(where, g, kind, i, sorted(rows)))
                 if rows.keys() != pool_holders:
                     counts.append(ref_count_violation(where, g, kind, i, rows, pool_holders))
-                if len(shared) + len(free) + len(counts) > found:
+                if len(shared) + len(free) + len(counts) > named:      # this id was named
                     bad_ids[g].add(i)
             out += shared + free + counts
             if compare:
-                found = block_tables_match(kv, g, compare, self.rows, self.runner, where)
-                if found:
+                differ = block_tables_match(kv, g, compare, self.rows, self.runner, where)
+                if differ:
                     bad_rows.update(compare)
-                out += found
+                out += differ
         self._null_rows = {(rid, g) for rid, g in self._null_rows if rid in bad_rows}
         self._moved_ids, self._moved_rows = bad_ids, bad_rows
         self.audited = (num_ids, len(compare))
