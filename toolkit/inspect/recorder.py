@@ -28,7 +28,7 @@ import torch
 
 from toolkit.attention.mamba_base import verify_start_slots
 from toolkit.distributed import SINGLE
-from toolkit.host import to_host
+from toolkit.host import MAPPED_MIN_BYTES, to_host
 from toolkit.inspect import checks
 from toolkit.inspect.capture import (
     Captured,
@@ -333,7 +333,11 @@ class Recorder:
         return {}
 
     def after_logits(self, runner, state) -> None:
-        self._logits = to_host(state.logits)
+        logits = state.logits
+        # the LM head's output is made fresh by each step and nothing writes it after (the sampler and
+        # the logprobs read it raw): on the CPU a small one is kept as it is, not copied; a large one
+        # is copied into memory of its own (to_host: recorded data lives long), from a device to the host
+        self._logits = logits if logits.is_cpu and logits.nbytes < MAPPED_MIN_BYTES else to_host(logits)
         if self.mode == "full":
             top = state.logits.topk(min(TOP_K_LOGITS, state.logits.shape[-1]), dim=-1)
             self._top = to_host(top.values), to_host(top.indices)
