@@ -428,8 +428,8 @@ def check_fresh_slots(runner, state, where: str,
     `state_names`: layer name -> names of its state tensors, for the messages."""
     out: list[Violation] = []
     batch = state.input_batch
-    if batch.num_computed_tokens_np.all():          # (one op: most steps have no fresh row)
-        return out
+    if 0 not in batch.num_computed_tokens_np.tolist():     # most steps have no fresh row (a list test:
+        return out                                          # numpy's .all() goes through a Python wrapper)
     fresh = np.nonzero(batch.num_computed_tokens_np == 0)[0]
     for group in runner.kv_cache_groups:
         if group.kind != "mamba":
