@@ -2,7 +2,7 @@
 "full", against the same engine with recording removed (a bare schedule -> execute -> sample ->
 update step, no record, no checks, no timings, no recovery).
 
-    python benchmarks/inspect_overhead.py [--presets tiny-bamba tiny-mamba2] [--batch 8] [--breakdown]
+    python benchmarks/inspect_overhead.py [--presets tiny-bamba tiny-mamba2] [--batch 8] [--breakdown] [--ablate]
 
 Method: decode step = (t(N tokens) - t(1 token)) / (N - 1) through `LLM.generate`, greedy, no EOS;
 the modes are interleaved and each takes the best of --repeats runs, so slow drift of the machine
@@ -16,15 +16,24 @@ tiny-bamba batch-8 step, below what the end-to-end difference resolves from run 
 median engine step (`LLM._step`, every step of --repeats generate() calls per mode, the modes
 alternated) of "off" and "metadata": a median is not moved by the occasional slow step that the
 best-of-repeats totals above keep.
+
+`--ablate`: what each runtime check costs where the 5% aim is judged, the median engine step. Engines
+alike but for one check replaced by a no-op, and a second plain "metadata" engine as the control,
+their generate() calls alternated --repeats times: each check's median step against "metadata". Inside
+a step a part costs more than its `--breakdown` wrapper shows (code and data the forward evicted from
+the caches): compare a change here, where the control says how far two equal engines drift apart.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
 import random
 import statistics
 import sys
 import time
+from unittest import mock
 
 import torch
 
@@ -106,8 +115,9 @@ def breakdown(llm: LLM, prompts: list[list[int]], k: int) -> list[tuple[str, flo
     return [(label, ns / steps / 1e3, calls / steps) for label, (ns, calls) in totals.items() if calls]
 
 
-def step_medians(llms: dict[str, LLM], prompts: list[list[int]], k: int, repeats: int) -> dict[str, float]:
-    """Mode -> the median seconds of one engine step over `repeats` generate() calls of k tokens."""
+def timing_steps(llms: dict[str, LLM]) -> dict[str, list[float]]:
+    """Name -> the seconds of each engine step from now on: each engine's `_step` wrapped on the
+    instance (`del llm._step` gives it back the class's method)."""
     times: dict[str, list[float]] = {name: [] for name in llms}
     for name, llm in llms.items():
         step = llm._step
@@ -119,6 +129,12 @@ def step_medians(llms: dict[str, LLM], prompts: list[list[int]], k: int, repeats
             finally:
                 _times.append(time.perf_counter() - start)
         llm._step = timed
+    return times
+
+
+def step_medians(llms: dict[str, LLM], prompts: list[list[int]], k: int, repeats: int) -> dict[str, float]:
+    """Mode -> the median seconds of one engine step over `repeats` generate() calls of k tokens."""
+    times = timing_steps(llms)
     try:
         for _ in range(repeats):
             for llm in llms.values():
@@ -127,6 +143,34 @@ def step_medians(llms: dict[str, LLM], prompts: list[list[int]], k: int, repeats
         for llm in llms.values():
             del llm._step                   # the class's method again
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+# --ablate: the checks each replaced by a no-op in an engine of its own (label -> (owner, attribute))
+ABLATED = {"no check_metadata": (checks, "check_metadata"), "no check_logits": (checks, "check_logits"),
+           "no check_fresh_slots": (checks, "check_fresh_slots"), "no ledger audit": (LedgerBook, "audit")}
+
+
+def ablation_medians(make_llm, prompts: list[list[int]], k: int, repeats: int) -> dict[str, float]:
+    """Label -> the median engine step (seconds) of "off", "metadata", its control copy and each
+    ABLATED engine; the engines' generate() calls alternated (each round starting one engine later),
+    each ablated check swapped in around its own engine's calls only."""
+    labels = ["off", "metadata", "metadata (control)", *ABLATED]
+    llms = {label: make_llm(inspect="off" if label == "off" else "metadata") for label in labels}
+    times = timing_steps(llms)
+    try:
+        for i, warm in enumerate([True] + [False] * repeats):
+            for label in labels[i % len(labels):] + labels[:i % len(labels)]:   # each round in another order
+                ablated = (mock.patch.object(*ABLATED[label], lambda *args, **kwargs: []) if label in ABLATED
+                           else contextlib.nullcontext())
+                with ablated:
+                    run(llms[label], prompts, k)
+            if warm:
+                for t in times.values():
+                    t.clear()
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
+    return {label: statistics.median(t) for label, t in times.items()}
 
 
 def main() -> None:
@@ -139,16 +183,17 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--breakdown", action="store_true", help="also time the parts of a recorded step")
+    ap.add_argument("--ablate", action="store_true",
+                    help="also the median step with each runtime check replaced by a no-op (and a control)")
     args = ap.parse_args()
     print(f"device={args.device} dtype={args.dtype} torch={torch.__version__} threads="
           f"{torch.get_num_threads()} batch={args.batch} prompt_len={args.prompt_len} "
           f"new_tokens={args.new_tokens} repeats={args.repeats}")
-    rows, parts_rows = [], []
+    rows, parts_rows, ablate_rows = [], [], []
     for preset in args.presets:
-        llms = {name: cls(preset, device=args.device, dtype=args.dtype, max_num_seqs=args.batch,
-                          max_num_batched_tokens=args.batch * args.prompt_len,
-                          trace_capacity=64, **kw)
-                for name, (cls, kw) in MODES.items()}
+        engine = dict(device=args.device, dtype=args.dtype, max_num_seqs=args.batch,
+                      max_num_batched_tokens=args.batch * args.prompt_len, trace_capacity=64)
+        llms = {name: cls(preset, **engine, **kw) for name, (cls, kw) in MODES.items()}
         rng = random.Random(0)
         prompts = [[rng.randrange(3, llms["off"].vocab_size) for _ in range(args.prompt_len)]
                    for _ in range(args.batch)]
@@ -175,6 +220,11 @@ def main() -> None:
                                f"({(med['metadata'] / med['off'] - 1) * 100:+.1f}%)", ""])
         for llm in llms.values():
             llm.shutdown()
+        if args.ablate:
+            med = ablation_medians(functools.partial(LLM, preset, **engine), prompts, args.new_tokens, args.repeats)
+            base, off = med["metadata"], med["off"]
+            ablate_rows += [[preset, label, f"{m * 1e6:.0f}", f"{(m / off - 1) * 100:+.1f}%",
+                             "" if label == "metadata" else f"{(m - base) * 1e6:+.0f}"] for label, m in med.items()]
     header = ["preset", "mode", "decode step ms", "decode tok/s", "vs removed"]
     print()
     print_markdown_table(header, rows)
@@ -182,6 +232,9 @@ def main() -> None:
         print()
         print_markdown_table(["preset", 'inspect="metadata": part of a step', "us per step", "calls per step"],
                              parts_rows)
+    if ablate_rows:
+        print()
+        print_markdown_table(["preset", "engine (median step)", "us", "vs off", "us vs metadata"], ablate_rows)
 
 
 if __name__ == "__main__":
