@@ -22,6 +22,8 @@ alike but for one check replaced by a no-op, and a second plain "metadata" engin
 their generate() calls alternated --repeats times: each check's median step against "metadata". Inside
 a step a part costs more than its `--breakdown` wrapper shows (code and data the forward evicted from
 the caches): compare a change here, where the control says how far two equal engines drift apart.
+One more engine keeps every record the trace pushes out (never freed, so its memory grows over the
+run): what freeing a record 64 steps old (the trace_capacity here) costs inside a step.
 """
 from __future__ import annotations
 
@@ -148,20 +150,32 @@ def step_medians(llms: dict[str, LLM], prompts: list[list[int]], k: int, repeats
 # --ablate: the checks each replaced by a no-op in an engine of its own (label -> (owner, attribute))
 ABLATED = {"no check_metadata": (checks, "check_metadata"), "no check_logits": (checks, "check_logits"),
            "no check_fresh_slots": (checks, "check_fresh_slots"), "no ledger audit": (LedgerBook, "audit")}
+NOT_FREED = "pushed-out records kept"
+
+
+def records_kept(kept: list) -> contextlib.AbstractContextManager:
+    """Trace._pop_oldest patched to put the record it pushes out in `kept` (alive: not freed)."""
+    pop = trace_module.Trace._pop_oldest
+
+    def keep_then_pop(trace):
+        kept.append(trace._records[0])
+        pop(trace)
+    return mock.patch.object(trace_module.Trace, "_pop_oldest", keep_then_pop)
 
 
 def ablation_medians(make_llm, prompts: list[list[int]], k: int, repeats: int) -> dict[str, float]:
-    """Label -> the median engine step (seconds) of "off", "metadata", its control copy and each
-    ABLATED engine; the engines' generate() calls alternated (each round starting one engine later),
-    each ablated check swapped in around its own engine's calls only."""
-    labels = ["off", "metadata", "metadata (control)", *ABLATED]
+    """Label -> the median engine step (seconds) of "off", "metadata", its control copy, each
+    ABLATED engine and the NOT_FREED one; the engines' generate() calls alternated (each round starting
+    one engine later), each ablation swapped in around its own engine's calls only."""
+    labels = ["off", "metadata", "metadata (control)", *ABLATED, NOT_FREED]
     llms = {label: make_llm(inspect="off" if label == "off" else "metadata") for label in labels}
     times = timing_steps(llms)
+    kept: list = []
     try:
         for i, warm in enumerate([True] + [False] * repeats):
             for label in labels[i % len(labels):] + labels[:i % len(labels)]:   # each round in another order
                 ablated = (mock.patch.object(*ABLATED[label], lambda *args, **kwargs: []) if label in ABLATED
-                           else contextlib.nullcontext())
+                           else records_kept(kept) if label == NOT_FREED else contextlib.nullcontext())
                 with ablated:
                     run(llms[label], prompts, k)
             if warm:
@@ -184,7 +198,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--breakdown", action="store_true", help="also time the parts of a recorded step")
     ap.add_argument("--ablate", action="store_true",
-                    help="also the median step with each runtime check replaced by a no-op (and a control)")
+                    help="also the median step with each runtime check replaced by a no-op, with the "
+                         "trace's pushed-out records kept alive, and a control")
     args = ap.parse_args()
     print(f"device={args.device} dtype={args.dtype} torch={torch.__version__} threads="
           f"{torch.get_num_threads()} batch={args.batch} prompt_len={args.prompt_len} "
