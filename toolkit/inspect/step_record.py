@@ -206,10 +206,9 @@ class ScheduledRequest:
 def scheduled_rows(batch: InputBatch) -> list[ScheduledRequest]:
     """The batch's rows as the runner ran them (batch order). On Python ints (tolist): `runs_as_decode`
     per row costs less than its numpy form on a step's few rows."""
-    drafts = batch.num_draft_tokens.tolist() if batch.num_draft_tokens is not None else [0] * batch.num_reqs
     return [ScheduledRequest(r, n, c, p, runs_as_decode(n, c, d)) for r, n, c, p, d in zip(
         batch.req_ids, batch.num_scheduled_tokens.tolist(), batch.num_computed_tokens_np.tolist(),
-        batch.is_prefilling_np.tolist(), drafts)]
+        batch.is_prefilling_np.tolist(), batch.num_drafts_np.tolist())]
 
 
 @dataclass
