@@ -8,7 +8,9 @@ Two ways to run the ranks:
   (logits within 1e-4 in fp32, never bitwise: the row-parallel sums add in another order);
 - the engine starts its workers (`LLM(tensor_parallel_size=2)` in this process, rank 0): tokens equal
   TP=1; a worker that raises or is killed makes the next step raise naming the rank; shutdown leaves
-  no process behind, and a second engine starts in the same process.
+  no process behind, and a second engine starts in the same process; the workers start from a fork
+  server or spawned (RUNNERSCOPE_WORKER_MULTIPROC_METHOD) and see the caller's environment of the
+  moment they start.
 
 The parts are also checked in one process: a layer's shards reassemble the full weights; a Mamba2
 mixer's sections are sliced each on its own, its single group replicated."""
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import toolkit.llm
 from toolkit import LLM, SamplingParams, TensorParallelError
 from toolkit.distributed import TPGroup
 from toolkit.errors import NotSupportedYetError
@@ -33,7 +36,7 @@ from toolkit.layers.parallel import padded_vocab
 from toolkit.models import load_model
 from toolkit.models.registry import MODEL_REGISTRY
 from toolkit.models.tensor_parallel import SHARDABLE, check_tensor_parallel, shard_model
-from toolkit.runner.executor import ASK
+from toolkit.runner.executor import ASK, START_METHOD_VAR, TPExecutor, start_context
 
 from harness import ScriptedProposer
 
@@ -237,6 +240,64 @@ def test_the_engine_starts_its_workers(preset):
             llm.step()
         llm.shutdown()
         assert not mp.active_children() and not dist.is_initialized()
+
+
+PROBE_VAR = "RUNNERSCOPE_TEST_WORKER_PROBE"
+
+
+def _probe_context():
+    """A worker context (runs in the worker, before it joins the group) that refuses to start unless
+    the worker sees PROBE_VAR as the test set it just before the engine started."""
+    import contextlib
+    if os.environ.get(PROBE_VAR) != "set after the first engine":
+        raise RuntimeError(f"the worker sees {PROBE_VAR}={os.environ.get(PROBE_VAR)!r}")
+    return contextlib.nullcontext()
+
+
+class _ProbedExecutor(TPExecutor):
+    def __init__(self, *args, worker_context=None, timeout_s=None, **kwargs):
+        super().__init__(*args, worker_context=_probe_context, timeout_s=self.timeout, **kwargs)
+
+    timeout = 30.0
+
+
+class _ProbedQuickExecutor(_ProbedExecutor):
+    timeout = 5.0             # the rendezvous a failed worker never joins: 5 s, not 30
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_workers_start_with_the_callers_environment_of_the_moment(method, monkeypatch):
+    """The default start method is a fork server where the platform has one (the workers of a second
+    engine fork from a process that imported the toolkit when the first one started, with the
+    environment of that moment); spawn where asked. Either way a worker sees the caller's environment
+    as it is when its engine starts, and the tokens equal TP=1's. A worker that raises before it joins
+    the group is named with its error, and the next engine starts."""
+    monkeypatch.delenv(START_METHOD_VAR, raising=False)
+    assert start_context().get_start_method() == "forkserver"       # Linux, macOS (Windows: spawn)
+    monkeypatch.setenv(START_METHOD_VAR, "fork")
+    with pytest.raises(ValueError, match=f"{START_METHOD_VAR}='fork'.*forkserver, spawn"):
+        start_context()
+    monkeypatch.setenv(START_METHOD_VAR, method)
+    assert start_context().get_start_method() == method
+    monkeypatch.delenv(PROBE_VAR, raising=False)
+    LLM("tiny-llama", tensor_parallel_size=2, **ENGINE).shutdown()      # a fork server runs from here on
+    monkeypatch.setenv(PROBE_VAR, "set after the first engine")
+    monkeypatch.setattr(toolkit.llm, "TPExecutor", _ProbedExecutor)
+    with LLM("tiny-llama", tensor_parallel_size=2, **ENGINE) as llm:
+        for prompt, params in zip(PROMPTS, PARAMS):
+            llm.add_request({"prompt_token_ids": prompt}, params)
+        tokens = tokens_of(llm)
+    assert tokens == tokens_of(LLM("tiny-llama", **ENGINE))
+    if method == "spawn":     # a spawned worker imports for ~5 s before it can fail: the rest on a fork
+        return
+    monkeypatch.delenv(PROBE_VAR)       # a worker that raises before it joins: its own error, named
+    monkeypatch.setattr(toolkit.llm, "TPExecutor", _ProbedQuickExecutor)
+    with pytest.raises(TensorParallelError, match=rf"rank 1 \(exit code 1\) failed before joining the process "
+                                                  rf"group: RuntimeError: the worker sees {PROBE_VAR}=None"):
+        LLM("tiny-llama", tensor_parallel_size=2, **ENGINE)
+    assert not mp.active_children() and not dist.is_initialized()
+    monkeypatch.setattr(toolkit.llm, "TPExecutor", TPExecutor)     # and the next engine starts (torch's
+    LLM("tiny-llama", tensor_parallel_size=2, **ENGINE).shutdown()  # group counter reset after the failure)
 
 
 def test_a_worker_that_raises_is_named():

@@ -1,7 +1,8 @@
 """Tensor-parallel worker processes (vLLM `MultiprocExecutor`, cut down): rank 0 is the caller's
 process (a notebook kernel included) and owns the scheduler, the sampler's outputs and the trace;
-ranks 1..N-1 are processes this module starts (torch.multiprocessing, "spawn") that hold their
-shard of the model and a ModelRunner of their own.
+ranks 1..N-1 are processes this module starts (torch.multiprocessing, `start_context()`: "forkserver"
+where the platform has one, else "spawn") that hold their shard of the model and a ModelRunner of
+their own.
 
 Every call of the runner that runs the model (MIRRORED: the step's execute_model and sample_tokens,
 warmup's profile and dummy runs, graph capture, releasing finished requests' rows) is broadcast by
@@ -58,6 +59,31 @@ def _backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+START_METHOD_VAR = "RUNNERSCOPE_WORKER_MULTIPROC_METHOD"    # as vLLM's VLLM_WORKER_MULTIPROC_METHOD
+START_METHODS = ("forkserver", "spawn")
+
+
+def start_context():
+    """The multiprocessing context the workers start in. "forkserver" where the platform has it (Linux,
+    macOS): the first tensor-parallel engine of a process starts a server that imports torch and the
+    toolkit once (this module preloaded), and every worker after that forks from it, ready in about
+    0.1 s instead of the ~5 s a fresh interpreter takes to import them (a notebook that rebuilds its
+    engine, a test suite). "spawn" elsewhere (Windows). Neither inherits the caller's CUDA state, which
+    torch requires (plain "fork" it does not support with CUDA), and both re-import the caller's main
+    module in the worker. RUNNERSCOPE_WORKER_MULTIPROC_METHOD=spawn picks spawn everywhere.
+    A forked worker would see the server's environment, set when the server started: `_worker_main`
+    takes the caller's environment as it is at each start instead, as a spawned worker does."""
+    default = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    method = os.environ.get(START_METHOD_VAR) or default
+    if method not in START_METHODS:
+        raise ValueError(f"{START_METHOD_VAR}={method!r}: the tensor-parallel workers start with one of "
+                         f"{', '.join(START_METHODS)}")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload([__name__])      # read once, when this process's server starts
+    return ctx
+
+
 def worker_device(device: torch.device, rank: int) -> torch.device:
     """Rank r's device: cuda:r on CUDA (one GPU per rank), the CPU otherwise."""
     return torch.device("cuda", rank) if device.type == "cuda" else device
@@ -65,8 +91,12 @@ def worker_device(device: torch.device, rank: int) -> torch.device:
 
 def _worker_main(rank: int, world: int, store: str, timeout_s: float, model: str, cfg: RunnerConfig,
                  spec: SpeculativeConfig | None, conn, hooks: WorkerHooks | None,
-                 context: Callable[[], contextlib.AbstractContextManager] | None) -> None:
-    """A worker: join the group, build its shard and runner, then run each broadcast call until STOP."""
+                 context: Callable[[], contextlib.AbstractContextManager] | None, environ: dict[str, str]) -> None:
+    """A worker: join the group, build its shard and runner, then run each broadcast call until STOP.
+    `environ`: the caller's environment when it started the worker (a forked worker has the server's)."""
+    if environ != os.environ:
+        os.environ.clear()
+        os.environ.update(environ)
     runner = None
     try:
         with context() if context is not None else contextlib.nullcontext():
@@ -113,6 +143,17 @@ def _serve(rank: int, world: int, store: str, timeout_s: float, model: str, cfg:
             getattr(runner, method)(*args, **kwargs)
 
 
+def _forget_failed_rendezvous() -> None:
+    """Undo what a failed `init_process_group` leaves behind. It names the default group after a
+    process-wide counter (torch's `_world.group_count`, the prefix of the group's store keys), counts
+    before it rendezvouses, and only `destroy_process_group` resets the count: after a rendezvous
+    that timed out, rank 0's next group would be "1" while its fresh workers' is "0", and that engine's
+    rendezvous would time out too."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count"):
+        world.group_count = 0
+
+
 _running: list[TPExecutor] = []        # the executor whose group this process is in (at most one)
 
 
@@ -146,7 +187,7 @@ class TPExecutor:
         self.world_size, self.timeout_s = world_size, timeout_s
         self._dir = Path(tempfile.mkdtemp(prefix="runnerscope_tp_"))
         store = str(self._dir / "store")
-        ctx = mp.get_context("spawn")
+        ctx = start_context()
         self.workers, self.pipes, self.closed = [], [], False
         self._inside = False             # rank 0 is running a mirrored call
         self.failure: str | None = None  # why the group is unusable (a worker failed)
@@ -155,7 +196,7 @@ class TPExecutor:
             worker_cfg = dataclasses.replace(cfg, device=worker_device(cfg.device, rank))
             proc = ctx.Process(target=_worker_main, name=f"runnerscope-tp-rank{rank}", daemon=True,
                                args=(rank, world_size, store, timeout_s, model, worker_cfg, spec, there,
-                                     worker_hooks, worker_context))
+                                     worker_hooks, worker_context, dict(os.environ)))
             proc.start()
             there.close()
             self.workers.append(proc)
@@ -166,17 +207,31 @@ class TPExecutor:
             for rank in range(1, world_size):
                 self._wait_ready(rank)
         except BaseException as err:
-            gone = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.workers, start=1)
-                    if not p.is_alive()]
+            gone = {r: p.exitcode for r, p in enumerate(self.workers, start=1) if not p.is_alive()}
+            said = {r: why for r in gone if (why := self._error_sent(r)) is not None}
             self.shutdown()
+            if isinstance(err, RuntimeError) and said:       # a worker raised before it joined: its error
+                rank, why = next(iter(said.items()))
+                raise TensorParallelError(f"tensor-parallel rank {rank} (exit code {gone[rank]}) failed before "
+                                          f"joining the process group: {why}") from err
             if isinstance(err, RuntimeError) and gone:       # the rendezvous timed out: a worker never came
+                ranks = ", ".join(f"rank {r} (exit code {code})" for r, code in gone.items())
                 raise TensorParallelError(
-                    f"tensor-parallel {', '.join(gone)} exited before joining the process group. In a script, "
-                    "build the engine under `if __name__ == \"__main__\":` (the workers are spawned and import "
-                    "the main module)") from err
+                    f"tensor-parallel {ranks} exited before joining the process group. In a script, "
+                    "build the engine under `if __name__ == \"__main__\":` (each worker imports the main "
+                    "module)") from err
             raise
         self.group = TPGroup(0, world_size)
         _running.append(self)
+
+    def _error_sent(self, rank: int) -> str | None:
+        """The error a worker that has exited sent over its pipe (`_worker_main`), if any."""
+        pipe = self.pipes[rank - 1]
+        with contextlib.suppress(EOFError, OSError):
+            if pipe.poll(0):
+                kind, message = pipe.recv()
+                return message if kind == "error" else None
+        return None
 
     def _wait_ready(self, rank: int) -> None:
         pipe = self.pipes[rank - 1]
@@ -282,6 +337,8 @@ class TPExecutor:
         self.workers, self.pipes = [], []
         if dist.is_initialized():
             dist.destroy_process_group()
+        else:
+            _forget_failed_rendezvous()
         if self in _running:
             _running.remove(self)
         for f in self._dir.glob("*"):
