@@ -226,23 +226,25 @@ class CausalLM(nn.Module, ABC):
         def rand(shape: torch.Size) -> torch.Tensor:
             return torch.rand(shape, generator=g, dtype=torch.float32)
 
+        # in place after the draw (the same float32 ops as `c * randn(...)`, bit for bit): a shape-true
+        # preset's embedding is hundreds of MB, and a second tensor of that size costs its page faults
         for name, p in self.named_parameters():
             shape = p.shape
             leaf = name.rsplit(".", 1)[-1]
             if name in norm_params:
-                v = 1.0 + 0.1 * randn(shape)
+                v = randn(shape).mul_(0.1).add_(1.0)
             elif leaf == "A_log":
-                v = torch.log(1.0 + 15.0 * rand(shape))
+                v = rand(shape).mul_(15.0).add_(1.0).log_()
             elif leaf == "D":
-                v = 1.0 + 0.1 * randn(shape)
+                v = randn(shape).mul_(0.1).add_(1.0)
             elif leaf == "dt_bias" or name.endswith("dt_proj.bias"):
                 lo, hi = math.log(1e-3), math.log(1e-1)
                 dt = torch.exp(lo + (hi - lo) * rand(shape))
                 v = dt + torch.log(-torch.expm1(-dt))
             elif name.endswith("conv1d.weight"):
-                v = randn(shape) / math.sqrt(shape[-1])
+                v = randn(shape).div_(math.sqrt(shape[-1]))
             elif name.endswith("conv1d.bias"):
-                v = 0.1 * randn(shape)
+                v = randn(shape).mul_(0.1)
             else:
-                v = std * randn(shape)
+                v = randn(shape).mul_(std)
             p.copy_(v)           # cast and moved by the copy (one pass, the same rounding as .to)
