@@ -72,7 +72,9 @@ def start_context():
     torch requires (plain "fork" it does not support with CUDA), and both re-import the caller's main
     module in the worker. RUNNERSCOPE_WORKER_MULTIPROC_METHOD=spawn picks spawn everywhere.
     A forked worker would see the server's environment, set when the server started: `_worker_main`
-    takes the caller's environment as it is at each start instead, as a spawned worker does."""
+    takes the caller's environment as it is at each start instead, as a spawned worker does. It runs
+    the code the server imported, though: after editing the toolkit in a running session, restart it
+    or choose spawn."""
     default = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
     method = os.environ.get(START_METHOD_VAR) or default
     if method not in START_METHODS:
