@@ -16,6 +16,7 @@ The parts are also checked in one process: a layer's shards reassemble the full 
 mixer's sections are sliced each on its own, its single group replicated."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -248,7 +249,6 @@ PROBE_VAR = "RUNNERSCOPE_TEST_WORKER_PROBE"
 def _probe_context():
     """A worker context (runs in the worker, before it joins the group) that refuses to start unless
     the worker sees PROBE_VAR as the test set it just before the engine started."""
-    import contextlib
     if os.environ.get(PROBE_VAR) != "set after the first engine":
         raise RuntimeError(f"the worker sees {PROBE_VAR}={os.environ.get(PROBE_VAR)!r}")
     return contextlib.nullcontext()
@@ -287,8 +287,6 @@ def test_workers_start_with_the_callers_environment_of_the_moment(method, monkey
     monkeypatch.setenv(PROBE_VAR, "set after the first engine")
     monkeypatch.setattr(toolkit.llm, "TPExecutor", _ProbedExecutor)
     with LLM("tiny-llama", tensor_parallel_size=2, **ENGINE) as llm:
-        for prompt, params in zip(PROMPTS, PARAMS):
-            llm.add_request({"prompt_token_ids": prompt}, params)
         tokens = tokens_of(llm)
     assert tokens == tokens_of(LLM("tiny-llama", **ENGINE))
     if method == "spawn":     # a spawned worker imports for ~5 s before it can fail: the rest on a fork
