@@ -23,7 +23,10 @@ their generate() calls alternated --repeats times: each check's median step agai
 a step a part costs more than its `--breakdown` wrapper shows (code and data the forward evicted from
 the caches): compare a change here, where the control says how far two equal engines drift apart.
 One more engine keeps every record the trace pushes out (never freed, so its memory grows over the
-run): what freeing a record 64 steps old (the trace_capacity here) costs inside a step.
+run): what freeing a record 64 steps old (the trace_capacity here) costs inside a step; and one whose
+trace holds 2 records (each freed 2 steps old, while its memory is still in the caches). The last column,
+each engine's median forward: no recording code runs inside it, yet it runs slower where old records
+are freed (the next step's allocations get their memory back, cold).
 """
 from __future__ import annotations
 
@@ -117,26 +120,35 @@ def breakdown(llm: LLM, prompts: list[list[int]], k: int) -> list[tuple[str, flo
     return [(label, ns / steps / 1e3, calls / steps) for label, (ns, calls) in totals.items() if calls]
 
 
-def timing_steps(llms: dict[str, LLM]) -> dict[str, list[float]]:
-    """Name -> the seconds of each engine step from now on: each engine's `_step` wrapped on the
-    instance (`del llm._step` gives it back the class's method)."""
+def timing_steps(llms: dict[str, LLM]) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Name -> the seconds of each engine step from now on, and of each step's forward (the runner's
+    own "forward" stage time, which no recording hook runs inside: where it differs between engines,
+    that is the memory the recording left behind, not its work). Each engine's `_step` wrapped on
+    the instance (`del llm._step` gives it back the class's method)."""
     times: dict[str, list[float]] = {name: [] for name in llms}
+    forwards: dict[str, list[float]] = {name: [] for name in llms}
     for name, llm in llms.items():
         step = llm._step
 
-        def timed(*args, _step=step, _times=times[name], **kwargs):
+        def timed(*args, _step=step, _times=times[name], _forwards=forwards[name], _runner=llm.model_runner,
+                  **kwargs):
             start = time.perf_counter()
             try:
                 return _step(*args, **kwargs)
             finally:
                 _times.append(time.perf_counter() - start)
+                state = _runner.execute_state
+                if state is not None and "forward" in state.timings:
+                    _forwards.append(state.timings["forward"])
         llm._step = timed
-    return times
+    return times, forwards
 
 
-def step_medians(llms: dict[str, LLM], prompts: list[list[int]], k: int, repeats: int) -> dict[str, float]:
-    """Mode -> the median seconds of one engine step over `repeats` generate() calls of k tokens."""
-    times = timing_steps(llms)
+def step_medians(llms: dict[str, LLM], prompts: list[list[int]], k: int, repeats: int
+                 ) -> tuple[dict[str, float], dict[str, float]]:
+    """Mode -> the median seconds of one engine step, and of its forward, over `repeats` generate()
+    calls of k tokens."""
+    times, forwards = timing_steps(llms)
     try:
         for _ in range(repeats):
             for llm in llms.values():
@@ -144,13 +156,15 @@ def step_medians(llms: dict[str, LLM], prompts: list[list[int]], k: int, repeats
     finally:
         for llm in llms.values():
             del llm._step                   # the class's method again
-    return {name: statistics.median(t) for name, t in times.items()}
+    return ({name: statistics.median(t) for name, t in times.items()},
+            {name: statistics.median(t) for name, t in forwards.items()})
 
 
 # --ablate: the checks each replaced by a no-op in an engine of its own (label -> (owner, attribute))
 ABLATED = {"no check_metadata": (checks, "check_metadata"), "no check_logits": (checks, "check_logits"),
            "no check_fresh_slots": (checks, "check_fresh_slots"), "no ledger audit": (LedgerBook, "audit")}
 NOT_FREED = "pushed-out records kept"
+YOUNG = "trace_capacity=2 (records freed 2 steps old)"
 
 
 def records_kept(kept: list) -> contextlib.AbstractContextManager:
@@ -163,13 +177,15 @@ def records_kept(kept: list) -> contextlib.AbstractContextManager:
     return mock.patch.object(trace_module.Trace, "_pop_oldest", keep_then_pop)
 
 
-def ablation_medians(make_llm, prompts: list[list[int]], k: int, repeats: int) -> dict[str, float]:
-    """Label -> the median engine step (seconds) of "off", "metadata", its control copy, each
+def ablation_medians(make_llm, prompts: list[list[int]], k: int, repeats: int
+                     ) -> tuple[dict[str, float], dict[str, float]]:
+    """Label -> the median engine step and the median forward (seconds) of "off", "metadata", its control copy, each
     ABLATED engine and the NOT_FREED one; the engines' generate() calls alternated (each round starting
     one engine later), each ablation swapped in around its own engine's calls only."""
-    labels = ["off", "metadata", "metadata (control)", *ABLATED, NOT_FREED]
-    llms = {label: make_llm(inspect="off" if label == "off" else "metadata") for label in labels}
-    times = timing_steps(llms)
+    labels = ["off", "metadata", "metadata (control)", *ABLATED, NOT_FREED, YOUNG]
+    llms = {label: make_llm(inspect="off" if label == "off" else "metadata", **({"trace_capacity": 2} if label == YOUNG
+                                                                                else {})) for label in labels}
+    times, forwards = timing_steps(llms)
     kept: list = []
     try:
         for i, warm in enumerate([True] + [False] * repeats):
@@ -179,12 +195,13 @@ def ablation_medians(make_llm, prompts: list[list[int]], k: int, repeats: int) -
                 with ablated:
                     run(llms[label], prompts, k)
             if warm:
-                for t in times.values():
+                for t in [*times.values(), *forwards.values()]:
                     t.clear()
     finally:
         for llm in llms.values():
             llm.shutdown()
-    return {label: statistics.median(t) for label, t in times.items()}
+    return ({label: statistics.median(t) for label, t in times.items()},
+            {label: statistics.median(t) for label, t in forwards.items()})
 
 
 def main() -> None:
@@ -229,17 +246,23 @@ def main() -> None:
         if args.breakdown:
             parts = breakdown(llms["metadata"], prompts, args.new_tokens)
             parts_rows += [[preset, label, f"{us:.1f}", f"{calls:g}"] for label, us, calls in parts]
-            med = step_medians({m: llms[m] for m in ("off", "metadata")}, prompts, args.new_tokens, args.repeats)
+            med, fwd = step_medians({m: llms[m] for m in ("off", "metadata")}, prompts, args.new_tokens, args.repeats)
             parts_rows.append([preset, "median engine step, off -> metadata",
                                f"{med['off'] * 1e6:.0f} -> {med['metadata'] * 1e6:.0f} "
                                f"({(med['metadata'] / med['off'] - 1) * 100:+.1f}%)", ""])
+            parts_rows.append([preset, "  of which the forward (no hook inside), off -> metadata",
+                               f"{fwd['off'] * 1e6:.0f} -> {fwd['metadata'] * 1e6:.0f} "
+                               f"({(fwd['metadata'] - fwd['off']) * 1e6:+.0f} us)", ""])
         for llm in llms.values():
             llm.shutdown()
         if args.ablate:
-            med = ablation_medians(functools.partial(LLM, preset, **engine), prompts, args.new_tokens, args.repeats)
+            med, fwd = ablation_medians(functools.partial(LLM, preset, **engine), prompts, args.new_tokens,
+                                        args.repeats)
             base, off = med["metadata"], med["off"]
             ablate_rows += [[preset, label, f"{m * 1e6:.0f}", f"{(m / off - 1) * 100:+.1f}%",
-                             "" if label == "metadata" else f"{(m - base) * 1e6:+.0f}"] for label, m in med.items()]
+                             "" if label == "metadata" else f"{(m - base) * 1e6:+.0f}",
+                             f"{fwd[label] * 1e6:.0f} ({(fwd[label] - fwd['off']) * 1e6:+.0f})"]
+                            for label, m in med.items()]
     header = ["preset", "mode", "decode step ms", "decode tok/s", "vs removed"]
     print()
     print_markdown_table(header, rows)
@@ -249,7 +272,8 @@ def main() -> None:
                              parts_rows)
     if ablate_rows:
         print()
-        print_markdown_table(["preset", "engine (median step)", "us", "vs off", "us vs metadata"], ablate_rows)
+        print_markdown_table(["preset", "engine (median step)", "us", "vs off", "us vs metadata",
+                              "its forward, us (vs off)"], ablate_rows)
 
 
 if __name__ == "__main__":
