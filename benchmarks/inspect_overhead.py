@@ -179,12 +179,14 @@ def records_kept(kept: list) -> contextlib.AbstractContextManager:
 
 def ablation_medians(make_llm, prompts: list[list[int]], k: int, repeats: int
                      ) -> tuple[dict[str, float], dict[str, float]]:
-    """Label -> the median engine step and the median forward (seconds) of "off", "metadata", its control copy, each
-    ABLATED engine and the NOT_FREED one; the engines' generate() calls alternated (each round starting
-    one engine later), each ablation swapped in around its own engine's calls only."""
+    """Label -> the median engine step and the median forward (seconds) of "off", "metadata", its
+    control copy, each ABLATED engine, the NOT_FREED one and the YOUNG one; the engines' generate()
+    calls alternated (each round starting one engine later), each ablation swapped in around its own
+    engine's calls only."""
     labels = ["off", "metadata", "metadata (control)", *ABLATED, NOT_FREED, YOUNG]
-    llms = {label: make_llm(inspect="off" if label == "off" else "metadata", **({"trace_capacity": 2} if label == YOUNG
-                                                                                else {})) for label in labels}
+    young = {"trace_capacity": 2}
+    llms = {label: make_llm(inspect="off" if label == "off" else "metadata", **(young if label == YOUNG else {}))
+            for label in labels}
     times, forwards = timing_steps(llms)
     kept: list = []
     try:
