@@ -3,6 +3,7 @@
 update step, no record, no checks, no timings, no recovery).
 
     python benchmarks/inspect_overhead.py [--presets tiny-bamba tiny-mamba2] [--batch 8] [--breakdown] [--ablate]
+                                          [--processes 8]
 
 Method: decode step = (t(N tokens) - t(1 token)) / (N - 1) through `LLM.generate`, greedy, no EOS;
 the modes are interleaved and each takes the best of --repeats runs, so slow drift of the machine
@@ -25,17 +26,28 @@ the caches): compare a change here, where the control says how far two equal eng
 One more engine keeps every record the trace pushes out (never freed, so its memory grows over the
 run): what freeing a record 64 steps old (the trace_capacity here) costs inside a step; and one whose
 trace holds 2 records (each freed 2 steps old, while its memory is still in the caches). The last column,
-each engine's median forward: no recording code runs inside it, yet it runs slower where old records
-are freed (the next step's allocations get their memory back, cold).
+each engine's median forward: no recording code runs inside it, yet it runs slower where records are
+kept (RESULTS.md, stop 65: the small tensors a record keeps alive cost, not the age of what is freed).
+
+`--processes N`: the figures a user with one engine sees. Every mode above shares one process with the
+others, which dilutes what a mode does to the memory the others use; here each engine runs alone in a
+fresh process (one per mode and round, the modes alternated, N rounds): 5 warm-up generate() calls, then
+the median engine step and median forward of 20 more. Besides "off" and "metadata", "off, step objects
+kept" is "off" keeping each step's `ExecuteModelState` (the runner's batch, metadata and logits, as a
+record holds them by reference) for 64 steps and doing nothing else: what holding them costs alone.
+Each cell: the median over the N processes (processes differ by a few percent, memory layout).
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import functools
+import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 from unittest import mock
@@ -71,6 +83,12 @@ MODES = {  # name -> (class, LLM kwargs)
     "metadata": (LLM, dict(inspect="metadata")),
     "full": (LLM, dict(inspect="full")),
 }
+
+
+def make_prompts(vocab: int, args) -> list[list[int]]:
+    """--batch prompts of --prompt-len random ids (the same in every process)."""
+    rng = random.Random(0)
+    return [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.batch)]
 
 
 def run(llm: LLM, prompts: list[list[int]], k: int) -> float:
@@ -206,6 +224,50 @@ def ablation_medians(make_llm, prompts: list[list[int]], k: int, repeats: int
             {label: statistics.median(t) for label, t in forwards.items()})
 
 
+PROCESS_MODES = {"off": dict(inspect="off"), "metadata": dict(inspect="metadata"),
+                 "off, step objects kept": dict(inspect="off")}
+HELD_STEPS = 64            # as the trace_capacity the engines here use
+
+
+def child(preset: str, mode: str, engine: dict, args) -> dict[str, float]:
+    """One engine alone in this process: its median step and forward (seconds) over 20 generate()
+    calls after 5 warm-up ones."""
+    llm = LLM(preset, **engine, **PROCESS_MODES[mode])
+    prompts, k = make_prompts(llm.vocab_size, args), args.new_tokens
+    if mode == "off, step objects kept":
+        held: collections.deque = collections.deque(maxlen=HELD_STEPS)
+        step = llm._step
+
+        def step_then_hold(*args, **kwargs):
+            out = step(*args, **kwargs)
+            held.append(llm.model_runner.execute_state)
+            return out
+        llm._step = step_then_hold
+    times, forwards = timing_steps({mode: llm})
+    for i in range(25):
+        if i == 5:
+            times[mode].clear()
+            forwards[mode].clear()
+        run(llm, prompts, k)
+    llm.shutdown()
+    return {"step": statistics.median(times[mode]), "forward": statistics.median(forwards[mode])}
+
+
+def process_medians(args, preset: str) -> dict[str, dict[str, float]]:
+    """Mode -> {"step", "forward"}: the median over --processes fresh processes of each one's medians."""
+    got: dict[str, list[dict[str, float]]] = {mode: [] for mode in PROCESS_MODES}
+    for i in range(args.processes):
+        modes = list(PROCESS_MODES)
+        for mode in modes[i % len(modes):] + modes[:i % len(modes)]:      # each round in another order
+            cmd = [sys.executable, __file__, "--child", preset, mode, "--batch", str(args.batch),
+                   "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+                   "--device", args.device, "--dtype", args.dtype]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            got[mode].append(json.loads(out.strip().splitlines()[-1]))
+    return {mode: {key: statistics.median(r[key] for r in runs) for key in ("step", "forward")}
+            for mode, runs in got.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", nargs="+", default=["tiny-bamba", "tiny-mamba2"])
@@ -219,18 +281,23 @@ def main() -> None:
     ap.add_argument("--ablate", action="store_true",
                     help="also the median step with each runtime check replaced by a no-op, with the "
                          "trace's pushed-out records kept alive, and a control")
+    ap.add_argument("--processes", type=int, default=0,
+                    help="also each mode alone in a fresh process, this many rounds (what one engine sees)")
+    ap.add_argument("--child", nargs=2, metavar=("PRESET", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    engine = dict(device=args.device, dtype=args.dtype, max_num_seqs=args.batch,
+                  max_num_batched_tokens=args.batch * args.prompt_len, trace_capacity=HELD_STEPS)
+    if args.child:
+        preset, mode = args.child
+        print(json.dumps(child(preset, mode, engine, args)))
+        return
     print(f"device={args.device} dtype={args.dtype} torch={torch.__version__} threads="
           f"{torch.get_num_threads()} batch={args.batch} prompt_len={args.prompt_len} "
           f"new_tokens={args.new_tokens} repeats={args.repeats}")
-    rows, parts_rows, ablate_rows = [], [], []
+    rows, parts_rows, ablate_rows, process_rows = [], [], [], []
     for preset in args.presets:
-        engine = dict(device=args.device, dtype=args.dtype, max_num_seqs=args.batch,
-                      max_num_batched_tokens=args.batch * args.prompt_len, trace_capacity=64)
         llms = {name: cls(preset, **engine, **kw) for name, (cls, kw) in MODES.items()}
-        rng = random.Random(0)
-        prompts = [[rng.randrange(3, llms["off"].vocab_size) for _ in range(args.prompt_len)]
-                   for _ in range(args.batch)]
+        prompts = make_prompts(llms["off"].vocab_size, args)
         best = {name: [float("inf"), float("inf")] for name in llms}
         for llm in llms.values():                            # warm-up
             run(llm, prompts, 2)
@@ -265,6 +332,12 @@ def main() -> None:
                              "" if label == "metadata" else f"{(m - base) * 1e6:+.0f}",
                              f"{fwd[label] * 1e6:.0f} ({(fwd[label] - fwd['off']) * 1e6:+.0f})"]
                             for label, m in med.items()]
+        if args.processes:
+            med = process_medians(args, preset)
+            off = med["off"]
+            process_rows += [[preset, mode, f"{m['step'] * 1e6:.0f}", f"{(m['step'] / off['step'] - 1) * 100:+.1f}%",
+                              f"{m['forward'] * 1e6:.0f} ({(m['forward'] - off['forward']) * 1e6:+.0f})"]
+                             for mode, m in med.items()]
     header = ["preset", "mode", "decode step ms", "decode tok/s", "vs removed"]
     print()
     print_markdown_table(header, rows)
@@ -276,6 +349,11 @@ def main() -> None:
         print()
         print_markdown_table(["preset", "engine (median step)", "us", "vs off", "us vs metadata",
                               "its forward, us (vs off)"], ablate_rows)
+    if process_rows:
+        print()
+        print(f"each engine alone in a fresh process, median of {args.processes}:")
+        print_markdown_table(["preset", "engine (median step)", "us", "vs off", "its forward, us (vs off)"],
+                             process_rows)
 
 
 if __name__ == "__main__":
