@@ -32,9 +32,10 @@ kept (RESULTS.md, stop 65: the small tensors a record keeps alive cost, not the 
 `--processes N`: the figures a user with one engine sees. Every mode above shares one process with the
 others, which dilutes what a mode does to the memory the others use; here each engine runs alone in a
 fresh process (one per mode and round, the modes alternated, N rounds): 5 warm-up generate() calls, then
-the median engine step and median forward of 20 more. Besides "off" and "metadata", "off, step objects
-kept" is "off" keeping each step's `ExecuteModelState` (the runner's batch, metadata and logits, as a
-record holds them by reference) for 64 steps and doing nothing else: what holding them costs alone.
+the median engine step and median forward of 20 more. Besides "off", "metadata" and "metadata" without
+its runtime checks, "off, step objects kept" is "off" keeping each step's `ExecuteModelState` (the
+runner's batch, metadata and logits, as a record holds them by reference) for 64 steps and doing
+nothing else: what holding them costs alone.
 Each cell: the median over the N processes (processes differ by a few percent, memory layout).
 """
 from __future__ import annotations
@@ -225,6 +226,7 @@ def ablation_medians(make_llm, prompts: list[list[int]], k: int, repeats: int
 
 
 PROCESS_MODES = {"off": dict(inspect="off"), "metadata": dict(inspect="metadata"),
+                 "metadata, no checks": dict(inspect="metadata", checks=False),
                  "off, step objects kept": dict(inspect="off")}
 HELD_STEPS = 64            # as the trace_capacity the engines here use
 
