@@ -87,21 +87,26 @@ class AttnMetadata:
 def build_attn_metadata(*, attn_groups: list[AttentionGroup], num_reqs: int, num_tokens: int,
                         query_start_loc_gpu: torch.Tensor, query_start_loc_cpu: torch.Tensor,
                         max_query_len: int, seq_lens: torch.Tensor, max_seq_len: int,
-                        block_tables: tuple[torch.Tensor, ...], slot_mappings: torch.Tensor,
+                        block_tables: tuple[torch.Tensor, ...], slot_mappings: tuple[torch.Tensor, ...],
                         producer: str, seq_lens_cpu_upper_bound: torch.Tensor | None = None,
                         is_prefilling: torch.Tensor | None = None,
                         positions: torch.Tensor | None = None, num_accepted_tokens: torch.Tensor | None = None,
                         num_decode_draft_tokens_cpu: torch.Tensor | None = None) -> AttnMetadata:
     """`producer` names the model state calling this; contract errors report it."""
     groups, by_layer = [], {}
+    # the batch's own tensors when they hold its rows (no view made per group per step: a recording
+    # keeps them; runner/staging.py HeadViews)
+    if len(seq_lens) != num_reqs:
+        seq_lens = seq_lens[:num_reqs]
+    if seq_lens_cpu_upper_bound is not None and len(seq_lens_cpu_upper_bound) != num_reqs:
+        seq_lens_cpu_upper_bound = seq_lens_cpu_upper_bound[:num_reqs]
     for i, attn_group in enumerate(attn_groups):
         common = CommonAttentionMetadata(
             query_start_loc=query_start_loc_gpu, query_start_loc_cpu=query_start_loc_cpu,
-            seq_lens=seq_lens[:num_reqs], num_reqs=num_reqs, num_actual_tokens=num_tokens,
+            seq_lens=seq_lens, num_reqs=num_reqs, num_actual_tokens=num_tokens,
             max_query_len=max_query_len, max_seq_len=max_seq_len,
             block_table_tensor=block_tables[i], slot_mapping=slot_mappings[i],
-            seq_lens_cpu_upper_bound=(seq_lens_cpu_upper_bound[:num_reqs]
-                                      if seq_lens_cpu_upper_bound is not None else None),
+            seq_lens_cpu_upper_bound=seq_lens_cpu_upper_bound,
             is_prefilling=is_prefilling, positions=positions, num_accepted_tokens=num_accepted_tokens,
             num_decode_draft_tokens_cpu=num_decode_draft_tokens_cpu)
         metadata = attn_group.builder.build(common, producer=producer)

@@ -17,7 +17,7 @@ import torch
 
 from toolkit.kv_cache_manager import RowTail
 from toolkit.kv_cache_spec import PAD_SLOT_ID
-from toolkit.runner.staging import Staging, StagingBank
+from toolkit.runner.staging import HeadViews, Staging, StagingBank
 
 
 def staging_regions(widths: list[int], max_num_reqs: int, max_num_tokens: int) -> tuple[dict, dict]:
@@ -40,6 +40,7 @@ class BlockTables:
         self.num_blocks = [np.zeros(max_num_reqs, dtype=np.int32) for _ in widths]
         self.input_block_tables = [staging.device(f"block_table_{g}") for g in range(len(widths))]
         self.slot_mappings = staging.device("slot_mappings")
+        self.views = HeadViews()            # a step's views of these, the same objects from step to step
         staging.host("slot_mappings")[:] = PAD_SLOT_ID
         staging.written("slot_mappings")
         # `incremental`: the rows the staged tables hold (batch order, padded rows included as -1),
@@ -126,7 +127,7 @@ class BlockTables:
                 self.staging.written(f"block_table_{g}", rows)
             self._staged_rows = staged if self.incremental else None
         self._changed.clear()
-        return tuple(t[:rows] for t in self.input_block_tables)
+        return tuple(self.views.head(t, rows) for t in self.input_block_tables)
 
     def _restage_changed(self, idx_mapping_np: np.ndarray) -> None:
         """The staged tables hold the batch's rows as of the last gather: copy in the rows written
@@ -154,7 +155,7 @@ class BlockTables:
         for g in range(self.num_groups):
             self.staging.host(f"block_table_{g}")[:num_rows] = 0
             self.staging.written(f"block_table_{g}", num_rows)
-        return tuple(t[:num_rows] for t in self.input_block_tables)
+        return tuple(self.views.head(t, num_rows) for t in self.input_block_tables)
 
     def distinct_state_slots(self, num_rows: int, groups: dict[int, list[int]]) -> None:
         """The capture check's dummy rows (model_runner._check_graph): in each recurrent state group
@@ -168,19 +169,24 @@ class BlockTables:
             self.staging.host(f"block_table_{g}")[:num_rows] = slots[np.arange(num_rows) % len(slots), None]
             self.staging.written(f"block_table_{g}", num_rows)
 
-    def pad_slot_mappings(self, num_tokens: int) -> torch.Tensor:
-        """int64 [G, num_tokens] view of slot mappings that write nothing (PAD_SLOT_ID), staged."""
+    def pad_slot_mappings(self, num_tokens: int) -> tuple[torch.Tensor, ...]:
+        """Slot mappings that write nothing (PAD_SLOT_ID), staged: tuple over groups of int64
+        [num_tokens] views."""
         host = self.staging.host("slot_mappings")
         host[:, :num_tokens] = PAD_SLOT_ID
         self.staging.written("slot_mappings", elements=(self.num_groups - 1) * host.shape[1] + num_tokens)
-        return self.slot_mappings[:, :num_tokens]
+        return self._slot_views(num_tokens)
+
+    def _slot_views(self, width: int) -> tuple[torch.Tensor, ...]:
+        return tuple(self.views.row_head(self.slot_mappings, g, width) for g in range(self.num_groups))
 
     def compute_slot_mappings(self, idx_mapping_np: np.ndarray, query_start_loc_np: np.ndarray,
-                              num_computed_np: np.ndarray, num_padded: int | None = None) -> torch.Tensor:
-        """int64 [G, num_padded or T] view of the persistent slot-mapping buffer: the slots of the
-        batch's T tokens (row r's tokens sit at positions num_computed[r], num_computed[r] + 1, ...),
-        then PAD_SLOT_ID for the padded tokens of a padded batch. Computed on the host from the
-        CPU tables (the authority), staged."""
+                              num_computed_np: np.ndarray, num_padded: int | None = None
+                              ) -> tuple[torch.Tensor, ...]:
+        """Tuple over groups of int64 [num_padded or T] views of the persistent slot-mapping buffer
+        (one row a group): the slots of the batch's T tokens (row r's tokens sit at positions
+        num_computed[r], num_computed[r] + 1, ...), then PAD_SLOT_ID for the padded tokens of a
+        padded batch. Computed on the host from the CPU tables (the authority), staged."""
         qsl = query_start_loc_np
         num_tokens = int(qsl[-1])
         token_rows = np.repeat(np.arange(len(qsl) - 1), np.diff(qsl))
@@ -193,4 +199,4 @@ class BlockTables:
             host[g, :num_tokens] = blocks * bs + positions % bs
             host[g, num_tokens:width] = PAD_SLOT_ID
         self.staging.written("slot_mappings", elements=(self.num_groups - 1) * host.shape[1] + width)
-        return self.slot_mappings[:, :width]
+        return self._slot_views(width)

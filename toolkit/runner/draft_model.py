@@ -298,11 +298,12 @@ class DraftModelSpeculator(Proposer):
         stage_rows(stage, qsl, seq_lens)
         batch = InputBatch(
             req_ids=[f"draft-{r}" for r in rows.tolist()], num_reqs=b, num_tokens=t, max_query_len=int(counts.max()),
-            idx_mapping=d.idx_mapping[:b], idx_mapping_np=rows, num_scheduled_tokens=counts,
+            idx_mapping=d.views.head(d.idx_mapping, b), idx_mapping_np=rows, num_scheduled_tokens=counts,
             num_computed_tokens_np=starts.astype(np.int32), prefill_len_np=np.where(decode, 0, seq_lens),
-            is_prefilling_np=~decode, query_start_loc=d.query_start_loc[:b + 1], query_start_loc_np=qsl,
-            seq_lens=d.seq_lens[:b], seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens),
-            input_ids=d.input_ids[:t], positions=d.positions[:t], logits_indices=d.logits_indices[:b])
+            is_prefilling_np=~decode, query_start_loc=d.views.head(d.query_start_loc, b + 1), query_start_loc_np=qsl,
+            seq_lens=d.views.head(d.seq_lens, b), seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens),
+            input_ids=d.views.head(d.input_ids, t), positions=d.views.head(d.positions, t),
+            logits_indices=d.views.head(d.logits_indices, b))
         tables = self.block_tables[bank].gather_block_tables(rows)
         slots = self.block_tables[bank].compute_slot_mappings(rows, qsl, batch.num_computed_tokens_np)
         return batch, tables, slots

@@ -21,7 +21,7 @@ import torch
 
 from toolkit.host import copy_to, to_device
 from toolkit.runner.request_states import RequestStates
-from toolkit.runner.staging import Staging, StagingBank
+from toolkit.runner.staging import HeadViews, Staging, StagingBank
 
 STAGED_INT32 = ("query_start_loc", "seq_lens")                        # staging regions of InputBuffers
 STAGED_INT64 = ("idx_mapping", "logits_indices", "positions")
@@ -57,6 +57,7 @@ class InputBuffers:
         verify = staging.has("draft_ids")           # speculative decoding
         self.token_req_rows = staging.device("token_req_rows") if verify else None
         self.draft_ids = staging.device("draft_ids") if verify else None
+        self.views = HeadViews()            # a step's views of these, the same objects from step to step
 
     def persistent_buffers(self) -> list[torch.Tensor]:
         """What the batch views besides the staging arena: the input ids."""
@@ -193,19 +194,20 @@ def prepare_inputs(buffers: InputBuffers, req_states: RequestStates, req_ids: li
     stage.put("positions", positions.astype(np.int64))
     stage_rows(stage, qsl, seq_lens, num_drafts)
 
+    head = d.views.head
     return InputBatch(
         req_ids=list(req_ids), num_reqs=b, num_tokens=t, max_query_len=int(q.max()) if b else 0,
-        idx_mapping=d.idx_mapping[:b], idx_mapping_np=idx_np, num_scheduled_tokens=q,
+        idx_mapping=head(d.idx_mapping, b), idx_mapping_np=idx_np, num_scheduled_tokens=q,
         num_computed_tokens_np=computed, prefill_len_np=prefill_len,
         is_prefilling_np=computed < prefill_len,
-        query_start_loc=d.query_start_loc[:b + 1], query_start_loc_np=qsl,
-        seq_lens=d.seq_lens[:b], seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens.astype(np.int32)),
-        input_ids=d.input_ids[:t], positions=d.positions[:t],
-        logits_indices=d.logits_indices[:b + (0 if num_drafts is None else int(num_drafts.sum()))],
+        query_start_loc=head(d.query_start_loc, b + 1), query_start_loc_np=qsl,
+        seq_lens=head(d.seq_lens, b), seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens.astype(np.int32)),
+        input_ids=head(d.input_ids, t), positions=head(d.positions, t),
+        logits_indices=head(d.logits_indices, b + (0 if num_drafts is None else int(num_drafts.sum()))),
         input_ids_sampled=decode_only, num_draft_tokens=num_drafts,
         draft_token_ids={r: list(drafts[r]) for r in req_ids if r in drafts} if drafts else None,
-        token_req_rows=None if is_draft is None else d.token_req_rows[:t],
-        draft_ids=None if is_draft is None else d.draft_ids[:t + 1])
+        token_req_rows=None if is_draft is None else head(d.token_req_rows, t),
+        draft_ids=None if is_draft is None else head(d.draft_ids, t + 1))
 
 
 def stage_rows(stage: Staging | StagingBank, qsl: np.ndarray, seq_lens: np.ndarray,
@@ -305,15 +307,15 @@ def pad_decode_batch(buffers: InputBuffers, batch: InputBatch, size: int) -> Inp
     seq_lens = np.concatenate([batch.seq_lens_cpu_upper_bound.numpy(), np.full(pad, t, dtype=np.int32)])
     return InputBatch(
         req_ids=batch.req_ids + [f"pad-{i}" for i in range(pad)], num_reqs=size, num_tokens=size * t,
-        max_query_len=t, idx_mapping=d.idx_mapping[:size],
+        max_query_len=t, idx_mapping=d.views.head(d.idx_mapping, size),
         idx_mapping_np=np.concatenate([batch.idx_mapping_np, np.zeros(pad, dtype=np.int64)]),
         num_scheduled_tokens=np.full(size, t, dtype=np.int32),
         num_computed_tokens_np=np.concatenate([batch.num_computed_tokens_np, np.zeros(pad, dtype=np.int32)]),
         prefill_len_np=np.concatenate([batch.prefill_len_np, np.zeros(pad, dtype=np.int32)]),
         is_prefilling_np=np.zeros(size, dtype=bool),
-        query_start_loc=d.query_start_loc[:size + 1], query_start_loc_np=qsl,
-        seq_lens=d.seq_lens[:size], seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens),
-        input_ids=d.input_ids[:size * t], positions=d.positions[:size * t],
-        logits_indices=d.logits_indices[:size * t], input_ids_sampled=batch.input_ids_sampled,
+        query_start_loc=d.views.head(d.query_start_loc, size + 1), query_start_loc_np=qsl,
+        seq_lens=d.views.head(d.seq_lens, size), seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens),
+        input_ids=d.views.head(d.input_ids, size * t), positions=d.views.head(d.positions, size * t),
+        logits_indices=d.views.head(d.logits_indices, size * t), input_ids_sampled=batch.input_ids_sampled,
         num_draft_tokens=None if t == 1 else np.full(size, t - 1, dtype=np.int32),
         draft_token_ids=batch.draft_token_ids, token_req_rows=batch.token_req_rows, draft_ids=batch.draft_ids)

@@ -21,7 +21,7 @@ class DefaultModelState(ModelState):
                 f"{type(self.model).__name__} declare it?")
 
     def prepare_attn(self, input_batch: InputBatch, block_tables: tuple[torch.Tensor, ...],
-                     slot_mappings: torch.Tensor, attn_groups: list[AttentionGroup],
+                     slot_mappings: tuple[torch.Tensor, ...], attn_groups: list[AttentionGroup],
                      for_capture: bool = False) -> AttnMetadata:
         kwargs = self.attn_metadata_kwargs(input_batch, for_capture)
         return build_attn_metadata(attn_groups=attn_groups, block_tables=block_tables,

@@ -78,6 +78,6 @@ class ModelState(ABC):
 
     @abstractmethod
     def prepare_attn(self, input_batch: InputBatch, block_tables: tuple[torch.Tensor, ...],
-                     slot_mappings: torch.Tensor, attn_groups: list[AttentionGroup],
+                     slot_mappings: tuple[torch.Tensor, ...], attn_groups: list[AttentionGroup],
                      for_capture: bool = False) -> AttnMetadata:
         """Build the metadata of every layer group for this batch."""

@@ -1,0 +1,49 @@
+"""A step's views of the runner's persistent buffers are the same objects from step to step
+(runner/staging.py HeadViews): a recording keeps each step's batch and metadata by reference for the
+trace's life, and a view made afresh each step would be one more object held per step (a cost the
+benchmark measures: RESULTS.md, stop 65)."""
+from __future__ import annotations
+
+import torch
+
+from toolkit import LLM, SamplingParams
+from toolkit.runner.staging import HeadViews
+
+
+def test_head_views_are_the_slices_they_stand_for_made_once():
+    t = torch.arange(24, dtype=torch.int64).reshape(3, 8)
+    views = HeadViews()
+    head, again, other = views.head(t, 2), views.head(t, 2), views.head(t, 1)
+    assert head is again and other is not head
+    for got, want in ((head, t[:2]), (other, t[:1])):
+        assert (got.data_ptr(), got.shape, got.stride()) == (want.data_ptr(), want.shape, want.stride())
+    row = views.row_head(t, 1, 5)
+    assert row is views.row_head(t, 1, 5) and row is not views.row_head(t, 2, 5)
+    assert torch.equal(row, t[1, :5]) and row.data_ptr() == t[1, :5].data_ptr()
+    t[1, 0] = -1                                  # a view, not a copy: it reads the buffer as it is now
+    assert int(row[0]) == -1 and int(head[1, 0]) == -1
+
+
+def test_decode_steps_of_one_batch_hand_out_the_same_view_objects():
+    llm = LLM("tiny-bamba", inspect="off", max_num_seqs=4)
+    try:
+        for i in range(3):
+            llm.add_request({"prompt_token_ids": [5 + i, 6, 7]},
+                            SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        llm.step()                                # the prefill
+        states = []
+        for _ in range(2):                        # two decode steps of the same 3 rows
+            llm.step()
+            states.append(llm.model_runner.execute_state)
+        first, second = states
+        assert first is not second and first.input_batch is not second.input_batch
+        for name in ("idx_mapping", "query_start_loc", "seq_lens", "input_ids", "positions", "logits_indices"):
+            assert getattr(first.input_batch, name) is getattr(second.input_batch, name), name
+        assert len(first.attn_metadata.groups) == 2           # attention and Mamba2
+        for g1, g2 in zip(first.attn_metadata.groups, second.attn_metadata.groups):
+            for name in ("seq_lens", "block_table_tensor", "slot_mapping"):
+                assert getattr(g1.common, name) is getattr(g2.common, name), (g1.kind, name)
+            assert g1.common.seq_lens is first.input_batch.seq_lens       # no view of a view per group
+        assert all(a is b for a, b in zip(first.block_tables, second.block_tables, strict=True))
+    finally:
+        llm.shutdown()
