@@ -24,6 +24,16 @@ def test_head_views_are_the_slices_they_stand_for_made_once():
     assert int(row[0]) == -1 and int(head[1, 0]) == -1
 
 
+def test_head_views_keep_at_most_max_views():
+    t = torch.zeros(64)
+    views = HeadViews()
+    views.MAX_VIEWS = 8
+    for n in range(20):                          # more sizes than it keeps: it starts again, bounded
+        assert views.head(t, n).shape == (n,)
+        assert len(views) <= 8
+    assert views.head(t, 19) is views.head(t, 19)
+
+
 def test_decode_steps_of_one_batch_hand_out_the_same_view_objects():
     llm = LLM("tiny-bamba", inspect="off", max_num_seqs=4)
     try:

@@ -94,7 +94,11 @@ class HeadViews:
     step and held across many costs some 3-6 us a step, and slows even the forward (benchmarks/
     RESULTS.md, stop 65). A cached view is the same view: same storage, offset, shape and stride.
     Only for tensors that live as long as their owner (each entry keeps its tensor alive, so its
-    `id` names it); nothing may change a handed-out view's shape or strides in place."""
+    `id` names it); nothing may change a handed-out view's shape or strides in place. At most
+    MAX_VIEWS are kept (prefill chunks of many lengths would otherwise add views without end): past
+    that the cache starts again empty, which costs only the views made anew."""
+
+    MAX_VIEWS = 4096
 
     def __init__(self):
         self._views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -103,15 +107,24 @@ class HeadViews:
         """t[:n]."""
         got = self._views.get((id(t), n))
         if got is None:
-            got = self._views[(id(t), n)] = (t, t[:n])
+            got = self._keep((id(t), n), t, t[:n])
         return got[1]
 
     def row_head(self, t: torch.Tensor, row: int, n: int) -> torch.Tensor:
         """t[row, :n]."""
         got = self._views.get((id(t), row, n))
         if got is None:
-            got = self._views[(id(t), row, n)] = (t, t[row, :n])
+            got = self._keep((id(t), row, n), t, t[row, :n])
         return got[1]
+
+    def _keep(self, key: tuple, t: torch.Tensor, view: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(self._views) >= self.MAX_VIEWS:
+            self._views.clear()
+        got = self._views[key] = (t, view)
+        return got
+
+    def __len__(self) -> int:
+        return len(self._views)
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
