@@ -120,8 +120,8 @@ class HeadViews:
     def _keep(self, key: tuple, t: torch.Tensor, view: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if len(self._views) >= self.MAX_VIEWS:
             self._views.clear()
-        got = self._views[key] = (t, view)
-        return got
+        self._views[key] = (t, view)
+        return t, view
 
     def __len__(self) -> int:
         return len(self._views)
