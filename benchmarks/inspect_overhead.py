@@ -102,7 +102,7 @@ def run(llm: LLM, prompts: list[list[int]], k: int) -> float:
 # the parts --breakdown times: (owner, attribute, label); a method is wrapped on its class
 PARTS = [(recorder_module.Recorder, hook, f"Recorder.{hook}")
          for hook in ("begin", "before_forward", "after_forward", "after_logits", "record_step")] + [
-    (recorder_module, "freeze", "  freeze (the persistent buffers' copies)"),
+    (recorder_module.Freezer, "__call__", "  Freezer (the persistent buffers' copy)"),
     (recorder_module, "step_record", "  step_record"),
     (recorder_module, "snapshot", "    snapshot (batch, metadata)"),
     (recorder_module, "scheduled_rows", "    scheduled_rows"),

@@ -258,3 +258,43 @@ def test_records_read_late_equal_the_batch_and_metadata_the_step_used(preset, kw
         assert equal(record.input_batch, batch), f"step {i}: input batch"
         assert equal(record.attn_metadata, groups), f"step {i}: metadata"
     llm.shutdown()
+
+
+def test_a_record_held_past_the_trace_keeps_its_copy_and_freed_copies_are_written_again(monkeypatch):
+    """The copies of the runner's buffers (Freezer) are used again once their record is gone, and
+    only then: records the trace pushed out but the caller kept (every other one here) still read
+    as the step left them, while the dropped ones' copies serve later steps (fewer flat tensors
+    made than steps)."""
+    import toolkit.inspect.recorder as recorder_module
+    from toolkit.inspect.step_record import snapshot
+
+    eager = {}
+    real = recorder_module.step_record
+
+    def step_record_and_copy(step, *args, **kw):
+        if step.exec_state is not None:
+            eager[step.step_index] = (snapshot(step.exec_state.input_batch),
+                                      snapshot(step.exec_state.attn_metadata.groups))
+        return real(step, *args, **kw)
+    monkeypatch.setattr(recorder_module, "step_record", step_record_and_copy)
+    llm = small(inspect="metadata", trace_capacity=2, max_num_batched_tokens=16)
+    for prompt in PROMPTS:
+        llm.add_request(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    held, flats = [], {}                            # the flat copies seen (kept: their ids stay theirs)
+    while llm.has_unfinished_requests():
+        record = llm.step()
+        flat = record._pending.frozen.flat
+        flats[id(flat)] = flat
+        if record.step_index % 2 == 0:
+            held.append(record)
+        del record
+    steps = len(eager)
+    assert steps > 8 and len(held) > 4
+    # the held records' copies, and a few that the dropped records' steps took in turn (trace_capacity 2)
+    assert len(flats) <= len(held) + 3 < steps
+    for record in held:
+        assert record.is_pending                    # not made until read here, many steps later
+        batch, groups = eager[record.step_index]
+        assert equal(record.input_batch, batch), f"step {record.step_index}: input batch"
+        assert equal(record.attn_metadata, groups), f"step {record.step_index}: metadata"
+    llm.shutdown()

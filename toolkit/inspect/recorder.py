@@ -46,13 +46,14 @@ from toolkit.inspect.ranks import CapturePlan, RankSync
 from toolkit.inspect.step_record import (
     TOP_K_LOGITS,
     CheckpointCopy,
+    Freezer,
+    Frozen,
     LayerState,
     PendingSnapshot,
     SpecRow,
     StateCopy,
     StepRecord,
     Violation,
-    freeze,
     scheduled_rows,
     snapshot,
 )
@@ -87,18 +88,17 @@ class StepOutcome:
 
 
 def step_record(step: StepOutcome, backend: str, logits: torch.Tensor | None = None,
-                read_device: bool = True, frozen: tuple[dict, int] | None = None) -> StepRecord:
+                read_device: bool = True, frozen: Frozen | None = None) -> StepRecord:
     """The StepRecord of a step: snapshots of the objects the runner used, taken after the step
     (`logits`: a copy already taken, else the step's logits are snapshot here). `read_device=False`
     (inspection off): nothing is read from the device (a read would sync it), so speculative rows
-    carry no state columns. `frozen`: copies of the runner's persistent buffers and their host bytes
-    (`freeze`): the batch and metadata are then kept by reference and made when first read
-    (PendingSnapshot: no walk in the step)."""
+    carry no state columns. `frozen`: the copy of the runner's persistent buffers (`Freezer`): the
+    batch and metadata are then kept by reference and made when first read (PendingSnapshot: no
+    walk in the step)."""
     state = step.exec_state
     if state is not None and frozen is not None:
-        copies, nbytes = frozen
-        record = _step_record(step, backend, logits, read_device, [nbytes], None)
-        record.keep_by_reference(PendingSnapshot(state.input_batch, state.attn_metadata.groups, copies))
+        record = _step_record(step, backend, logits, read_device, [frozen.host_bytes], None)
+        record.keep_by_reference(PendingSnapshot(state.input_batch, state.attn_metadata.groups, frozen))
         return record
     return _step_record(step, backend, logits, read_device, [0], {})
 
@@ -198,6 +198,7 @@ class Recorder:
         # the ledger kept from step to step (unchanged rows shared between records) and, with checks,
         # its audit of what each step changed (inspect/ledger_book.py)
         self.book = LedgerBook(scheduler, runner, audit=checks_on)
+        self.freezer = Freezer(BY_REFERENCE_MAX_BYTES)       # each step's copy of the runner's buffers
         self._rows: list[int] = []
         self._host_slots: dict[str, list[int]] = {}
         self._before: Captured | None = None
@@ -345,8 +346,11 @@ class Recorder:
     def record_step(self, step: StepOutcome) -> StepRecord:
         """The step's record, with the full-mode fields and the checks' violations, appended to
         the trace; raises InvariantError (after recording) if a check failed."""
-        frozen = freeze(self.runner.persistent_buffers(), BY_REFERENCE_MAX_BYTES) if step.exec_state else None
+        self.trace.make_room()          # first: the record it drops frees its copy for this step's
+        frozen = self.freezer(self.runner.persistent_buffers()) if step.exec_state else None
         record = step_record(step, self.backend, self._logits, frozen=frozen)
+        if frozen is not None:
+            self.freezer.lend(frozen, record)       # its copy is written again once the record is gone
         if self.spec and self._before is not None and step.exec_state is not None:
             # the state each verify row kept: the column of its last kept position (the cache is as the
             # forward left it: sampling and the update write no state)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,11 +66,13 @@ def _snap_tensor(t: torch.Tensor, counter: list[int], clones: dict) -> torch.Ten
     key = (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device)      # the same view through another object
     out = clones.get(key)
     if out is None:
-        frozen = clones.get(_FROZEN)            # a pending record's copies of the runner's buffers
-        copy = frozen.get(t.untyped_storage().data_ptr()) if frozen else None
-        if copy is not None:
-            # the same view of the copy taken at the step's end, cloned: a made record keeps what it views
-            view = torch.empty(0, dtype=t.dtype, device=t.device).set_(copy, t.storage_offset(), t.shape, t.stride())
+        frozen = clones.get(_FROZEN)            # a pending record's copy of the runner's buffers
+        at = frozen.offsets.get(t.untyped_storage().data_ptr()) if frozen else None
+        if at is not None:
+            # the same view of the copy taken at the step's end, cloned: a made record keeps what it
+            # views (`at`, a multiple of FROZEN_ALIGN bytes, is whole elements of any dtype)
+            view = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                frozen.flat.untyped_storage(), at // t.element_size() + t.storage_offset(), t.shape, t.stride())
             out = clones[key] = view.clone()
         else:
             out = clones[key] = (t.detach() if t.requires_grad else t).clone()
@@ -157,35 +161,101 @@ _COPIERS: dict[type, Any] = {}        # exact type -> its copier (filled as type
 _FROZEN = object()                    # the key of a PendingSnapshot's copies in a snapshot's memo
 
 
-def freeze(buffers: list[torch.Tensor], max_bytes: int) -> tuple[dict[int, torch.UntypedStorage], int] | None:
-    """A copy of each buffer's whole storage, keyed by the original's address, and the host bytes
-    copied: what a step's batch and metadata view of the runner's persistent buffers
-    (`ModelRunner.persistent_buffers()`), as the step left them. None (nothing copied) when the
+FROZEN_ALIGN = 16      # bytes: where each buffer's copy starts in a Frozen's flat tensor
+
+
+@dataclass
+class Frozen:
+    """Copies of the runner's persistent buffers as a step left them, in one flat tensor of bytes:
+    the storage whose address is k starts at byte `offsets[k]` of `flat` (`offsets` is shared by
+    every step of one set of buffers). `host_bytes`: what it takes in host memory (0 on a device)."""
+    flat: torch.Tensor                  # uint8 [total], on the buffers' device
+    offsets: dict[int, int]             # storage data_ptr -> byte offset in flat
+    host_bytes: int
+
+
+class Freezer:
+    """Makes each recorded step's `Frozen` in one copy, into a flat tensor used again once no record
+    needs the one it held (`lend`: weakly tied to the PendingSnapshot that reads it). Why not a fresh
+    copy per buffer: every tensor object made in a step and kept across steps costs some 3-6 us a step
+    (benchmarks/RESULTS.md, stop 65), and a recording keeps the trace's steps; a flat tensor used again
+    is no new object. A record made (or dropped) before it is gone keeps its flat tensor unused until
+    then: a copy is written again only when nothing can read it. None (nothing copied) when the
     storages take more than `max_bytes`."""
-    storages: dict[int, tuple[torch.Tensor, torch.UntypedStorage]] = {}
-    for b in buffers:
-        storage = b.untyped_storage()
-        storages.setdefault(storage.data_ptr(), (b, storage))
-    if sum(storage.nbytes() for _, storage in storages.values()) > max_bytes:
-        return None
-    copies, host = {}, 0
-    for ptr, (b, storage) in storages.items():
-        nbytes = storage.nbytes()
-        whole = b.nbytes == nbytes and b.is_contiguous()        # the buffer is all its storage (offset 0):
-        copies[ptr] = b.clone().untyped_storage() if whole else storage.clone()     # one op, the common case
-        host += nbytes if b.is_cpu else 0
-    return copies, host
+
+    MAX_LENT = 4096     # flat tensors followed for reuse (past it the oldest is forgotten, not freed)
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._key: tuple | None = None          # the buffers' addresses the layout below is for
+        self._sources: list[torch.Tensor] = []  # uint8 views of each storage, then its padding
+        self._offsets: dict[int, int] = {}
+        self._total = 0
+        self._on_cpu = False                    # then the copy is one numpy call (no torch dispatch)
+        self._lent: deque[tuple[torch.Tensor, np.ndarray | None, weakref.ref]] = deque()
+
+    def __call__(self, buffers: list[torch.Tensor]) -> Frozen | None:
+        key = tuple(b.data_ptr() for b in buffers)
+        if key != self._key:
+            self._layout(buffers, key)
+        if self._total > self.max_bytes:
+            return None
+        if not self._sources:
+            return Frozen(torch.empty(0, dtype=torch.uint8), {}, 0)
+        flat, lent = None, self._lent
+        for _ in range(min(2, len(lent))):      # the oldest lent copy, or if its record is still held
+            if lent[0][2]() is None:            # (by a caller, past the trace), the next one
+                flat, flat_np, _ = lent.popleft()
+                break
+            lent.rotate(-1)                     # the held one waits at the back
+        if flat is None:
+            flat = torch.empty(self._total, dtype=torch.uint8, device=self._sources[0].device)
+            flat_np = flat.numpy() if self._on_cpu else None
+        if flat_np is not None:
+            np.concatenate(self._np_sources, out=flat_np)
+        else:
+            torch.cat(self._sources, out=flat)
+        self._last = (flat, flat_np)
+        return Frozen(flat, self._offsets, self._total if self._on_cpu else 0)
+
+    def lend(self, frozen: Frozen, reader: object) -> None:
+        """`frozen.flat` (the last one made) may be written again once `reader` (the record that
+        holds it) is gone."""
+        flat, flat_np = self._last
+        if flat is not frozen.flat:
+            raise ValueError("Freezer.lend: lend the Frozen this Freezer made last (its flat tensor is "
+                             "the one followed for reuse)")
+        self._lent.append((flat, flat_np, weakref.ref(reader)))
+        if len(self._lent) > self.MAX_LENT:
+            self._lent.popleft()
+
+    def _layout(self, buffers: list[torch.Tensor], key: tuple) -> None:
+        storages: dict[int, torch.UntypedStorage] = {}
+        for b in buffers:
+            storage = b.untyped_storage()
+            storages.setdefault(storage.data_ptr(), storage)
+        self._key, self._sources, self._offsets, self._total, self._lent = key, [], {}, 0, deque()
+        for ptr, storage in storages.items():
+            nbytes = storage.nbytes()
+            whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,), (1,))
+            pad = -nbytes % FROZEN_ALIGN
+            self._sources += [whole] if not pad else [whole, whole.new_zeros(pad)]
+            self._offsets[ptr] = self._total
+            self._total += nbytes + pad
+        self._on_cpu = all(src.is_cpu for src in self._sources)
+        self._np_sources = [src.numpy() for src in self._sources] if self._on_cpu else []
+        self._last = (None, None)
 
 
 @dataclass
 class PendingSnapshot:
     """A step's batch and metadata recorded by reference: the runner's own per-step objects (made
-    fresh by the step, never written after it) and copies of the persistent buffers they view
-    (`freeze`). `materialize` makes the snapshot `snapshot` would have made at the step's end: the
-    views of the buffers become the same views of the copies, everything else is copied."""
+    fresh by the step, never written after it) and a copy of the persistent buffers they view
+    (`Freezer`). `materialize` makes the snapshot `snapshot` would have made at the step's end: the
+    views of the buffers become the same views of the copy, everything else is copied."""
     input_batch: InputBatch
     groups: list[GroupMetadata]
-    frozen: dict[int, torch.UntypedStorage]
+    frozen: Frozen
 
     def materialize(self) -> tuple[InputBatch, list[GroupMetadata], int]:
         """(the batch's snapshot, the metadata's, the host bytes they hold)."""

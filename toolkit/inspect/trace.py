@@ -98,6 +98,13 @@ class Trace:
         the same however many records the trace holds."""
         return self._total
 
+    def make_room(self) -> None:
+        """Drop the oldest record if the trace is full (as `append` would): the Recorder calls it
+        before it makes a step's record, so that what the dropped record held serves the new one
+        (inspect/step_record.py, Freezer)."""
+        if self.capacity is not None and len(self._records) >= self.capacity:
+            self._pop_oldest()
+
     def append(self, record: StepRecord) -> None:
         if self.capacity is not None and len(self._records) == self.capacity:
             self._pop_oldest()
