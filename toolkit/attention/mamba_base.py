@@ -44,6 +44,7 @@ from toolkit.attention.contracts import FieldSpec
 from toolkit.errors import MetadataContractError, NotSupportedYetError
 from toolkit.host import to_device
 from toolkit.kv_cache_spec import PAD_SLOT_ID
+from toolkit.tensor_views import HeadViews
 
 MAMBA_REQUIRED_FIELDS = (
     FieldSpec("query_start_loc", torch.int32, shape="[B+1]"),
@@ -161,6 +162,9 @@ class BaseMambaMetadataBuilder(AttentionMetadataBuilder):
         # speculative decoding with align: (device, D) -> the [D, 1 + k] state columns gathered from the
         # position-indexed rows
         self._spec_columns: dict[tuple[torch.device, int], torch.Tensor] = {}
+        # the views of the block tables (the runner's, made once: runner/block_table.py) and of the
+        # buffers above that each step hands out, made once too (a recording keeps a step's metadata)
+        self.views = HeadViews()
 
     def persistent_buffers(self) -> list[torch.Tensor]:
         return [*self._align_buffers.values(), *self._spec_columns.values()]
@@ -169,7 +173,7 @@ class BaseMambaMetadataBuilder(AttentionMetadataBuilder):
         """Device int32 [B]: the state page of every row (see the module docstring for the modes)."""
         table = common.block_table_tensor
         if self.mamba_block_size is None and not self.num_speculative_tokens:
-            return table[:, 0]
+            return self.views.column(table, 0)
         key = (table.device, table.shape[0])
         out = self._align_buffers.get(key)
         if out is None:        # never replaced: a graph captured on it keeps reading it
@@ -203,7 +207,7 @@ class BaseMambaMetadataBuilder(AttentionMetadataBuilder):
         fields = dict(num_prefills=s.num_prefills, num_prefill_tokens=s.num_prefill_tokens,
                       num_decodes=s.num_decodes, num_decode_tokens=s.num_decode_tokens,
                       num_reqs=common.num_reqs,
-                      state_indices_tensor_d=state_indices[:s.num_decodes] if s.num_decodes else None,
+                      state_indices_tensor_d=self.views.head(state_indices, s.num_decodes) if s.num_decodes else None,
                       state_indices_tensor_p=None, query_start_loc_p=None, has_initial_states_p=None,
                       checkpoint_token_index_p=None, checkpoint_slots_p=None, query_start_loc_d=None,
                       num_accepted_tokens=None)
@@ -234,7 +238,7 @@ class BaseMambaMetadataBuilder(AttentionMetadataBuilder):
         k1 = 1 + self.num_speculative_tokens
         table = common.block_table_tensor
         if self.mamba_block_size is None:
-            return table[:d, :k1]
+            return self.views.corner(table, d, k1)
         key = (table.device, d)
         out = self._spec_columns.get(key)
         if out is None:        # never replaced: a graph captured on it keeps reading it

@@ -263,7 +263,7 @@ class PendingSnapshot:
         return snapshot(self.input_batch, counter, clones), snapshot(self.groups, counter, clones), counter[0]
 
 
-@dataclass
+@dataclass(slots=True)       # no __dict__: a record keeps one per row for the trace's life
 class ScheduledRequest:
     request_id: str
     num_tokens: int             # tokens scheduled this step

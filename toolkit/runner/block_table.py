@@ -17,7 +17,8 @@ import torch
 
 from toolkit.kv_cache_manager import RowTail
 from toolkit.kv_cache_spec import PAD_SLOT_ID
-from toolkit.runner.staging import HeadViews, Staging, StagingBank
+from toolkit.runner.staging import Staging, StagingBank
+from toolkit.tensor_views import HeadViews
 
 
 def staging_regions(widths: list[int], max_num_reqs: int, max_num_tokens: int) -> tuple[dict, dict]:

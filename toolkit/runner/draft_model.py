@@ -50,7 +50,7 @@ from toolkit.layers.ops import TORCH_OPS, set_ops, triton_ops
 from toolkit.runner.attn_utils import init_attn_groups
 from toolkit.runner.block_table import BlockTables
 from toolkit.runner.block_table import staging_regions as table_regions
-from toolkit.runner.input_batch import InputBatch, InputBuffers, make_dummy, sort_batch, stage_rows
+from toolkit.runner.input_batch import InputBatch, InputBuffers, host_twin, make_dummy, sort_batch, stage_rows
 from toolkit.runner.input_batch import staging_regions as input_regions
 from toolkit.runner.kv_cache import allocate_kv_caches, make_kv_cache_groups
 from toolkit.runner.model_states import init_model_state
@@ -301,7 +301,8 @@ class DraftModelSpeculator(Proposer):
             idx_mapping=d.views.head(d.idx_mapping, b), idx_mapping_np=rows, num_scheduled_tokens=counts,
             num_computed_tokens_np=starts.astype(np.int32), prefill_len_np=np.where(decode, 0, seq_lens),
             is_prefilling_np=~decode, query_start_loc=d.views.head(d.query_start_loc, b + 1), query_start_loc_np=qsl,
-            seq_lens=d.views.head(d.seq_lens, b), seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens),
+            seq_lens=d.views.head(d.seq_lens, b), seq_lens_cpu_upper_bound=host_twin(d.views.head(d.seq_lens, b),
+                                                                                       seq_lens),
             input_ids=d.views.head(d.input_ids, t), positions=d.views.head(d.positions, t),
             logits_indices=d.views.head(d.logits_indices, b))
         tables = self.block_tables[bank].gather_block_tables(rows)

@@ -14,6 +14,7 @@ counts are then made on the device, and the step copies nothing more than a plai
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +22,8 @@ import torch
 
 from toolkit.host import copy_to, to_device
 from toolkit.runner.request_states import RequestStates
-from toolkit.runner.staging import HeadViews, Staging, StagingBank
+from toolkit.runner.staging import Staging, StagingBank
+from toolkit.tensor_views import HeadViews
 
 STAGED_INT32 = ("query_start_loc", "seq_lens")                        # staging regions of InputBuffers
 STAGED_INT64 = ("idx_mapping", "logits_indices", "positions")
@@ -195,19 +197,30 @@ def prepare_inputs(buffers: InputBuffers, req_states: RequestStates, req_ids: li
     stage_rows(stage, qsl, seq_lens, num_drafts)
 
     head = d.views.head
+    seq_lens_view = head(d.seq_lens, b)
     return InputBatch(
         req_ids=list(req_ids), num_reqs=b, num_tokens=t, max_query_len=int(q.max()) if b else 0,
         idx_mapping=head(d.idx_mapping, b), idx_mapping_np=idx_np, num_scheduled_tokens=q,
         num_computed_tokens_np=computed, prefill_len_np=prefill_len,
         is_prefilling_np=computed < prefill_len,
         query_start_loc=head(d.query_start_loc, b + 1), query_start_loc_np=qsl,
-        seq_lens=head(d.seq_lens, b), seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens.astype(np.int32)),
+        seq_lens=seq_lens_view, seq_lens_cpu_upper_bound=host_twin(seq_lens_view, seq_lens),
         input_ids=head(d.input_ids, t), positions=head(d.positions, t),
         logits_indices=head(d.logits_indices, b + (0 if num_drafts is None else int(num_drafts.sum()))),
         input_ids_sampled=decode_only, num_draft_tokens=num_drafts,
         draft_token_ids={r: list(drafts[r]) for r in req_ids if r in drafts} if drafts else None,
         token_req_rows=None if is_draft is None else head(d.token_req_rows, t),
         draft_ids=None if is_draft is None else head(d.draft_ids, t + 1))
+
+
+def host_twin(view: torch.Tensor, values: np.ndarray | Callable[[], np.ndarray]) -> torch.Tensor:
+    """The host tensor of a staged region's rows (`seq_lens_cpu_upper_bound`, `query_start_loc_cpu`):
+    on a CPU device `view` itself, the staged view, which holds `values` already (the arena is host
+    memory) and is made once (HeadViews: no tensor object made per step, which a recording would keep);
+    on a GPU a tensor of `values` (int32; a function making them is called only there)."""
+    if view.is_cpu:
+        return view
+    return torch.from_numpy(np.ascontiguousarray(values() if callable(values) else values, dtype=np.int32))
 
 
 def stage_rows(stage: Staging | StagingBank, qsl: np.ndarray, seq_lens: np.ndarray,
@@ -304,7 +317,7 @@ def pad_decode_batch(buffers: InputBuffers, batch: InputBatch, size: int) -> Inp
     else:                           # a verify row samples at each of its t tokens
         stage.host("logits_indices")[n * t:size * t] = np.arange(n * t, size * t)
         stage.written("logits_indices", size * t)
-    seq_lens = np.concatenate([batch.seq_lens_cpu_upper_bound.numpy(), np.full(pad, t, dtype=np.int32)])
+    seq_lens_view = d.views.head(d.seq_lens, size)
     return InputBatch(
         req_ids=batch.req_ids + [f"pad-{i}" for i in range(pad)], num_reqs=size, num_tokens=size * t,
         max_query_len=t, idx_mapping=d.views.head(d.idx_mapping, size),
@@ -314,7 +327,8 @@ def pad_decode_batch(buffers: InputBuffers, batch: InputBatch, size: int) -> Inp
         prefill_len_np=np.concatenate([batch.prefill_len_np, np.zeros(pad, dtype=np.int32)]),
         is_prefilling_np=np.zeros(size, dtype=bool),
         query_start_loc=d.views.head(d.query_start_loc, size + 1), query_start_loc_np=qsl,
-        seq_lens=d.views.head(d.seq_lens, size), seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens),
+        seq_lens=seq_lens_view, seq_lens_cpu_upper_bound=host_twin(seq_lens_view, lambda: np.concatenate(
+            [batch.seq_lens_cpu_upper_bound.numpy(), np.full(pad, t, dtype=np.int32)])),
         input_ids=d.views.head(d.input_ids, size * t), positions=d.views.head(d.positions, size * t),
         logits_indices=d.views.head(d.logits_indices, size * t), input_ids_sampled=batch.input_ids_sampled,
         num_draft_tokens=None if t == 1 else np.full(size, t - 1, dtype=np.int32),

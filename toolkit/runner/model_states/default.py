@@ -5,7 +5,7 @@ import torch
 
 from toolkit.errors import ModelStateError
 from toolkit.runner.attn_utils import AttentionGroup, AttnMetadata, build_attn_metadata
-from toolkit.runner.input_batch import InputBatch
+from toolkit.runner.input_batch import InputBatch, host_twin
 from toolkit.runner.kv_cache import KVCacheGroup
 from toolkit.runner.model_states.interface import ModelState
 
@@ -34,7 +34,7 @@ class DefaultModelState(ModelState):
         max_seq_len = self.max_model_len if for_capture else int(seq_lens_cpu_upper_bound.numpy().max())
         return dict(num_reqs=input_batch.num_reqs, num_tokens=input_batch.num_tokens,
                     query_start_loc_gpu=input_batch.query_start_loc,
-                    query_start_loc_cpu=torch.from_numpy(input_batch.query_start_loc_np),
+                    query_start_loc_cpu=host_twin(input_batch.query_start_loc, input_batch.query_start_loc_np),
                     max_query_len=input_batch.max_query_len, seq_lens=input_batch.seq_lens,
                     max_seq_len=max_seq_len, seq_lens_cpu_upper_bound=seq_lens_cpu_upper_bound,
                     positions=input_batch.positions)
