@@ -298,3 +298,35 @@ def test_a_record_held_past_the_trace_keeps_its_copy_and_freed_copies_are_writte
         assert equal(record.input_batch, batch), f"step {record.step_index}: input batch"
         assert equal(record.attn_metadata, groups), f"step {record.step_index}: metadata"
     llm.shutdown()
+
+
+def test_freezer_copies_the_buffers_and_writes_a_copy_again_only_once_its_reader_is_gone():
+    import gc
+
+    from toolkit.inspect.step_record import FROZEN_ALIGN, Freezer
+
+    a, b = torch.arange(5, dtype=torch.int32), torch.arange(3, dtype=torch.int64)      # 20 and 24 bytes
+    freezer = Freezer(max_bytes=1024)
+
+    class Reader:                                   # stands for the record that reads the copy
+        pass
+
+    first, reader = freezer([a, b[1:]]), Reader()   # a view of b: its whole storage is copied
+    freezer.lend(first, reader)
+    offsets = [first.offsets[t.untyped_storage().data_ptr()] for t in (a, b)]
+    assert offsets == [0, 32] and all(o % FROZEN_ALIGN == 0 for o in offsets)
+    assert first.host_bytes == first.flat.numel() == 64             # each copy padded to 16 bytes
+    a += 10
+    assert first.flat[:20].view(torch.int32).tolist() == [0, 1, 2, 3, 4]       # as it was when copied
+    assert first.flat[32:56].view(torch.int64).tolist() == [0, 1, 2]
+    second = freezer([a, b[1:]])                    # the first one's reader is alive: a new flat tensor
+    assert second.flat is not first.flat and first.flat[:20].view(torch.int32).tolist() == [0, 1, 2, 3, 4]
+    assert second.flat[:20].view(torch.int32).tolist() == [10, 11, 12, 13, 14]
+    freezer.lend(second, Reader())                  # (that reader is gone at once)
+    del reader
+    gc.collect()
+    third = freezer([a, b[1:]])
+    assert third.flat is first.flat or third.flat is second.flat                # one written again
+    assert freezer([torch.zeros(2048, dtype=torch.uint8)]) is None              # over max_bytes
+    with pytest.raises(ValueError, match="lend the Frozen this Freezer made last"):
+        freezer.lend(first, Reader())

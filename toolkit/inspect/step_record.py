@@ -176,7 +176,7 @@ class Frozen:
 
 class Freezer:
     """Makes each recorded step's `Frozen` in one copy, into a flat tensor used again once no record
-    needs the one it held (`lend`: weakly tied to the PendingSnapshot that reads it). Why not a fresh
+    needs the one it held (`lend`: weakly tied to the record that reads it). Why not a fresh
     copy per buffer: every tensor object made in a step and kept across steps costs some 3-6 us a step
     (benchmarks/RESULTS.md, stop 65), and a recording keeps the trace's steps; a flat tensor used again
     is no new object. A record made (or dropped) before it is gone keeps its flat tensor unused until
@@ -200,8 +200,9 @@ class Freezer:
             self._layout(buffers, key)
         if self._total > self.max_bytes:
             return None
-        if not self._sources:
-            return Frozen(torch.empty(0, dtype=torch.uint8), {}, 0)
+        if not self._sources:                   # no buffers: nothing to copy
+            self._last = (torch.empty(0, dtype=torch.uint8), None)
+            return Frozen(self._last[0], {}, 0)
         flat, lent = None, self._lent
         for _ in range(min(2, len(lent))):      # the oldest lent copy, or if its record is still held
             if lent[0][2]() is None:            # (by a caller, past the trace), the next one
