@@ -95,7 +95,7 @@ def build_attn_metadata(*, attn_groups: list[AttentionGroup], num_reqs: int, num
     """`producer` names the model state calling this; contract errors report it."""
     groups, by_layer = [], {}
     # the batch's own tensors when they hold its rows (no view made per group per step: a recording
-    # keeps them; runner/staging.py HeadViews)
+    # keeps them; toolkit/tensor_views.py HeadViews)
     if len(seq_lens) != num_reqs:
         seq_lens = seq_lens[:num_reqs]
     if seq_lens_cpu_upper_bound is not None and len(seq_lens_cpu_upper_bound) != num_reqs:
