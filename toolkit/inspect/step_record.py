@@ -192,6 +192,8 @@ class Freezer:
         self._offsets: dict[int, int] = {}
         self._total = 0
         self._on_cpu = False                    # then the copy is one numpy call (no torch dispatch)
+        self._np_sources: list[np.ndarray] = []  # (on the CPU) numpy views of _sources
+        self._last: tuple[torch.Tensor | None, np.ndarray | None] = (None, None)   # the flat made last
         self._lent: deque[tuple[torch.Tensor, np.ndarray | None, weakref.ref]] = deque()
 
     def __call__(self, buffers: list[torch.Tensor]) -> Frozen | None:

@@ -293,6 +293,7 @@ class DraftModelSpeculator(Proposer):
         seq_lens = (starts + counts).astype(np.int32)
         decode = (counts == 1) & (starts > 0)
         stage, d = self.banks[bank], self.input_buffers[bank]
+        seq_lens_view = d.views.head(d.seq_lens, b)
         stage.put("idx_mapping", rows)
         stage.put("positions", np.repeat(starts - qsl[:-1], counts) + np.arange(t))
         stage_rows(stage, qsl, seq_lens)
@@ -301,8 +302,7 @@ class DraftModelSpeculator(Proposer):
             idx_mapping=d.views.head(d.idx_mapping, b), idx_mapping_np=rows, num_scheduled_tokens=counts,
             num_computed_tokens_np=starts.astype(np.int32), prefill_len_np=np.where(decode, 0, seq_lens),
             is_prefilling_np=~decode, query_start_loc=d.views.head(d.query_start_loc, b + 1), query_start_loc_np=qsl,
-            seq_lens=d.views.head(d.seq_lens, b), seq_lens_cpu_upper_bound=host_twin(d.views.head(d.seq_lens, b),
-                                                                                       seq_lens),
+            seq_lens=seq_lens_view, seq_lens_cpu_upper_bound=host_twin(seq_lens_view, seq_lens),
             input_ids=d.views.head(d.input_ids, t), positions=d.views.head(d.positions, t),
             logits_indices=d.views.head(d.logits_indices, b))
         tables = self.block_tables[bank].gather_block_tables(rows)
