@@ -3,7 +3,7 @@
 update step, no record, no checks, no timings, no recovery).
 
     python benchmarks/inspect_overhead.py [--presets tiny-bamba tiny-mamba2] [--batch 8] [--breakdown] [--ablate]
-                                          [--processes 8]
+                                          [--processes 8] [--toggled 20]
 
 Method: decode step = (t(N tokens) - t(1 token)) / (N - 1) through `LLM.generate`, greedy, no EOS;
 the modes are interleaved and each takes the best of --repeats runs, so slow drift of the machine
@@ -37,6 +37,14 @@ its runtime checks, "off, step objects kept" is "off" keeping each step's `Execu
 runner's batch, metadata and logits, as a record holds them by reference) for 64 steps and doing
 nothing else: what holding them costs alone.
 Each cell: the median over the N processes (processes differ by a few percent, memory layout).
+
+`--toggled ROUNDS`: the most precise difference, for judging a change of a few us. One "metadata"
+engine alone in this process, its recording detached ("off": no recorder, no runner observer, the
+trace emptied) and attached again for each generate() call of --toggled-tokens tokens, the two
+alternated; per call the median of its steps after the first 80 (a "metadata" call has by then
+filled its 64-record trace and frees one record a step). The machine's drift hits both modes of a
+round alike, so the per-round ratio varies by ~1% where the other methods' cells vary by a few; its
+"off" runs in a heap the recording shaped, where `--processes` gives each mode a fresh process.
 """
 from __future__ import annotations
 
@@ -225,6 +233,59 @@ def ablation_medians(make_llm, prompts: list[list[int]], k: int, repeats: int
             {label: statistics.median(t) for label, t in forwards.items()})
 
 
+TOGGLED_SKIP = 80      # steps of a --toggled call left out: by then a "metadata" call's trace has turned over
+
+
+def toggled_medians(llm: LLM, prompts: list[list[int]], k: int, rounds: int) -> dict[str, list[float]]:
+    """--toggled: one "metadata" engine whose recording is detached ("off": no recorder, no runner
+    observer, the trace emptied) or attached again for each generate() call of k tokens, the two
+    alternated `rounds` times after one warm-up round (each round in the other order). Mode -> per
+    round, the median seconds of that call's steps after the first TOGGLED_SKIP (a "metadata" call
+    has then filled its trace and frees a record each step, as a long run does); "forward" and
+    "record" likewise: the runner's forward stage, and the step less its schedule, execute, sample
+    and update (the recording's hooks outside the runner, and the facade's own few us)."""
+    recorder, runner, trace = llm._recorder, llm.model_runner, llm.trace
+    parts: dict[str, list[float]] = collections.defaultdict(list)
+    wrapped = {"schedule": (llm.scheduler, "schedule"), "update": (llm.scheduler, "update_from_output"),
+               "execute": (runner, "execute_model"), "sample": (runner, "sample_tokens"), "step": (llm, "_step")}
+
+    def timed(fn, name):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                parts[name].append(time.perf_counter() - start)
+                if name == "step" and runner.execute_state is not None:
+                    parts["forward"].append(runner.execute_state.timings.get("forward", 0.0))
+        return wrapper
+    for name, (owner, attr) in wrapped.items():
+        setattr(owner, attr, timed(getattr(owner, attr), name))
+    out: dict[str, list[float]] = collections.defaultdict(list)
+    try:
+        for r in range(rounds + 1):
+            for mode in ("off", "metadata") if r % 2 else ("metadata", "off"):
+                if mode == "off":
+                    llm._recorder, runner.observer = None, None
+                    trace.clear()
+                else:
+                    llm._recorder, runner.observer = recorder, recorder
+                parts.clear()
+                run(llm, prompts, k)
+                if r:
+                    steady = {name: times[TOGGLED_SKIP:] for name, times in parts.items()}
+                    rest = [t - sum(steady[n][i] for n in ("schedule", "execute", "sample", "update"))
+                            for i, t in enumerate(steady["step"])]
+                    for name in ("step", "forward"):
+                        out[f"{mode} {name}"].append(statistics.median(steady[name]))
+                    out[f"{mode} rest"].append(statistics.median(rest))
+    finally:
+        llm._recorder, runner.observer = recorder, recorder
+        for owner, attr in wrapped.values():
+            delattr(owner, attr)            # the class's method again
+    return out
+
+
 PROCESS_MODES = {"off": dict(inspect="off"), "metadata": dict(inspect="metadata"),
                  "metadata, no checks": dict(inspect="metadata", checks=False),
                  "off, step objects kept": dict(inspect="off")}
@@ -285,6 +346,10 @@ def main() -> None:
                          "trace's pushed-out records kept alive, and a control")
     ap.add_argument("--processes", type=int, default=0,
                     help="also each mode alone in a fresh process, this many rounds (what one engine sees)")
+    ap.add_argument("--toggled", type=int, default=0, metavar="ROUNDS",
+                    help="also one engine with its recording detached and attached per generate() call, "
+                         "this many rounds (the most precise difference)")
+    ap.add_argument("--toggled-tokens", type=int, default=193, help="tokens of each --toggled generate() call")
     ap.add_argument("--child", nargs=2, metavar=("PRESET", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     engine = dict(device=args.device, dtype=args.dtype, max_num_seqs=args.batch,
@@ -296,7 +361,7 @@ def main() -> None:
     print(f"device={args.device} dtype={args.dtype} torch={torch.__version__} threads="
           f"{torch.get_num_threads()} batch={args.batch} prompt_len={args.prompt_len} "
           f"new_tokens={args.new_tokens} repeats={args.repeats}")
-    rows, parts_rows, ablate_rows, process_rows = [], [], [], []
+    rows, parts_rows, ablate_rows, process_rows, toggled_rows = [], [], [], [], []
     for preset in args.presets:
         llms = {name: cls(preset, **engine, **kw) for name, (cls, kw) in MODES.items()}
         prompts = make_prompts(llms["off"].vocab_size, args)
@@ -334,6 +399,16 @@ def main() -> None:
                              "" if label == "metadata" else f"{(m - base) * 1e6:+.0f}",
                              f"{fwd[label] * 1e6:.0f} ({(fwd[label] - fwd['off']) * 1e6:+.0f})"]
                             for label, m in med.items()]
+        if args.toggled:
+            llm = LLM(preset, **engine, inspect="metadata")
+            got = toggled_medians(llm, prompts, args.toggled_tokens, args.toggled)
+            llm.shutdown()
+            ratios = [m / o - 1 for m, o in zip(got["metadata step"], got["off step"])]
+            med = {key: statistics.median(v) * 1e6 for key, v in got.items()}
+            toggled_rows.append([preset, f"{med['off step']:.0f}", f"{med['metadata step']:.0f}",
+                                 f"{statistics.median(ratios) * 100:+.1f}% (sd {statistics.pstdev(ratios) * 100:.1f})",
+                                 f"{med['metadata forward'] - med['off forward']:+.0f}",
+                                 f"{med['metadata rest'] - med['off rest']:+.0f}"])
         if args.processes:
             med = process_medians(args, preset)
             off = med["off"]
@@ -351,6 +426,12 @@ def main() -> None:
         print()
         print_markdown_table(["preset", "engine (median step)", "us", "vs off", "us vs metadata",
                               "its forward, us (vs off)"], ablate_rows)
+    if toggled_rows:
+        print()
+        print(f"one engine, its recording detached / attached per generate() call of {args.toggled_tokens} tokens, "
+              f"{args.toggled} rounds (medians of the steps after the first {TOGGLED_SKIP}; the rounds' median):")
+        print_markdown_table(["preset", "off step us", "metadata step us", "metadata vs off (per round)",
+                              "forward us, metadata - off", "outside the runner us, metadata - off"], toggled_rows)
     if process_rows:
         print()
         print(f"each engine alone in a fresh process, median of {args.processes}:")

@@ -237,14 +237,15 @@ def test_records_read_late_equal_the_batch_and_metadata_the_step_used(preset, kw
     buffers), equal an eager copy of the live objects taken at the step's end."""
     import toolkit.inspect.recorder as recorder_module
     from toolkit.inspect.serialize import equal
-    from toolkit.inspect.step_record import snapshot
+    from toolkit.inspect.step_record import scheduled_rows, snapshot
 
     eager = []
     real = recorder_module.step_record
 
     def step_record_and_copy(step, *args, **kw):
         if step.exec_state is not None:
-            eager.append((snapshot(step.exec_state.input_batch), snapshot(step.exec_state.attn_metadata.groups)))
+            eager.append((snapshot(step.exec_state.input_batch), snapshot(step.exec_state.attn_metadata.groups),
+                          scheduled_rows(step.exec_state.input_batch)))
         return real(step, *args, **kw)
     monkeypatch.setattr(recorder_module, "step_record", step_record_and_copy)
     llm = LLM(preset, inspect="metadata", trace_capacity=None, **kwargs)
@@ -254,10 +255,35 @@ def test_records_read_late_equal_the_batch_and_metadata_the_step_used(preset, kw
     records = [r for r in llm.trace if r.stage == "generate"]
     assert len(records) == len(eager) > 5
     assert all(r.is_pending for r in records)       # kept by reference: made below, after every step ran
-    for i, (record, (batch, groups)) in enumerate(zip(records, eager)):
+    if "speculative_config" not in kwargs:     # the rows of a decode step too: made from its batch when read
+        assert sum("scheduled" not in vars(r) for r in records) > 5     # (the speculative checks read them)
+    for i, (record, (batch, groups, rows)) in enumerate(zip(records, eager)):
+        if i % 2:                                   # the rows read first (from the step's batch), or made
+            assert record.scheduled == rows and record.is_pending, f"step {i}: rows"     # with the rest
         assert equal(record.input_batch, batch), f"step {i}: input batch"
         assert equal(record.attn_metadata, groups), f"step {i}: metadata"
+        assert record.scheduled == rows, f"step {i}: rows"
     llm.shutdown()
+
+
+def test_a_record_of_some_fields_reads_as_one_made_whole():
+    """StepRecord.from_fields (the Recorder's records): a list or dict field left out reads as an
+    empty one, made once and kept (what is appended to it stays), and compares equal to a record made
+    with every field."""
+    from toolkit.inspect.step_record import StepRecord, Violation
+
+    given = dict(step_index=3, scheduled=[], input_batch=None, attn_metadata=[], logits=None,
+                 sampled_token_ids={"a": 5}, kept_token_ids={"a": 5})
+    lean = StepRecord.from_fields(dict(given, graph="graph"))
+    whole = StepRecord(**given, preempted_request_ids=[], outputs=[], graph="graph")
+    assert not lean.holds("violations") and "violations" not in vars(lean)
+    assert lean.violations == [] and lean.violations is lean.violations
+    lean.violations.append(Violation("c", "w", "f", "m"))
+    assert lean.holds("violations") and len(lean.violations) == 1
+    whole.violations.append(Violation("c", "w", "f", "m"))
+    assert lean == whole and lean.stage == "step" and lean.dropped == [] and lean.prefix_lookups == {}
+    with pytest.raises(AttributeError, match="no attribute 'not_a_field'"):
+        getattr(lean, "not_a_field")  # noqa: B009
 
 
 def test_a_record_held_past_the_trace_keeps_its_copy_and_freed_copies_are_written_again(monkeypatch):

@@ -33,7 +33,7 @@ Some checks read device tensors (a host sync): they run only when checks are on.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain, repeat
 
@@ -254,9 +254,12 @@ def check_spec_columns(groups, scheduled, kept_last_step: dict[str, int], where:
 
 def check_metadata(groups, scheduled, ledger: CacheLedger, where: str,
                    aligned_block_sizes: dict[int, int] | None = None,
-                   sliding_windows: dict[int, int] | None = None, book=None) -> list[Violation]:
+                   sliding_windows: dict[int, int] | None = None, book=None,
+                   request_ids: list[str] | None = None) -> list[Violation]:
     """A real step's metadata against the ledger taken when the step was scheduled.
-    `groups`: list[GroupMetadata]; `scheduled`: list[ScheduledRequest] in batch order;
+    `groups`: list[GroupMetadata]; `scheduled`: list[ScheduledRequest] in batch order, or a function
+    making it, called only where a row's token counts are read (a window, aligned rows, a prefill, a
+    padded batch or a failed row: a plain decode step reads only `request_ids`, the batch's ids);
     `aligned_block_sizes`: group id -> block size of the Mamba groups with position-indexed rows
     (prefix caching, "align"); `sliding_windows`: group id -> W of the sliding-window groups, whose
     rows are compared from the first block the row's queries read (the runner keeps released ids
@@ -265,7 +268,9 @@ def check_metadata(groups, scheduled, ledger: CacheLedger, where: str,
     compared whole (array operations: no per-row work); only a group that fails is compared row by
     row for the messages."""
     out: list[Violation] = []
-    rids = [s.request_id for s in scheduled]
+    if callable(scheduled):
+        scheduled = RowsWhenRead(scheduled)
+    rids = request_ids if request_ids is not None else [s.request_id for s in scheduled]
     holdings = ledger.holdings
     holds_nothing = [[]] * len(ledger.group_kinds)      # a row the ledger does not know (named by the compare)
     for gm in groups:
@@ -282,6 +287,24 @@ def check_metadata(groups, scheduled, ledger: CacheLedger, where: str,
             padded = GroupView(gm.group_id, gm.builder, table[n:], gm.common.slot_mapping[num_tokens:])
             out += check_dummy_metadata([padded], f"{where}, padded rows {n}..{table.shape[0] - 1}")
     return out
+
+
+class RowsWhenRead(Sequence):
+    """A step's rows (list[ScheduledRequest]) made by `make` when first read (check_metadata)."""
+
+    def __init__(self, make: Callable[[], list]):
+        self._make, self._rows = make, None
+
+    def _made(self) -> list:
+        if self._rows is None:
+            self._rows = self._make()
+        return self._rows
+
+    def __len__(self) -> int:
+        return len(self._made())
+
+    def __getitem__(self, i):
+        return self._made()[i]
 
 
 def _state_indices_match(gm, rids: list[str], scheduled, holdings: dict, holds_nothing: list, where: str,

@@ -107,34 +107,52 @@ def _step_record(step: StepOutcome, backend: str, logits: torch.Tensor | None, r
                  host_bytes: list[int], clones: dict | None) -> StepRecord:
     """`clones` None: the batch and metadata are left out (the caller keeps them by reference);
     else the memo of their snapshots (a view in both is cloned once). `host_bytes`: what the trace's
-    budget counts for them (record_sizes)."""
+    budget counts for them (record_sizes). A list or dict field the step leaves empty is left out
+    (StepRecord.from_fields: made when first read)."""
     state = step.exec_state
-    snap = clones is not None and state is not None
-    return StepRecord(
-        step_index=step.step_index, stage=step.stage, backend=backend,
-        scheduled=scheduled_rows(state.input_batch) if state else [],
-        graph=state.graph if state else "eager", padded_size=state.padded_size if state else None,
-        preempted_request_ids=list(step.sched_out.preempted_req_ids),
-        finished_request_ids=[r.request_id for r in step.finished],
-        input_batch=snapshot(state.input_batch, host_bytes, clones) if snap else None,
-        attn_metadata=snapshot(state.attn_metadata.groups, host_bytes, clones) if snap else [],
-        logits=logits if logits is not None else snapshot(state.logits) if state else None,
-        sampled_token_ids=step.sampled, kept_token_ids=step.kept, outputs=list(step.outputs),
-        timings={"schedule": step.timings["schedule"], **(state.timings if state else {}),
-                 "update": step.timings["update"]},
-        device_timings=dict(state.device_timings) if state else {},
-        logprobs=dict(state.sampled_logprobs) if state else {},
-        prompt_logprobs=dict(state.prompt_logprobs) if state else {},
-        prefix_hits={new.req_id: new.num_cached_tokens for new in step.sched_out.scheduled_new_reqs
-                     if new.num_cached_tokens},
-        prefix_lookups={new.req_id: new.prefix_lookup for new in step.sched_out.scheduled_new_reqs
-                        if new.prefix_lookup is not None},
-        state_copies=state_copies(state.state_copies) if state else [],
-        checkpoint_copies=checkpoint_copies(state.checkpoint_copies) if state else [],
-        spec=spec_rows(state, step.sampled, read_device) if state else {},
-        proposed_drafts={rid: d for rid, d in state.proposed_drafts.items()        # for requests still running
-                         if rid not in {r.request_id for r in step.finished}} if state else {},
-        snapshot_host_bytes=host_bytes[0])
+    values: dict = {"step_index": step.step_index, "stage": step.stage, "backend": backend,
+                    "sampled_token_ids": step.sampled, "kept_token_ids": step.kept}
+    if clones is not None or state is None:     # (kept by reference: the rows made from the batch when read)
+        values["scheduled"] = scheduled_rows(state.input_batch) if state else []
+        values["input_batch"] = snapshot(state.input_batch, host_bytes, clones) if state else None
+        values["attn_metadata"] = snapshot(state.attn_metadata.groups, host_bytes, clones) if state else []
+    values["logits"] = logits if logits is not None else snapshot(state.logits) if state else None
+    values["snapshot_host_bytes"] = host_bytes[0]
+    values["timings"] = {"schedule": step.timings["schedule"], **(state.timings if state else {}),
+                         "update": step.timings["update"]}
+    if step.sched_out.preempted_req_ids:
+        values["preempted_request_ids"] = list(step.sched_out.preempted_req_ids)
+    if step.finished:
+        values["finished_request_ids"] = [r.request_id for r in step.finished]
+    if step.outputs:
+        values["outputs"] = list(step.outputs)
+    new_reqs = step.sched_out.scheduled_new_reqs
+    if new_reqs:
+        values["prefix_hits"] = {new.req_id: new.num_cached_tokens for new in new_reqs if new.num_cached_tokens}
+        values["prefix_lookups"] = {new.req_id: new.prefix_lookup for new in new_reqs
+                                    if new.prefix_lookup is not None}
+    if state is None:
+        return StepRecord.from_fields(values)
+    if state.graph != "eager":
+        values["graph"] = state.graph
+    if state.padded_size is not None:
+        values["padded_size"] = state.padded_size
+    for name, held in (("device_timings", state.device_timings), ("logprobs", state.sampled_logprobs),
+                       ("prompt_logprobs", state.prompt_logprobs)):
+        if held:
+            values[name] = dict(held)
+    if state.state_copies is not None:
+        values["state_copies"] = state_copies(state.state_copies)
+    if state.checkpoint_copies is not None:
+        values["checkpoint_copies"] = checkpoint_copies(state.checkpoint_copies)
+    spec = spec_rows(state, step.sampled, read_device)
+    if spec:
+        values["spec"] = spec
+    if state.proposed_drafts:
+        finished = {r.request_id for r in step.finished}
+        values["proposed_drafts"] = {rid: d for rid, d in state.proposed_drafts.items()   # requests still running
+                                     if rid not in finished}
+    return StepRecord.from_fields(values)
 
 
 def spec_rows(state: ExecuteModelState, sampled: dict[str, int], read_device: bool = True) -> dict[str, SpecRow]:
@@ -359,36 +377,40 @@ class Recorder:
             after = {n: [kept[row].columns[kept[row].next_column] if row in kept and kept[row].columns else slot
                          for row, slot in zip(self._rows, slots)] for n, slots in self._host_slots.items()}
             self._after = gather_states(self.runner, step.exec_state, self.capture, self._rows, after)
-        record.states = self._layer_states()
+        states = self._layer_states()
+        if states:
+            record.states = states
         if self._states_refused:
             record.dropped = ["states"]
         if self._top is not None:
             record.top_logit_values, record.top_logit_ids = self._top
-        record.violations = list(self._pending)
+        violations = self._pending
         state = step.exec_state
         if self.checks_on and state is not None:
             groups = state.attn_metadata.groups     # the live objects, as the step left them (not the record's:
             # one kept by reference is made when first read)
-            record.violations += checks.check_metadata(groups, record.scheduled, self._ledger_at_schedule,
-                                                       self.where, self._aligned, self._windows, book=self.book)
+            # (the record's rows, made from the batch, only where a row's counts are read)
+            violations += checks.check_metadata(groups, lambda: record.scheduled, self._ledger_at_schedule,
+                                                self.where, self._aligned, self._windows, book=self.book,
+                                                request_ids=state.input_batch.req_ids)
             if state.logits is not None:      # the host copy when recorded (no device read, numpy-fast)
                 logits = record.logits if record.logits is not None else state.logits
                 batch = state.input_batch
-                record.violations += checks.check_logits(logits, batch.req_ids, self.where,
-                                                          lambda: batch.cu_num_logits_np)
+                violations += checks.check_logits(logits, batch.req_ids, self.where, lambda: batch.cu_num_logits_np)
             if self.spec:
-                record.violations += checks.check_spec_columns(groups, record.scheduled,
-                                                               self._accepted_expected(record), self.where)
+                violations += checks.check_spec_columns(groups, record.scheduled,
+                                                        self._accepted_expected(record), self.where)
                 if self.scheduler.kv.caching:
-                    record.violations += checks.check_spec_checkpoints(self.runner, state, record.spec, self.where)
+                    violations += checks.check_spec_checkpoints(self.runner, state, record.spec, self.where)
             if self.scheduler.kv.caching:
-                record.violations += checks.check_checkpoints_at_block_end(self.scheduler, self.runner, state,
-                                                                           self.where)
+                violations += checks.check_checkpoints_at_block_end(self.scheduler, self.runner, state, self.where)
         # the ledger after the step (after check_metadata: the book's arrays are the ledger at scheduling
         # until this refresh)
         record.ledger = self.book.refresh()
         if self.checks_on:
-            record.violations += self.book.audit(self.where)
+            violations += self.book.audit(self.where)
+        if violations:
+            record.violations = violations
         if self.spec and state is not None:
             bs = self._aligned_block_size()
             for sc in record.scheduled:
@@ -404,7 +426,7 @@ class Recorder:
         self._before = self._after = self._logits = self._top = None
         self._pending = []
         self.trace.append(record)
-        checks.raise_if_any(record.violations)
+        checks.raise_if_any(violations)
         return record
 
     def _aligned_block_size(self) -> int | None:

@@ -462,16 +462,46 @@ class StepRecord:
     # ---- a record by reference (Recorder, inspect="metadata" / "full"): `input_batch` and
     # `attn_metadata` are left out of the instance until first read, and made from `_pending` then
     def __getattr__(self, name: str):            # called only for an attribute the instance lacks
-        if name in _PENDING_FIELDS and "_pending" in self.__dict__:
-            self.materialize()
-            return self.__dict__[name]
+        values = self.__dict__
+        if "_pending" in values:
+            if name == "scheduled":                 # the rows from the step's batch (its own arrays), as made
+                value = values[name] = scheduled_rows(values["_pending"].input_batch)    # then
+                return value
+            if name in _PENDING_FIELDS:
+                self.materialize()
+                return values[name]
+        empty = _MADE_WHEN_READ.get(name)           # a record of `from_fields`: an empty list or dict
+        if empty is not None:
+            value = values[name] = empty()
+            return value
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @classmethod
+    def from_fields(cls, values: dict[str, Any]) -> StepRecord:
+        """A record of `values` (taken as its `__dict__`, not copied); each list or dict field left out
+        is made empty when first read, every other field left out is at its default. The Recorder makes
+        one record a step and the trace keeps hundreds: a decode step's record then holds a dozen empty
+        lists and dicts fewer, objects the step would make, the trace keep and a later step free
+        (`holds` tests a field without making it). `values` holds `step_index`, `sampled_token_ids`,
+        `kept_token_ids`, `logits` and, unless the record is then kept by reference (`keep_by_reference`:
+        made from the step's batch when read), `scheduled`, `input_batch` and `attn_metadata`."""
+        record = object.__new__(cls)
+        object.__setattr__(record, "__dict__", values)
+        return record
+
+    def holds(self, name: str) -> bool:
+        """Whether the list or dict field `name` holds anything, without making an empty one."""
+        return bool(self.__dict__.get(name))
 
     def materialize(self) -> None:
         """Make the batch and metadata of a record kept by reference (nothing when they are made)."""
-        pending = self.__dict__.pop("_pending", None)
+        values = self.__dict__
+        pending = values.get("_pending")
         if pending is not None:
-            self.__dict__["input_batch"], self.__dict__["attn_metadata"], nbytes = pending.materialize()
+            if "scheduled" not in values:
+                values["scheduled"] = scheduled_rows(pending.input_batch)
+            del values["_pending"]
+            values["input_batch"], values["attn_metadata"], nbytes = pending.materialize()
             self.snapshot_host_bytes = nbytes
 
     @property
@@ -570,3 +600,7 @@ class StepRecord:
 
 
 _PENDING_FIELDS = ("input_batch", "attn_metadata")
+# the fields `from_fields` may leave out that `__getattr__` makes when first read: every list or dict field
+_MADE_WHEN_READ = {f.name: f.default_factory for f in dataclasses.fields(StepRecord)
+                   if f.default_factory is not dataclasses.MISSING}
+_MADE_WHEN_READ.update(preempted_request_ids=list, outputs=list)

@@ -37,8 +37,9 @@ def record_sizes(record: StepRecord) -> list[int]:
     metadata snapshots, most of the rest, were counted as they were taken (snapshot_host_bytes):
     only the other fields are walked. The common record of inspect="metadata" (no states, no top-k,
     no logprobs) walks nothing: the other fields it would walk hold no tensor or array (_FAST_OK)."""
-    if (_FAST_OK and record.snapshot_host_bytes is not None and not record.states and record.top_logit_values is None
-            and record.top_logit_ids is None and not record.logprobs and not record.prompt_logprobs):
+    if (_FAST_OK and record.snapshot_host_bytes is not None and not record.holds("states")
+            and record.top_logit_values is None and record.top_logit_ids is None
+            and not record.holds("logprobs") and not record.holds("prompt_logprobs")):
         logits = record.logits
         return [0, logits.nbytes if type(logits) is torch.Tensor and logits.is_cpu else object_bytes(logits, "host"),
                 record.snapshot_host_bytes]
@@ -111,7 +112,7 @@ class Trace:
         self._records.append(record)
         self._sizes.append(record_sizes(record))
         self._total += sum(self._sizes[-1])
-        if record.dropped:                      # its states were not even gathered (see reserve)
+        if record.holds("dropped"):             # its states were not even gathered (see reserve)
             self.num_trimmed += 1
         if self.max_bytes is not None and self.host_bytes > self.max_bytes:
             self._fit()
