@@ -460,7 +460,9 @@ class StepRecord:
     snapshot_host_bytes: int | None = field(default=None, repr=False, compare=False)
 
     # ---- a record by reference (Recorder, inspect="metadata" / "full"): `input_batch` and
-    # `attn_metadata` are left out of the instance until first read, and made from `_pending` then
+    # `attn_metadata` are left out of the instance until first read, and made from `_pending` then;
+    # `scheduled` too, made from the step's batch alone (no snapshot); a record of `from_fields` also
+    # lacks the list and dict fields its step left empty, made empty when first read
     def __getattr__(self, name: str):            # called only for an attribute the instance lacks
         values = self.__dict__
         if "_pending" in values:
