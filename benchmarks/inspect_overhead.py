@@ -122,29 +122,30 @@ PARTS = [(recorder_module.Recorder, hook, f"Recorder.{hook}")
     (checks, name, f"  checks.{name}") for name in ("check_metadata", "check_logits", "check_fresh_slots")]
 
 
+def timed(fn, took):
+    """`fn`, calling `took(seconds)` after each call."""
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            took(time.perf_counter() - start)
+    return wrapper
+
+
 def breakdown(llm: LLM, prompts: list[list[int]], k: int) -> list[tuple[str, float, float]]:
     """(part, us per decode step, calls per step) over one generate() of k tokens."""
-    totals = {label: [0, 0] for _, _, label in PARTS}
+    times: dict[str, list[float]] = {label: [] for _, _, label in PARTS}
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in PARTS]
-
-    def timed(fn, label):
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter_ns()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                totals[label][0] += time.perf_counter_ns() - start
-                totals[label][1] += 1
-        return wrapper
     for (owner, name, fn), (_, _, label) in zip(originals, PARTS):
-        setattr(owner, name, timed(fn, label))
+        setattr(owner, name, timed(fn, times[label].append))
     try:
         run(llm, prompts, k)
     finally:
         for owner, name, fn in originals:
             setattr(owner, name, fn)
-    steps = totals["Recorder.record_step"][1]
-    return [(label, ns / steps / 1e3, calls / steps) for label, (ns, calls) in totals.items() if calls]
+    steps = len(times["Recorder.record_step"])
+    return [(label, sum(t) / steps * 1e6, len(t) / steps) for label, t in times.items() if t]
 
 
 def timing_steps(llms: dict[str, LLM]) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
@@ -157,7 +158,7 @@ def timing_steps(llms: dict[str, LLM]) -> tuple[dict[str, list[float]], dict[str
     for name, llm in llms.items():
         step = llm._step
 
-        def timed(*args, _step=step, _times=times[name], _forwards=forwards[name], _runner=llm.model_runner,
+        def timed_step(*args, _step=step, _times=times[name], _forwards=forwards[name], _runner=llm.model_runner,
                   **kwargs):
             start = time.perf_counter()
             try:
@@ -167,7 +168,7 @@ def timing_steps(llms: dict[str, LLM]) -> tuple[dict[str, list[float]], dict[str
                 state = _runner.execute_state
                 if state is not None and "forward" in state.timings:
                     _forwards.append(state.timings["forward"])
-        llm._step = timed
+        llm._step = timed_step
     return times, forwards
 
 
@@ -239,28 +240,19 @@ TOGGLED_SKIP = 80      # steps of a --toggled call left out: by then a "metadata
 def toggled_medians(llm: LLM, prompts: list[list[int]], k: int, rounds: int) -> dict[str, list[float]]:
     """--toggled: one "metadata" engine whose recording is detached ("off": no recorder, no runner
     observer, the trace emptied) or attached again for each generate() call of k tokens, the two
-    alternated `rounds` times after one warm-up round (each round in the other order). Mode -> per
-    round, the median seconds of that call's steps after the first TOGGLED_SKIP (a "metadata" call
-    has then filled its trace and frees a record each step, as a long run does); "forward" and
-    "record" likewise: the runner's forward stage, and the step less its schedule, execute, sample
-    and update (the recording's hooks outside the runner, and the facade's own few us)."""
+    alternated `rounds` times after one warm-up round (each round in the other order). "<mode> step"
+    -> per round, the median seconds of that call's steps after the first TOGGLED_SKIP (a "metadata"
+    call has then filled its trace and frees a record each step, as a long run does); "<mode> forward"
+    and "<mode> rest" likewise: the runner's forward stage, and the step less its schedule, execute,
+    sample and update (the recording's hooks outside the runner, and the facade's own few us)."""
     recorder, runner, trace = llm._recorder, llm.model_runner, llm.trace
-    parts: dict[str, list[float]] = collections.defaultdict(list)
-    wrapped = {"schedule": (llm.scheduler, "schedule"), "update": (llm.scheduler, "update_from_output"),
-               "execute": (runner, "execute_model"), "sample": (runner, "sample_tokens"), "step": (llm, "_step")}
-
-    def timed(fn, name):
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                parts[name].append(time.perf_counter() - start)
-                if name == "step" and runner.execute_state is not None:
-                    parts["forward"].append(runner.execute_state.timings.get("forward", 0.0))
-        return wrapper
-    for name, (owner, attr) in wrapped.items():
-        setattr(owner, attr, timed(getattr(owner, attr), name))
+    steps, forwards = timing_steps({"step": llm})
+    parts = {"step": steps["step"], "forward": forwards["step"]}
+    stages = {"schedule": (llm.scheduler, "schedule"), "update": (llm.scheduler, "update_from_output"),
+              "execute": (runner, "execute_model"), "sample": (runner, "sample_tokens")}
+    for name, (owner, attr) in stages.items():
+        parts[name] = []
+        setattr(owner, attr, timed(getattr(owner, attr), parts[name].append))
     out: dict[str, list[float]] = collections.defaultdict(list)
     try:
         for r in range(rounds + 1):
@@ -270,7 +262,8 @@ def toggled_medians(llm: LLM, prompts: list[list[int]], k: int, rounds: int) -> 
                     trace.clear()
                 else:
                     llm._recorder, runner.observer = recorder, recorder
-                parts.clear()
+                for times in parts.values():
+                    times.clear()
                 run(llm, prompts, k)
                 if r:
                     steady = {name: times[TOGGLED_SKIP:] for name, times in parts.items()}
@@ -281,7 +274,8 @@ def toggled_medians(llm: LLM, prompts: list[list[int]], k: int, rounds: int) -> 
                     out[f"{mode} rest"].append(statistics.median(rest))
     finally:
         llm._recorder, runner.observer = recorder, recorder
-        for owner, attr in wrapped.values():
+        del llm._step
+        for owner, attr in stages.values():
             delattr(owner, attr)            # the class's method again
     return out
 
